@@ -1,0 +1,72 @@
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from support import REPO, Client, Mosquitto, WorkerProcess
+
+# One compile cache for every engine the tests start (and for reruns on this machine).
+os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
+os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+BLOCK_SIZE = 32
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from worker.tinymodel import generate_tiny_model
+
+    return generate_tiny_model(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def tokenizer(tiny_model: Path):  # type: ignore[no-untyped-def]
+    from worker.tokenizer import ChatTokenizer
+
+    return ChatTokenizer(str(tiny_model))
+
+
+@pytest.fixture(scope="session")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
+    mosquitto = Mosquitto(tmp_path_factory.mktemp("mosquitto"))
+    mosquitto.start()
+    yield mosquitto
+    mosquitto.stop()
+
+
+def engine_args(model: Path) -> list[str]:
+    """The CPU engine settings every test worker uses: small, eager, 32-token blocks."""
+    return ["--model", str(model), "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+            "--gpu-memory-utilization", "0.3", "--max-model-len", "2048", "--max-num-seqs", "16"]
+
+
+@pytest.fixture(scope="session")
+def shared_worker(tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
+                  ) -> Iterator[WorkerProcess]:
+    """One worker for every end-to-end test that can share it (an engine start costs ~50 s)."""
+    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    worker = WorkerProcess([*engine_args(tiny_model), "--mqtt-port", str(broker.port), "--worker-id", "shared",
+                            "--stats-interval", "1", "--max-history-turns", "6"], log)
+    watcher = Client(broker.port, ["chat/_worker/shared/status"])
+    try:
+        watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
+    except TimeoutError:
+        worker.stop(5)
+        raise RuntimeError(f"worker did not come online; its log:\n{worker.log()[-6000:]}") from None
+    finally:
+        watcher.close()
+    yield worker
+    code = worker.stop()
+    print(worker.log()[-3000:])
+    assert code == 0, f"worker exited with {code}"
+
+
+@pytest.fixture
+def client(broker: Mosquitto) -> Iterator[Client]:
+    chat_client = Client(broker.port, ["chat/+/+/reply", "chat/+/+/stream", "chat/_worker/+/stats"])
+    yield chat_client
+    chat_client.close()

@@ -1,0 +1,170 @@
+"""Real parts for the tests: a mosquitto broker the test owns, a worker process group, and a
+plain paho client that records what it receives."""
+
+from __future__ import annotations
+
+import json
+import os
+import queue
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def mosquitto_binary() -> str:
+    found = shutil.which("mosquitto") or ("/usr/sbin/mosquitto" if Path("/usr/sbin/mosquitto").exists() else None)
+    if not found:
+        raise RuntimeError("mosquitto is not installed (apt-get install -y mosquitto mosquitto-clients)")
+    return found
+
+
+class Mosquitto:
+    """A broker on a free loopback port with a generated config; the test owns its PID."""
+
+    def __init__(self, workdir: Path, extra_config: str = "") -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.extra_config = extra_config
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.log = workdir / "mosquitto.log"
+
+    def config_text(self) -> str:
+        return (f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+                f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
+                f"log_dest file {self.log}\nlog_type all\n{self.extra_config}")
+
+    def start(self) -> None:
+        conf = self.workdir / "mosquitto.conf"
+        conf.write_text(self.config_text())
+        self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
+                    return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"mosquitto exited: {self.log.read_text() if self.log.exists() else ''}")
+                time.sleep(0.05)
+        raise RuntimeError("mosquitto did not start listening")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
+@dataclass
+class Received:
+    topic: str
+    payload: bytes
+    retain: bool
+    properties: Any
+
+    def json(self) -> Any:
+        return json.loads(self.payload)
+
+
+class Client:
+    """A chat frontend: publishes requests, records everything it receives."""
+
+    def __init__(self, port: int, subscriptions: Sequence[str] = ("chat/#",), client_id: str = "") -> None:
+        self.messages: queue.Queue[Received] = queue.Queue()
+        self.seen: list[Received] = []
+        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        self._client.on_message = lambda c, u, m: self.messages.put(
+            Received(m.topic, bytes(m.payload), bool(m.retain), m.properties))
+        self._client.connect("127.0.0.1", port, keepalive=30)
+        self._client.loop_start()
+        for topic in subscriptions:
+            result, mid = self._client.subscribe(topic, qos=1)
+            assert result == mqtt.MQTT_ERR_SUCCESS
+        time.sleep(0.2)  # let the SUBACKs arrive before the first publish
+
+    def publish(self, topic: str, payload: Any, *, qos: int = 1, properties: Any = None) -> None:
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        info = self._client.publish(topic, data, qos=qos, properties=properties)
+        info.wait_for_publish(5)
+
+    def wait_for(self, predicate: Callable[[Received], bool], timeout: float = 120) -> Received:
+        """The first message (already seen or arriving) that satisfies predicate."""
+        for message in self.seen:
+            if predicate(message):
+                self.seen.remove(message)
+                return message
+        deadline = time.monotonic() + timeout
+        while True:
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                raise TimeoutError(f"no matching message within {timeout}s; unmatched: "
+                                   f"{[(m.topic, m.payload[:200]) for m in self.seen][-10:]}")
+            try:
+                message = self.messages.get(timeout=remaining)
+            except queue.Empty:
+                continue
+            if predicate(message):
+                return message
+            self.seen.append(message)
+
+    def wait_topic(self, topic: str, timeout: float = 120) -> Received:
+        return self.wait_for(lambda m: m.topic == topic, timeout)
+
+    def close(self) -> None:
+        self._client.disconnect()
+        self._client.loop_stop()
+
+
+class WorkerProcess:
+    """``python -m worker`` in its own process group (vLLM's engine runs in children that
+    could outlive a killed parent: the whole group is killed)."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.log_path = log_path
+        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.proc = subprocess.Popen([sys.executable, "-m", "worker", *args], cwd=REPO, env=full_env,
+                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def signal_group(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 60) -> int | None:
+        """SIGTERM, wait, then SIGKILL the whole group. The worker's exit code."""
+        if self.alive():
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                pass
+        self.signal_group(signal.SIGKILL)
+        code = self.proc.wait(10)
+        self._log.close()
+        return code

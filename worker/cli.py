@@ -1,0 +1,221 @@
+"""Command line, environment and TOML, merged into one validated WorkerConfig.
+
+Flags and environment variables are generated from the config models, so a new key gets
+both for free. Errors name the key and where its value came from.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any, get_args, get_origin
+
+from pydantic import ValidationError
+
+from . import __version__
+from .config import WorkerConfig, env_for, field_is_secret, flag_for, sections
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on Python 3.10 only
+    import tomli as tomllib
+
+
+class ConfigError(Exception):
+    """The configuration cannot be used; the message names the key and its source."""
+
+
+def _kind(annotation: Any) -> str:
+    """'bool', 'list', 'dict' or 'scalar': how a flag or environment value is parsed."""
+    candidates = [annotation, *get_args(annotation)]
+    for candidate in candidates:
+        origin = get_origin(candidate) or candidate
+        if origin is bool:
+            return "bool"
+        if origin is list:
+            return "list"
+        if origin is dict:
+            return "dict"
+    return "scalar"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker",
+        description="MQTT chat inference worker on vLLM. Every option can also be set in the TOML "
+        "file given by --config and by the environment variable WORKER_<FLAG>.",
+    )
+    parser.add_argument("--config", type=Path, default=os.environ.get("WORKER_CONFIG"),
+                        help="TOML config file (env WORKER_CONFIG).")
+    parser.add_argument("--check-config", action="store_true",
+                        help="Print the effective config (secrets masked) and exit.")
+    parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    for section, fields in sections().items():
+        group = parser.add_argument_group(f"[{section}]")
+        for key, info in fields.items():
+            flag = flag_for(section, key, info)
+            dest = f"{section}.{key}"
+            help_text = f"{info.description} (env {env_for(flag)})"
+            kind = _kind(info.annotation)
+            if kind == "bool":
+                group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction,
+                                   default=None, help=help_text)
+            elif kind == "list":
+                group.add_argument(flag, dest=dest, action="append", default=None, metavar="VALUE",
+                                   help=help_text + "; repeat the flag for several")
+            else:
+                metavar = "JSON" if kind == "dict" else key.upper()
+                group.add_argument(flag, dest=dest, default=None, metavar=metavar, help=help_text)
+    return parser
+
+
+def _set(tree: dict[str, Any], section: str, key: str, value: Any) -> None:
+    tree.setdefault(section, {})[key] = value
+
+
+def _parse_env_value(kind: str, raw: str, source: str) -> Any:
+    if kind in ("list", "dict"):
+        try:
+            return json.loads(raw)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{source}: not valid JSON ({exc.msg})") from None
+    return raw
+
+
+def load_config(
+    argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None
+) -> tuple[WorkerConfig, argparse.Namespace]:
+    """Parse flags, read the environment and the TOML file, validate the merged result."""
+    environ = os.environ if environ is None else environ
+    args = build_parser().parse_args(argv)
+    merged: dict[str, Any] = {}
+    origin: dict[tuple[str, str], str] = {}
+
+    if args.config is not None:
+        try:
+            toml_data = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
+        except OSError as exc:
+            raise ConfigError(f"cannot read config file {args.config}: {exc.strerror}") from None
+        except tomllib.TOMLDecodeError as exc:
+            raise ConfigError(f"config file {args.config} is not valid TOML: {exc}") from None
+        for section, values in toml_data.items():
+            if not isinstance(values, dict):
+                raise ConfigError(f"{args.config}: '{section}' must be a [section], "
+                                  f"one of {', '.join(sections())}")
+            for key, value in values.items():
+                _set(merged, section, key, value)
+                origin[(section, key)] = f"in {args.config}"
+
+    known_env = {"WORKER_CONFIG"}
+    for section, fields in sections().items():
+        for key, info in fields.items():
+            flag = flag_for(section, key, info)
+            env_name = env_for(flag)
+            known_env.add(env_name)
+            kind = _kind(info.annotation)
+            if env_name in environ:
+                _set(merged, section, key, _parse_env_value(kind, environ[env_name], env_name))
+                origin[(section, key)] = f"from {env_name}"
+            cli_value = getattr(args, f"{section}.{key}")
+            if cli_value is not None:
+                if kind == "dict":
+                    cli_value = _parse_env_value(kind, cli_value, flag)
+                _set(merged, section, key, cli_value)
+                origin[(section, key)] = f"from {flag}"
+    unknown_env = sorted(name for name in environ if name.startswith("WORKER_") and name not in known_env)
+    if unknown_env:
+        raise ConfigError(f"unknown environment variable {unknown_env[0]} (no such option)")
+
+    try:
+        config = WorkerConfig.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(_describe(exc, origin)) from None
+    _check_usable(config)
+    return config, args
+
+
+def _describe(exc: ValidationError, origin: dict[tuple[str, str], str]) -> str:
+    problems = []
+    for error in exc.errors():
+        loc = [str(part) for part in error["loc"]]
+        name = ".".join(loc) or "config"
+        where = f" ({origin[(loc[0], loc[1])]})" if len(loc) >= 2 and (loc[0], loc[1]) in origin else ""
+        if error["type"] == "extra_forbidden":
+            kind = "section" if len(loc) == 1 else "key"
+            problems.append(f"unknown {kind} '{name}'{where}")
+        else:
+            problems.append(f"invalid '{name}'{where}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def _check_usable(config: WorkerConfig) -> None:
+    """Problems no single field can see: missing model, unreadable password file."""
+    if not config.engine.model:
+        raise ConfigError("no model: set --model, WORKER_MODEL or [engine] model")
+    model = config.engine.model
+    if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
+        raise ConfigError(f"engine.model: {model} does not exist")
+    if config.mqtt.password_file is not None:
+        try:
+            config.mqtt_password()
+        except OSError as exc:
+            raise ConfigError(f"mqtt.password_file: cannot read {config.mqtt.password_file}: "
+                              f"{exc.strerror}") from None
+    if config.mqtt.password is not None and config.mqtt.password_file is not None:
+        raise ConfigError("mqtt.password and mqtt.password_file are both set: keep one")
+
+
+def _toml_value(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, (int, float)):
+        return repr(value)
+    if isinstance(value, dict):
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_value(v) for v in value) + "]"
+    return json.dumps(str(value))
+
+
+def render_toml(data: Mapping[str, Mapping[str, Any]], *, comments: bool) -> str:
+    """The config as TOML; with comments, each key is preceded by its help, flag and env."""
+    lines: list[str] = []
+    fields = sections()
+    for section, values in data.items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            info = fields[section][key]
+            if comments:
+                flag = flag_for(section, key, info)
+                lines.append(f"# {info.description}")
+                lines.append(f"# flag {flag}, env {env_for(flag)}")
+            if value is None:
+                lines.append(f"# {key} =   (unset)")
+            else:
+                lines.append(f"{key} = {_toml_value(value)}")
+            if comments:
+                lines.append("")
+        lines.append("")
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def example_config() -> str:
+    """The text of config.example.toml: every key with its default (a test keeps it in sync)."""
+    defaults = WorkerConfig().model_dump(mode="json")
+    for section, fields in sections().items():
+        for key, info in fields.items():
+            if field_is_secret(info):
+                defaults[section][key] = None
+    header = ("# Worker configuration: every key with its default. Use it with --config FILE.\n"
+              "# Precedence: command-line flag > environment variable > this file > default.\n"
+              "# Generated by `python -m worker.cli --example-config`; do not edit by hand.\n\n")
+    return header + render_toml(defaults, comments=True)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    if sys.argv[1:] == ["--example-config"]:
+        sys.stdout.write(example_config())

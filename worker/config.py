@@ -1,0 +1,252 @@
+"""Configuration: pydantic models, one per TOML section.
+
+Every key has exactly one command-line flag and one environment variable. The flag is
+declared next to the field (``flag=``) so that the CLI, the environment, the example
+config and the docs are all generated from this one place and cannot drift.
+Precedence: CLI > environment (``WORKER_`` + flag in upper snake case) > TOML > defaults.
+"""
+
+from __future__ import annotations
+
+import re
+import socket
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+
+TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+ENV_PREFIX = "WORKER_"
+
+
+def opt(default: Any, help: str, *, flag: str | None = None, secret: bool = False, **kw: Any) -> Any:
+    """A config field with its help text and, where the generic ``--section-key`` would be
+    wrong, its flag name."""
+    extra: dict[str, Any] = {}
+    if flag:
+        extra["flag"] = flag
+    if secret:
+        extra["secret"] = True
+    return Field(default, description=help, json_schema_extra=extra or None, **kw)
+
+
+class Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class MqttConfig(Section):
+    host: str = opt("127.0.0.1", "Broker host name or address.")
+    port: int = opt(1883, "Broker TCP port.", ge=1, le=65535)
+    username: str | None = opt(None, "MQTT username of the worker (not a chat user's).")
+    password: SecretStr | None = opt(
+        None,
+        "MQTT password. Prefer password_file or the WORKER_MQTT_PASSWORD environment variable: "
+        "a password on the command line is visible in ps.",
+        secret=True,
+    )
+    password_file: Path | None = opt(None, "File whose first line is the MQTT password.")
+    topic_prefix: str = opt("chat", "First topic level(s) of every topic.", flag="--topic-prefix")
+    worker_id: str | None = opt(
+        None,
+        "MQTT client id and name in the _worker topics. Default: derived from the host name "
+        "and the visible devices, so two workers on one host never share a client id.",
+        flag="--worker-id",
+    )
+    keepalive: int = opt(30, "Keepalive interval in seconds; the broker publishes the Will "
+                         "after 1.5 times this without traffic.", ge=5, le=3600)
+    session_expiry: int = opt(
+        3600, "Seconds the broker keeps the worker's session (subscriptions and unacknowledged "
+        "requests) while it is disconnected, so requests sent during a restart are not lost.",
+        ge=0,
+    )
+    reconnect_min_delay: float = opt(1.0, "First delay in seconds before reconnecting.", gt=0)
+    reconnect_max_delay: float = opt(30.0, "Largest delay in seconds between reconnects.", gt=0)
+    allowed_response_topics: list[str] = opt(
+        [],
+        "MQTT topic filters (+ and # allowed) that a request's MQTT 5 ResponseTopic may name. "
+        "The session's own reply topic is always allowed; anything else goes to it instead.",
+    )
+
+    @field_validator("topic_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        parts = value.split("/")
+        if not all(TOPIC_PART.match(p) for p in parts):
+            raise ValueError(f"each level must match {TOPIC_PART.pattern}, got {value!r}")
+        return value
+
+    @field_validator("worker_id")
+    @classmethod
+    def _check_worker_id(cls, value: str | None) -> str | None:
+        if value is not None and not TOPIC_PART.match(value):
+            raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
+        return value
+
+
+class EngineConfig(Section):
+    model: str | None = opt(None, "Model directory (or hub id) to serve. Required.", flag="--model")
+    visible_devices: str | None = opt(
+        None,
+        "Sets CUDA_VISIBLE_DEVICES before torch or vLLM is imported, e.g. \"2\" or \"0,1\".",
+        flag="--visible-devices",
+    )
+    tensor_parallel_size: int = opt(1, "GPUs one model is split over.", flag="--tensor-parallel-size", ge=1)
+    gpu_memory_utilization: float = opt(
+        0.9, "Share of GPU memory vLLM may take (on the CPU backend: of host memory).",
+        flag="--gpu-memory-utilization", gt=0, le=1,
+    )
+    max_model_len: int | None = opt(
+        None, "Context length (prompt + reply) in tokens. Default: the model's.",
+        flag="--max-model-len", ge=16,
+    )
+    max_num_seqs: int | None = opt(
+        None, "Most requests batched in one engine step. Default: vLLM's.", flag="--max-num-seqs", ge=1
+    )
+    enforce_eager: bool = opt(
+        False, "Disable CUDA graphs (slower decode; faster start).", flag="--enforce-eager"
+    )
+    block_size: int | None = opt(
+        None, "KV-cache block size in tokens; prefixes are cached in whole blocks. Default: vLLM's.",
+        flag="--block-size", ge=1,
+    )
+    dtype: str = opt("auto", "Weight and activation dtype (auto, bfloat16, float16, float32).", flag="--dtype")
+    seed: int = opt(0, "Engine random seed.", flag="--seed")
+    extra: dict[str, Any] = opt(
+        {}, "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
+        flag="--engine-extra",
+    )
+
+
+class HistoryConfig(Section):
+    max_history_turns: int = opt(6, "Most user/assistant turns kept per session.",
+                                 flag="--max-history-turns", ge=1)
+    max_history_tokens: int = opt(
+        2000, "Most tokens of kept turns per session (the system prompt is not counted).",
+        flag="--max-history-tokens", ge=16,
+    )
+    system_prompt: str | None = opt(
+        None, "System prompt of sessions whose first request has no systemPrompt.",
+        flag="--system-prompt",
+    )
+    max_sessions: int = opt(10000, "Most sessions kept; the least recently used is forgotten.",
+                            flag="--max-sessions", ge=1)
+
+
+class GenerationConfig(Section):
+    max_tokens: int = opt(256, "Reply length cap when a request gives no maxTokens.", flag="--max-tokens", ge=1)
+    max_tokens_limit: int = opt(
+        1024, "Largest maxTokens a request may ask for; above it the request is invalid_request.",
+        flag="--max-tokens-limit", ge=1,
+    )
+    temperature: float = opt(0.7, "Default sampling temperature.", flag="--temperature", ge=0, le=2)
+    top_p: float = opt(0.95, "Default nucleus sampling top_p.", flag="--top-p", gt=0, le=1)
+    stop: list[str] = opt(
+        [], "Extra stop strings. The end of turn is detected by the tokenizer's stop tokens.", flag="--stop"
+    )
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> GenerationConfig:
+        if self.max_tokens > self.max_tokens_limit:
+            raise ValueError(f"max_tokens ({self.max_tokens}) exceeds max_tokens_limit ({self.max_tokens_limit})")
+        return self
+
+
+class LimitsConfig(Section):
+    max_payload_bytes: int = opt(65536, "Largest request payload in bytes; above it too_large.",
+                                 flag="--max-payload-bytes", ge=64)
+    max_message_tokens: int = opt(4096, "Largest user message in tokens; above it too_long.",
+                                  flag="--max-message-tokens", ge=1)
+    max_pending_requests: int = opt(
+        1024, "Requests accepted and not yet answered, all sessions together; above it busy.",
+        flag="--max-pending-requests", ge=1,
+    )
+    max_queued_per_session: int = opt(
+        16, "Requests of one session waiting behind its running turn; above it busy.",
+        flag="--max-queued-per-session", ge=1,
+    )
+    drain_timeout: float = opt(
+        60.0, "Seconds a stop waits for running generations before aborting them.",
+        flag="--drain-timeout", ge=0,
+    )
+
+
+class StatsConfig(Section):
+    interval: float = opt(30.0, "Seconds between stats log lines and stats messages; 0 disables.",
+                          flag="--stats-interval", ge=0)
+
+
+class LoggingConfig(Section):
+    level: Literal["TRACE", "DEBUG", "INFO", "WARNING", "ERROR"] = opt(
+        "INFO", "Log level. Message text is logged at DEBUG only.", flag="--log-level"
+    )
+    json_logs: bool = opt(False, "Log one JSON object per line (for journald/log shippers).", flag="--log-json")
+
+    @field_validator("level", mode="before")
+    @classmethod
+    def _upper(cls, value: Any) -> Any:
+        return value.upper() if isinstance(value, str) else value
+
+
+class WorkerConfig(Section):
+    mqtt: MqttConfig = MqttConfig()
+    engine: EngineConfig = EngineConfig()
+    history: HistoryConfig = HistoryConfig()
+    generation: GenerationConfig = GenerationConfig()
+    limits: LimitsConfig = LimitsConfig()
+    stats: StatsConfig = StatsConfig()
+    logging: LoggingConfig = LoggingConfig()
+
+    @property
+    def effective_worker_id(self) -> str:
+        return self.mqtt.worker_id or default_worker_id(self.engine.visible_devices)
+
+    def mqtt_password(self) -> str | None:
+        """The password from the file, else the value given directly."""
+        if self.mqtt.password_file is not None:
+            lines = self.mqtt.password_file.read_text(encoding="utf-8").splitlines()
+            return lines[0] if lines else ""
+        return self.mqtt.password.get_secret_value() if self.mqtt.password else None
+
+    def masked(self) -> dict[str, Any]:
+        """The effective config as plain data, secrets replaced by ``***``."""
+        data = self.model_dump(mode="json")
+        for section, fields in sections().items():
+            for name, info in fields.items():
+                if field_is_secret(info) and data[section][name] is not None:
+                    data[section][name] = "***"
+        data["mqtt"]["worker_id"] = self.effective_worker_id
+        return data
+
+
+def default_worker_id(visible_devices: str | None) -> str:
+    host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:100] or "host"
+    devices = re.sub(r"[^0-9A-Za-z]+", "_", visible_devices).strip("_") if visible_devices else "all"
+    return f"{host}-gpu{devices}"
+
+
+def sections() -> dict[str, dict[str, Any]]:
+    """Section name -> {key -> pydantic FieldInfo}, in declaration order."""
+    out: dict[str, dict[str, Any]] = {}
+    for name, info in WorkerConfig.model_fields.items():
+        section_model = info.annotation
+        assert isinstance(section_model, type) and issubclass(section_model, Section)
+        out[name] = dict(section_model.model_fields)
+    return out
+
+
+def _extra(info: Any) -> dict[str, Any]:
+    extra = info.json_schema_extra
+    return extra if isinstance(extra, dict) else {}
+
+
+def field_is_secret(info: Any) -> bool:
+    return bool(_extra(info).get("secret"))
+
+
+def flag_for(section: str, key: str, info: Any) -> str:
+    flag = _extra(info).get("flag")
+    return str(flag) if flag else f"--{section}-{key}".replace("_", "-")
+
+
+def env_for(flag: str) -> str:
+    return ENV_PREFIX + flag.lstrip("-").replace("-", "_").upper()

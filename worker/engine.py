@@ -1,0 +1,90 @@
+"""The engine interface: what the service needs from an inference engine, in its own types.
+
+The vLLM adapter (vllm_engine.py) implements it; tests may implement it with a fake that
+fails on demand. Nothing here imports vLLM.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Protocol
+
+
+class EngineError(Exception):
+    """The engine failed one request; others may still be served."""
+
+
+class EngineDead(EngineError):
+    """The engine can serve nothing more; the worker must stop (and be restarted)."""
+
+
+@dataclass(frozen=True)
+class SamplingOptions:
+    max_tokens: int
+    temperature: float
+    top_p: float
+    stop: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingOptions
+
+
+@dataclass(frozen=True)
+class GenerationUpdate:
+    """One step of a generation: the text produced since the previous update."""
+
+    delta: str
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int
+    finished: bool = False
+    finish_reason: str | None = None  # "stop", "length", "cancelled" once finished
+
+
+@dataclass
+class EngineStats:
+    """The scheduler's own numbers, as reported by the engine (not estimated).
+
+    Counters are cumulative since start; the gauges are the latest values, and
+    ``max_running`` is the most requests running at once since the last ``take``."""
+
+    running: int = 0
+    waiting: int = 0
+    max_running: int = 0
+    kv_cache_usage: float = 0.0  # 0..1
+    prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: int = 0  # of which found
+    extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class EngineInfo:
+    name: str
+    version: str
+    model: str
+    max_model_len: int
+    block_size: int | None
+    prefix_caching: bool
+
+
+class Engine(Protocol):
+    info: EngineInfo
+
+    def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        """Stream updates; the last has ``finished=True``. Raises EngineError."""
+        ...
+
+    async def abort(self, request_id: str) -> None:
+        """Stop a running generation; its stream then ends with finish_reason "cancelled"."""
+        ...
+
+    def take_stats(self) -> EngineStats:
+        """The current statistics; resets the interval maximum."""
+        ...
+
+    async def shutdown(self) -> None: ...

@@ -1,0 +1,111 @@
+"""Entry point: configuration, signals and the worker's lifecycle.
+
+Start order: tokenizer, engine, then MQTT, so that the retained ``online`` status means the
+worker can answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let
+running generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and
+shut the engine down. A second signal stops at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+from collections.abc import Awaitable, Callable, Sequence
+
+from loguru import logger
+
+from . import __version__
+from .cli import ConfigError, load_config, render_toml
+from .config import WorkerConfig
+from .logs import configure_logging, route_library_logging
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    try:
+        config, args = load_config(argv)
+    except ConfigError as exc:
+        print(f"worker: configuration error: {exc}", file=sys.stderr)
+        return 2
+    if args.check_config:
+        sys.stdout.write(render_toml(config.masked(), comments=False))
+        return 0
+    if config.engine.visible_devices is not None:
+        # Must happen before torch or vLLM is imported: CUDA reads it once, at init.
+        os.environ["CUDA_VISIBLE_DEVICES"] = config.engine.visible_devices
+    configure_logging(config.logging.level, json_logs=config.logging.json_logs)
+    if getattr(args, "mqtt.password", None) is not None:
+        logger.warning("The MQTT password was given on the command line, where ps shows it: "
+                       "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead")
+    try:
+        return asyncio.run(serve(config))
+    except KeyboardInterrupt:  # a second Ctrl-C
+        return 130
+
+
+async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
+    """Run the worker until a signal or ``shutdown_trigger`` returns; the exit code."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    exit_code = 0
+
+    def request_stop(code: int = 0) -> None:
+        nonlocal exit_code
+        exit_code = max(exit_code, code)
+        if stop.is_set() and code == 0:
+            logger.warning("Second stop signal: exiting now")
+            os._exit(1)
+        stop.set()
+
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, request_stop)
+    if shutdown_trigger is not None:
+        trigger = asyncio.ensure_future(shutdown_trigger())
+        trigger.add_done_callback(lambda _: request_stop())
+
+    worker_id = config.effective_worker_id
+    logger.info("Worker {} {} starting with config:\n{}", worker_id, __version__,
+                render_toml(config.masked(), comments=False).rstrip())
+
+    from .tokenizer import ChatTokenizer
+    from .transport import MqttSettings, MqttTransport
+    from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+
+    route_library_logging()
+    assert config.engine.model is not None
+    renderer = await asyncio.to_thread(ChatTokenizer, config.engine.model)
+    engine = await VllmEngine.start(config.engine, stop_token_ids=renderer.stop_token_ids)
+    route_library_logging()
+
+    from .service import Service
+    from .topics import Topics
+
+    topics = Topics(config.mqtt.topic_prefix)
+    transport = MqttTransport(
+        MqttSettings(
+            host=config.mqtt.host, port=config.mqtt.port, client_id=worker_id,
+            username=config.mqtt.username, password=config.mqtt_password(),
+            keepalive=config.mqtt.keepalive, reconnect_min_delay=config.mqtt.reconnect_min_delay,
+            reconnect_max_delay=config.mqtt.reconnect_max_delay, session_expiry=config.mqtt.session_expiry,
+            subscriptions=tuple(topics.subscriptions()), status_topic=topics.status(worker_id),
+        ),
+        loop,
+    )
+    service = Service(config, engine, renderer, transport, request_stop)
+    transport.start()
+    logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
+    tasks = [asyncio.ensure_future(service.consume()), asyncio.ensure_future(service.publish_stats_forever())]
+    try:
+        await stop.wait()
+        logger.info("Stopping")
+        await service.drain(config.limits.drain_timeout)
+        if config.stats.interval > 0:
+            service.publish_stats()
+    finally:
+        for task in tasks:
+            task.cancel()
+        await transport.close()
+        await engine.shutdown()
+        logger.info("Stopped (exit code {})", exit_code)
+    return exit_code

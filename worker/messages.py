@@ -1,0 +1,172 @@
+"""Wire models: the JSON payloads of the MQTT contract (docs/protocol.md).
+
+Field names on the wire are camelCase, compatible with the script this worker replaces
+(``{"sessionId": ..., "message": ..., "maxTokens": ...}``). No I/O here.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from enum import Enum
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic.alias_generators import to_camel
+
+
+class ErrorCode(str, Enum):
+    """Every error a reply can carry. Documented in docs/protocol.md."""
+
+    BAD_JSON = "bad_json"  # payload is not a JSON object
+    INVALID_REQUEST = "invalid_request"  # wrong field, type or value
+    TOO_LONG = "too_long"  # message or prompt does not fit the token limits
+    TOO_LARGE = "too_large"  # payload exceeds max_payload_bytes
+    BUSY = "busy"  # too many requests pending
+    EXPIRED = "expired"  # the request waited past its deadline
+    RATE_LIMITED = "rate_limited"  # the namespace sent too many requests
+    INVALID_SCHEMA = "invalid_schema"  # responseFormat schema unusable
+    UNSUPPORTED_ACTION = "unsupported_action"  # unknown control action
+    ENGINE_ERROR = "engine_error"  # the engine failed this request
+
+
+class RequestError(Exception):
+    """A request that is answered with an error reply instead of a generation."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class WireModel(BaseModel):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid")
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode()
+
+
+class ChatRequest(WireModel):
+    message: str = Field(min_length=1)
+    session_id: str | None = None
+    max_tokens: int | None = Field(None, ge=1)
+    temperature: float | None = Field(None, ge=0, le=2)
+    top_p: float | None = Field(None, gt=0, le=1)
+    system_prompt: str | None = None
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+    stream: bool = False
+
+
+class ControlRequest(WireModel):
+    action: str
+    request_id: str | None = Field(None, min_length=1, max_length=128)
+
+
+class Usage(WireModel):
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+
+class Latency(WireModel):
+    queue_ms: float  # received -> handed to the engine (session order and admission)
+    ttft_ms: float  # received -> first generated token
+    total_ms: float  # received -> reply published
+
+
+class ChatReply(WireModel):
+    session_id: str
+    request_id: str
+    reply: str
+    finish_reason: str
+    usage: Usage
+    latency: Latency
+
+
+class ErrorBody(WireModel):
+    code: ErrorCode
+    message: str
+
+
+class ErrorReply(WireModel):
+    session_id: str
+    request_id: str | None = None
+    error: ErrorBody
+
+
+class ControlReply(WireModel):
+    session_id: str
+    action: Literal["reset"]
+    ok: bool = True
+
+
+class StreamDelta(WireModel):
+    request_id: str
+    seq: int
+    delta: str
+
+
+def _payload_object(payload: bytes) -> dict[str, Any]:
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise RequestError(ErrorCode.BAD_JSON, f"payload is not valid JSON: {exc}") from None
+    if not isinstance(data, dict):
+        raise RequestError(ErrorCode.BAD_JSON, "payload must be a JSON object")
+    return data
+
+
+def _validation_message(exc: ValidationError) -> str:
+    parts = []
+    for error in exc.errors():
+        field = ".".join(str(p) for p in error["loc"]) or "payload"
+        if error["type"] == "extra_forbidden":
+            parts.append(f"unknown field '{field}'")
+        else:
+            parts.append(f"'{field}': {error['msg']}")
+    return "; ".join(parts)
+
+
+def parse_chat_request(payload: bytes, session: str, max_payload_bytes: int) -> ChatRequest:
+    """Validate a request payload for the session named by its topic."""
+    if len(payload) > max_payload_bytes:
+        raise RequestError(ErrorCode.TOO_LARGE,
+                           f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
+    data = _payload_object(payload)
+    try:
+        request = ChatRequest.model_validate(data)
+    except ValidationError as exc:
+        raise RequestError(ErrorCode.INVALID_REQUEST, _validation_message(exc)) from None
+    if request.session_id is not None and request.session_id != session:
+        raise RequestError(ErrorCode.INVALID_REQUEST,
+                           f"sessionId {request.session_id[:140]!r} differs from the topic's session")
+    return request
+
+
+def parse_control(payload: bytes, max_payload_bytes: int) -> ControlRequest:
+    if len(payload) > max_payload_bytes:
+        raise RequestError(ErrorCode.TOO_LARGE,
+                           f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
+    try:
+        return ControlRequest.model_validate(_payload_object(payload))
+    except ValidationError as exc:
+        raise RequestError(ErrorCode.INVALID_REQUEST, _validation_message(exc)) from None
+
+
+def request_key(topic: str, payload: bytes, request_id: str | None) -> str:
+    """The idempotency key: the client's requestId, else a hash of topic and payload, so a
+    redelivered copy of the same message is recognised."""
+    if request_id:
+        return request_id
+    digest = hashlib.sha256(topic.encode() + b"\x00" + payload).hexdigest()
+    return f"h-{digest[:32]}"
+
+
+def best_effort_request_id(payload: bytes) -> str | None:
+    """The requestId of a payload that failed validation, so its error can be correlated."""
+    try:
+        data = json.loads(payload)
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    value = data.get("requestId") if isinstance(data, dict) else None
+    return value if isinstance(value, str) and 0 < len(value) <= 128 else None

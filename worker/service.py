@@ -1,0 +1,371 @@
+"""The service: MQTT messages in, engine generations, replies and stats out.
+
+One asyncio loop owns all state. Each request becomes a task that waits for its session's
+lock (asyncio locks are FIFO, so a session's turns run in arrival order) and then streams
+from the engine; tasks of different sessions run at once, and the engine batches them
+continuously. Every inbound message is acknowledged exactly when it has been answered.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+from loguru import logger
+
+from .config import WorkerConfig
+from .engine import Engine, EngineDead, EngineError, GenerationRequest, SamplingOptions
+from .history import HistoryLimits, PromptRenderer, SessionStore, Turn, build_prompt, split_reasoning
+from .messages import (
+    ChatReply,
+    ChatRequest,
+    ControlReply,
+    ErrorBody,
+    ErrorCode,
+    ErrorReply,
+    Latency,
+    RequestError,
+    StreamDelta,
+    Usage,
+    best_effort_request_id,
+    parse_chat_request,
+    parse_control,
+    request_key,
+)
+from .stats import StatsCollector
+from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
+from .transport import InboundMessage
+
+
+class Transport(Protocol):
+    inbox: asyncio.Queue[InboundMessage]
+
+    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
+                correlation_data: bytes | None = None) -> None: ...
+
+    def ack(self, message: InboundMessage) -> None: ...
+
+    def stop_receiving(self) -> None: ...
+
+
+@dataclass
+class _SessionRuntime:
+    """What is in flight for one session; dropped when the session goes idle."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    queued: int = 0
+    running: dict[str, str] = field(default_factory=dict)  # request key -> engine request id
+    cancelled: set[str] = field(default_factory=set)  # keys cancelled while queued
+    messages: dict[str, list[InboundMessage]] = field(default_factory=dict)  # key -> copies to ack
+
+
+@dataclass
+class _Target:
+    topic: str
+    correlation_data: bytes | None
+
+
+def _ms(start: float, end: float) -> float:
+    return round((end - start) * 1000, 1)
+
+
+class Service:
+    def __init__(self, config: WorkerConfig, engine: Engine, renderer: PromptRenderer,
+                 transport: Transport, stop_requested: Callable[[int], None]) -> None:
+        self.config = config
+        self.engine = engine
+        self.renderer = renderer
+        self.transport = transport
+        self.topics = Topics(config.mqtt.topic_prefix)
+        self.worker_id = config.effective_worker_id
+        self.sessions = SessionStore(config.history.max_sessions)
+        self.stats = StatsCollector(self.worker_id)
+        self.limits = HistoryLimits(config.history.max_history_turns, config.history.max_history_tokens)
+        self._runtime: dict[str, _SessionRuntime] = {}
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._ids = itertools.count(1)
+        self._stop_requested = stop_requested
+        self._stop_tokens = list(getattr(renderer, "stop_token_ids", []))
+        self._opens_reasoning = bool(getattr(renderer, "opens_reasoning", False))
+
+    @property
+    def pending(self) -> int:
+        return len(self._tasks)
+
+    # -- main loops ---------------------------------------------------------------------
+
+    async def consume(self) -> None:
+        while True:
+            message = await self.transport.inbox.get()
+            try:
+                self.dispatch(message)
+            except Exception:  # one bad message must not stop the worker
+                logger.exception("unexpected error handling a message on {}", message.topic)
+                self.transport.ack(message)
+
+    async def publish_stats_forever(self) -> None:
+        interval = self.config.stats.interval
+        if interval <= 0:
+            return
+        while True:
+            await asyncio.sleep(interval)
+            self.publish_stats()
+
+    def publish_stats(self) -> None:
+        report = self.stats.report(self.engine.take_stats(), sessions=len(self.sessions), pending=self.pending)
+        logger.info(report.log_line())
+        self.transport.publish(self.topics.stats(self.worker_id), report.to_json(), qos=1, retain=True)
+
+    async def drain(self, timeout: float) -> None:
+        """Let running generations finish (up to timeout), then abort the rest unanswered:
+        they stay unacknowledged and the broker redelivers them after a restart."""
+        self.transport.stop_receiving()
+        if self._tasks:
+            logger.info("Draining {} pending request(s) for up to {:.0f}s", len(self._tasks), timeout)
+            _, still_running = await asyncio.wait(set(self._tasks), timeout=timeout)
+            for task in still_running:
+                task.cancel()
+            if still_running:
+                logger.warning("Stopped {} unfinished request(s); they are left unacknowledged",
+                               len(still_running))
+                await asyncio.wait(still_running, timeout=5)
+
+    # -- dispatch -----------------------------------------------------------------------
+
+    def dispatch(self, message: InboundMessage) -> None:
+        try:
+            address, kind = self.topics.parse(message.topic)
+        except InvalidTopic as exc:
+            logger.warning("Ignoring message on invalid topic {!r}: {}", message.topic[:300], exc)
+            self.stats.record_invalid_topic()
+            self.transport.ack(message)
+            return
+        if message.retain:
+            # A retained request would be replayed to every worker that subscribes: never run it.
+            logger.warning("Ignoring retained message on {}", message.topic)
+            self.transport.ack(message)
+            return
+        if kind is Inbound.CONTROL:
+            self._dispatch_control(message, address)
+        else:
+            self._dispatch_request(message, address)
+
+    def _runtime_for(self, address: SessionAddress) -> _SessionRuntime:
+        return self._runtime.setdefault(str(address), _SessionRuntime())
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
+        key = request_key(message.topic, message.payload, best_effort_request_id(message.payload))
+        target = self._reply_target(message, address)
+        history = self.sessions.get(str(address))
+        if key in history.answered:
+            logger.info("Request {} of {} already answered: publishing the stored reply", key, address)
+            self._publish(target, history.answered[key])
+            self.transport.ack(message)
+            return
+        runtime = self._runtime_for(address)
+        if key in runtime.messages:
+            logger.info("Request {} of {} is a redelivery of one in progress", key, address)
+            runtime.messages[key].append(message)
+            return
+        try:
+            request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
+            self._admit(request, runtime)
+        except RequestError as exc:
+            self._answer_error(message, address, target, key, exc)
+            return
+        runtime.messages[key] = [message]
+        runtime.queued += 1
+        self._spawn(self._run_turn(message, address, target, key, request, runtime))
+
+    def _admit(self, request: ChatRequest, runtime: _SessionRuntime) -> None:
+        limits, generation = self.config.limits, self.config.generation
+        if request.max_tokens is not None and request.max_tokens > generation.max_tokens_limit:
+            raise RequestError(ErrorCode.INVALID_REQUEST,
+                               f"maxTokens {request.max_tokens} exceeds the limit of {generation.max_tokens_limit}")
+        if self.pending >= limits.max_pending_requests:
+            raise RequestError(ErrorCode.BUSY, f"{self.pending} requests pending; try again later")
+        if runtime.queued >= limits.max_queued_per_session:
+            raise RequestError(ErrorCode.BUSY, f"{runtime.queued} requests of this session are queued")
+        message_tokens = self.renderer.count_text(request.message)
+        if message_tokens > limits.max_message_tokens:
+            raise RequestError(ErrorCode.TOO_LONG,
+                               f"message is {message_tokens} tokens; the limit is {limits.max_message_tokens}")
+
+    def _dispatch_control(self, message: InboundMessage, address: SessionAddress) -> None:
+        target = self._reply_target(message, address)
+        try:
+            control = parse_control(message.payload, self.config.limits.max_payload_bytes)
+        except RequestError as exc:
+            self._answer_error(message, address, target, best_effort_request_id(message.payload), exc)
+            return
+        runtime = self._runtime_for(address)
+        if control.action == "cancel":
+            self._cancel(address, runtime, control.request_id)
+            self.transport.ack(message)
+        elif control.action == "reset":
+            self._spawn(self._reset(message, address, target, runtime))
+        else:
+            exc = RequestError(ErrorCode.UNSUPPORTED_ACTION,
+                               f"unknown action {control.action[:40]!r}; use reset or cancel")
+            self._answer_error(message, address, target, control.request_id, exc)
+
+    def _cancel(self, address: SessionAddress, runtime: _SessionRuntime, key: str | None) -> None:
+        if key is None:
+            logger.info("Cancel for {} without requestId ignored", address)
+        elif key in runtime.running:
+            logger.info("Cancelling running request {} of {}", key, address)
+            self._spawn(self.engine.abort(runtime.running[key]))
+        elif key in runtime.messages:
+            logger.info("Cancelling queued request {} of {}", key, address)
+            runtime.cancelled.add(key)
+        else:
+            logger.info("Cancel for {} of {}: nothing in flight", key, address)
+
+    async def _reset(self, message: InboundMessage, address: SessionAddress, target: _Target,
+                     runtime: _SessionRuntime) -> None:
+        async with runtime.lock:  # in order with the session's turns
+            self.sessions.get(str(address)).reset()
+            logger.info("Session {} reset", address)
+            self._publish(target, ControlReply(session_id=address.session, action="reset").to_json())
+            self.transport.ack(message)
+        self._forget_if_idle(address, runtime)
+
+    # -- one turn -----------------------------------------------------------------------
+
+    async def _run_turn(self, message: InboundMessage, address: SessionAddress, target: _Target,
+                        key: str, request: ChatRequest, runtime: _SessionRuntime) -> None:
+        try:
+            async with runtime.lock:
+                runtime.queued -= 1
+                payload = await self._generate(message, address, target, key, request, runtime)
+            history = self.sessions.get(str(address))
+            history.remember_answer(key, payload)
+            self._publish(target, payload)
+            for copy in runtime.messages.pop(key, []):
+                self.transport.ack(copy)
+        except RequestError as exc:
+            self._answer_error(message, address, target, key, exc)
+            for copy in runtime.messages.pop(key, []):
+                self.transport.ack(copy)
+        except asyncio.CancelledError:
+            runtime.messages.pop(key, None)  # shutting down: left unacknowledged on purpose
+            raise
+        finally:
+            runtime.cancelled.discard(key)
+            self._forget_if_idle(address, runtime)
+
+    async def _generate(self, message: InboundMessage, address: SessionAddress, target: _Target,
+                        key: str, request: ChatRequest, runtime: _SessionRuntime) -> bytes:
+        config = self.config
+        history = self.sessions.get(str(address))
+        if request.system_prompt is not None:
+            history.system_prompt = request.system_prompt
+        elif history.system_prompt is None:
+            history.system_prompt = config.history.system_prompt
+        max_tokens = request.max_tokens or config.generation.max_tokens
+        if key in runtime.cancelled:
+            return self._reply(address, key, "", "cancelled", 0, 0, 0, message.received_at, None)
+        prompt = build_prompt(self.renderer, history, request.message, limits=self.limits,
+                              max_tokens=max_tokens, max_model_len=self.engine.info.max_model_len)
+        for trim in prompt.trims:
+            logger.info("Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
+                        address, trim.dropped_turns, trim.kept_turns, trim.tokens_before, trim.tokens_after)
+        sampling = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=config.generation.temperature if request.temperature is None else request.temperature,
+            top_p=config.generation.top_p if request.top_p is None else request.top_p,
+            stop=tuple(config.generation.stop),
+        )
+        engine_id = f"{address}/{key}/{next(self._ids)}"
+        submitted = time.monotonic()
+        first_token: float | None = None
+        parts: list[str] = []
+        seq = 0
+        finish_reason, completion, prompt_tokens, cached = "stop", 0, len(prompt.token_ids), 0
+        logger.debug("Request {} of {}: {!r}", key, address, request.message)
+        runtime.running[key] = engine_id
+        try:
+            async for update in self.engine.generate(GenerationRequest(engine_id, prompt.token_ids, sampling)):
+                if first_token is None and update.completion_tokens > 0:
+                    first_token = time.monotonic()
+                if update.delta:
+                    parts.append(update.delta)
+                    if request.stream:
+                        delta = StreamDelta(request_id=key, seq=seq, delta=update.delta)
+                        self.transport.publish(self.topics.stream(address), delta.to_json(), qos=0)
+                        seq += 1
+                completion, prompt_tokens, cached = update.completion_tokens, update.prompt_tokens, update.cached_tokens
+                if update.finished:
+                    finish_reason = update.finish_reason or "stop"
+        except EngineDead as exc:
+            logger.error("Engine died: {}; stopping the worker", exc)
+            self._stop_requested(1)
+            raise RequestError(ErrorCode.ENGINE_ERROR, "the engine failed; the worker is restarting") from None
+        except EngineError as exc:
+            logger.error("Engine error on request {} of {}: {}", key, address, exc)
+            raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
+        finally:
+            runtime.running.pop(key, None)
+        answer, _reasoning = split_reasoning("".join(parts), opened_in_prompt=self._opens_reasoning)
+        if finish_reason != "cancelled":
+            history.turns.append(Turn(key, request.message, answer))
+        logger.debug("Reply {} of {}: {!r}", key, address, answer)
+        payload = self._reply(address, key, answer, finish_reason, prompt_tokens, completion, cached,
+                              message.received_at, (submitted, first_token))
+        return payload
+
+    def _reply(self, address: SessionAddress, key: str, answer: str, finish_reason: str, prompt_tokens: int,
+               completion: int, cached: int, received: float, timing: tuple[float, float | None] | None) -> bytes:
+        now = time.monotonic()
+        submitted, first_token = timing if timing else (now, None)
+        latency = Latency(queue_ms=_ms(received, submitted), ttft_ms=_ms(received, first_token or now),
+                          total_ms=_ms(received, now))
+        self.stats.record_reply(queue_ms=latency.queue_ms, ttft_ms=latency.ttft_ms, total_ms=latency.total_ms,
+                                prompt_tokens=prompt_tokens, completion_tokens=completion, cached_tokens=cached,
+                                cancelled=finish_reason == "cancelled")
+        logger.info("Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms", key, address,
+                    prompt_tokens, cached, completion, finish_reason, latency.total_ms)
+        reply = ChatReply(session_id=address.session, request_id=key, reply=answer, finish_reason=finish_reason,
+                          usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
+                                      cached_tokens=cached), latency=latency)
+        return reply.to_json()
+
+    # -- replies ------------------------------------------------------------------------
+
+    def _reply_target(self, message: InboundMessage, address: SessionAddress) -> _Target:
+        own = self.topics.reply(address)
+        wanted = message.response_topic
+        if wanted and wanted != own:
+            allowed = not any(c in wanted for c in "+#") and any(
+                topic_matches(pattern, wanted) for pattern in self.config.mqtt.allowed_response_topics
+            )
+            if not allowed:
+                logger.warning("ResponseTopic {!r} of {} is not allowed; replying on {}", wanted[:300], address, own)
+                wanted = None
+        return _Target(wanted or own, message.correlation_data)
+
+    def _publish(self, target: _Target, payload: bytes) -> None:
+        self.transport.publish(target.topic, payload, qos=1, correlation_data=target.correlation_data)
+
+    def _answer_error(self, message: InboundMessage, address: SessionAddress, target: _Target,
+                      key: str | None, exc: RequestError) -> None:
+        logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
+        self.stats.record_error(exc.code.value)
+        reply = ErrorReply(session_id=address.session, request_id=key, error=ErrorBody(code=exc.code,
+                                                                                         message=exc.message))
+        self._publish(target, reply.to_json())
+        self.transport.ack(message)
+
+    def _forget_if_idle(self, address: SessionAddress, runtime: _SessionRuntime) -> None:
+        if not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.queued == 0:
+            if self._runtime.get(str(address)) is runtime:
+                del self._runtime[str(address)]

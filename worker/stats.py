@@ -1,0 +1,165 @@
+"""Request statistics: cumulative counters plus latencies over the last interval.
+
+The prefix-cache hit rate, KV-cache usage and running/waiting counts are the engine's own
+(EngineStats), never estimated here. No I/O: the service logs and publishes the report.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from .engine import EngineStats
+
+
+def percentile(values: list[float], q: float) -> float:
+    """Nearest-rank percentile; 0.0 for no values."""
+    if not values:
+        return 0.0
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+class StatsReport(BaseModel):
+    """The stats message (camelCase JSON on <prefix>/_worker/<id>/stats)."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    worker_id: str
+    timestamp: float
+    uptime_s: float
+    interval_s: float
+    # cumulative since start
+    processed: int
+    errors: int
+    errors_by_code: dict[str, int]
+    cancelled: int
+    invalid_topics: int
+    prompt_tokens_total: int
+    completion_tokens_total: int
+    cached_tokens_total: int
+    # over the last interval
+    requests: int
+    avg_latency_ms: float
+    p50_latency_ms: float
+    p95_latency_ms: float
+    avg_ttft_ms: float
+    p95_ttft_ms: float
+    avg_queue_ms: float
+    gen_tokens_per_s: float
+    # from the engine's scheduler
+    prefix_cache_hit_rate: float  # over the interval, 0..1
+    prefix_cache_hit_rate_total: float  # since start, 0..1
+    kv_cache_usage: float  # 0..1
+    running: int
+    waiting: int
+    max_running: int  # most requests running at once during the interval
+    # worker
+    sessions: int
+    pending: int
+
+    def to_json(self) -> bytes:
+        return self.model_dump_json(by_alias=True).encode()
+
+    def log_line(self) -> str:
+        return (
+            f"Stats: Processed={self.processed}, Errors={self.errors}, "
+            f"AvgLatency={self.avg_latency_ms / 1000:.2f}s, P95={self.p95_latency_ms / 1000:.2f}s, "
+            f"TTFT={self.avg_ttft_ms / 1000:.3f}s, Gen={self.gen_tokens_per_s:.1f} tok/s, "
+            f"PrefixHit={self.prefix_cache_hit_rate * 100:.1f}%, KV={self.kv_cache_usage * 100:.1f}%, "
+            f"Running={self.running}, MaxRunning={self.max_running}, Waiting={self.waiting}, "
+            f"Sessions={self.sessions}, Pending={self.pending}"
+        )
+
+
+@dataclass
+class _Interval:
+    started: float
+    latencies_ms: list[float] = field(default_factory=list)
+    ttfts_ms: list[float] = field(default_factory=list)
+    queues_ms: list[float] = field(default_factory=list)
+    completion_tokens: int = 0
+
+
+class StatsCollector:
+    def __init__(self, worker_id: str) -> None:
+        self.worker_id = worker_id
+        self._now = time.monotonic
+        self._started = self._now()
+        self._interval = _Interval(self._started)
+        self.processed = 0
+        self.cancelled = 0
+        self.invalid_topics = 0
+        self.errors_by_code: Counter[str] = Counter()
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cached_tokens = 0
+        self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
+
+    def record_reply(self, *, queue_ms: float, ttft_ms: float, total_ms: float, prompt_tokens: int,
+                     completion_tokens: int, cached_tokens: int, cancelled: bool = False) -> None:
+        self.processed += 1
+        self.cancelled += int(cancelled)
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.cached_tokens += cached_tokens
+        interval = self._interval
+        interval.latencies_ms.append(total_ms)
+        interval.ttfts_ms.append(ttft_ms)
+        interval.queues_ms.append(queue_ms)
+        interval.completion_tokens += completion_tokens
+
+    def record_error(self, code: str) -> None:
+        self.errors_by_code[code] += 1
+
+    def record_invalid_topic(self) -> None:
+        self.invalid_topics += 1
+
+    def report(self, engine: EngineStats, *, sessions: int, pending: int) -> StatsReport:
+        """The numbers since the last report; starts a new interval."""
+        now = self._now()
+        interval, self._interval = self._interval, _Interval(now)
+        elapsed = max(now - interval.started, 1e-9)
+        queries = engine.prefix_cache_queries - self._last_prefix[0]
+        hits = engine.prefix_cache_hits - self._last_prefix[1]
+        self._last_prefix = (engine.prefix_cache_queries, engine.prefix_cache_hits)
+        lat, ttft = interval.latencies_ms, interval.ttfts_ms
+        return StatsReport(
+            worker_id=self.worker_id,
+            timestamp=time.time(),
+            uptime_s=round(now - self._started, 3),
+            interval_s=round(elapsed, 3),
+            processed=self.processed,
+            errors=sum(self.errors_by_code.values()),
+            errors_by_code=dict(self.errors_by_code),
+            cancelled=self.cancelled,
+            invalid_topics=self.invalid_topics,
+            prompt_tokens_total=self.prompt_tokens,
+            completion_tokens_total=self.completion_tokens,
+            cached_tokens_total=self.cached_tokens,
+            requests=len(lat),
+            avg_latency_ms=round(sum(lat) / len(lat), 1) if lat else 0.0,
+            p50_latency_ms=round(percentile(lat, 50), 1),
+            p95_latency_ms=round(percentile(lat, 95), 1),
+            avg_ttft_ms=round(sum(ttft) / len(ttft), 1) if ttft else 0.0,
+            p95_ttft_ms=round(percentile(ttft, 95), 1),
+            avg_queue_ms=round(sum(interval.queues_ms) / len(interval.queues_ms), 1) if lat else 0.0,
+            gen_tokens_per_s=round(interval.completion_tokens / elapsed, 1),
+            prefix_cache_hit_rate=round(hits / queries, 4) if queries > 0 else 0.0,
+            prefix_cache_hit_rate_total=(
+                round(engine.prefix_cache_hits / engine.prefix_cache_queries, 4)
+                if engine.prefix_cache_queries > 0 else 0.0
+            ),
+            kv_cache_usage=round(engine.kv_cache_usage, 4),
+            running=engine.running,
+            waiting=engine.waiting,
+            max_running=engine.max_running,
+            sessions=sessions,
+            pending=pending,
+        )

@@ -1,0 +1,245 @@
+"""Generate a tiny, randomly initialised ChatML chat model that vLLM can load.
+
+Why this exists: the worker's tests, the demo and the benchmarks must run on
+machines with no access to the Hugging Face hub, so none of them may download
+a model.  Instead they call :func:`generate_tiny_model`, which builds a model
+directory from scratch in a few seconds, deterministically (fixed seeds, a
+built-in training text), so two runs produce byte-identical tokenizer files
+and identical weights.
+
+What it writes into ``outdir``:
+
+* ``tokenizer.json`` / ``tokenizer_config.json``: a byte-level BPE tokenizer
+  trained with the ``tokenizers`` library on generated English-like text.  Its
+  normaliser and pre-tokeniser are exactly those of ``Qwen2Tokenizer`` (NFC,
+  the Qwen split regex, ByteLevel without regex), because transformers 5
+  rebuilds any qwen2 model's tokenizer as ``Qwen2Tokenizer`` from the vocab and
+  merges; with the same pipeline both loading paths encode identically.
+  Special tokens: ``<|endoftext|>`` (pad), ``<|im_start|>``, ``<|im_end|>``
+  (eos).  ``<think>`` and ``</think>`` are *added, non-special* tokens (as in
+  Qwen3/QwQ), so ``skip_special_tokens=True`` still keeps them in the
+  detokenised text and the reasoning block can be parsed from it.
+  The ChatML ``chat_template`` renders system/user/assistant turns;
+  ``add_generation_prompt`` emits ``<|im_start|>assistant\\n`` and, when
+  ``think=True``, also opens ``<think>\\n`` (like QwQ).
+* ``config.json`` / ``model.safetensors``: a ``Qwen2ForCausalLM`` with
+  head_dim 64 (hidden 128, 2 query heads, 1 KV head, 2 layers, intermediate
+  256), max_position_embeddings 4096, stored in bfloat16 (what vLLM's CPU
+  backend runs natively; no dtype conversion at load).
+* ``generation_config.json`` with ``eos_token_id`` = the ``<|im_end|>`` id.
+
+Usage: ``python -m worker.tinymodel OUTDIR [--vocab-size N] [--think]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+DEFAULT_VOCAB_SIZE = 3072
+SEED = 1234
+
+ENDOFTEXT = "<|endoftext|>"
+IM_START = "<|im_start|>"
+IM_END = "<|im_end|>"
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+SPECIAL_TOKENS = (ENDOFTEXT, IM_START, IM_END)
+ADDED_TOKENS = (THINK_OPEN, THINK_CLOSE)
+
+# Same regex as transformers' Qwen2Tokenizer (PRETOKENIZE_REGEX).
+QWEN2_SPLIT_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+_WORDS = (
+    "the a an and or but if when while because so then than of to in on at by "
+    "for with from into over under about after before between through during "
+    "i you he she it we they me him her us them my your his its our their this "
+    "that these those is are was were be been being have has had do does did "
+    "will would can could should may might must shall not no yes all some any "
+    "each every many much more most few less other another such only own same "
+    "time year day week hour minute people man woman child world life hand part "
+    "place case point group number fact water room mother father house friend "
+    "question answer problem system program model message server client worker "
+    "request reply token stream queue cache prefix engine test bench demo chat "
+    "say make go know take see come think look want give use find tell ask work "
+    "seem feel try leave call keep start run write read send receive open close "
+    "good new first last long great little old big high small large next early "
+    "young important public bad able right left late hard easy fast slow quiet "
+    "red blue green black white cold warm bright dark simple clear short"
+).split()
+_PUNCT = (".", ".", ".", "?", "!", ",", ";", ":")
+
+
+_ONSETS = (
+    *("b", "c", "d", "f", "g", "h", "l", "m", "n", "p", "r", "s", "t", "v", "w"),
+    *("br", "ch", "cl", "dr", "fr", "gr", "pl", "pr", "sh", "st", "th", "tr", ""),
+)
+_VOWELS = ("a", "e", "i", "o", "u", "ea", "ai", "ou", "y")
+_CODAS = ("", "", "n", "r", "s", "t", "l", "m", "nd", "st", "ng", "ck", "ght")
+
+
+def _training_text(n_sentences: int = 6000) -> list[str]:
+    """Deterministic English-like sentences: common English words mixed with
+    pronounceable pseudo-words (so BPE has enough variety to fill the vocab),
+    plus some numbers and quotes."""
+    rng = random.Random(SEED)
+    lexicon = list(_WORDS)
+    for _ in range(6000):
+        syllables = rng.randint(1, 3)
+        lexicon.append(
+            "".join(
+                rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
+                for _ in range(syllables)
+            )
+        )
+    lines: list[str] = []
+    for i in range(n_sentences):
+        words = [
+            rng.choice(_WORDS) if rng.random() < 0.6 else rng.choice(lexicon)
+            for _ in range(rng.randint(4, 16))
+        ]
+        words[0] = words[0].capitalize()
+        if rng.random() < 0.2:
+            words.insert(rng.randrange(len(words)), str(rng.randint(0, 10000)))
+        if rng.random() < 0.1:
+            words.insert(rng.randrange(len(words)), f'"{rng.choice(_WORDS)}"')
+        sep = "\n" if i % 7 == 0 else " "
+        lines.append(" ".join(words) + rng.choice(_PUNCT) + sep)
+    return lines
+
+
+def chat_template(think: bool = False) -> str:
+    """ChatML template; with ``think`` the generation prompt opens ``<think>``."""
+    gen = "<|im_start|>assistant\\n" + ("<think>\\n" if think else "")
+    return (
+        "{%- for message in messages %}"
+        "{{- '<|im_start|>' + message['role'] + '\\n' + message['content']"
+        " + '<|im_end|>' + '\\n' }}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '" + gen + "' }}"
+        "{%- endif %}"
+    )
+
+
+def _build_tokenizer(vocab_size: int) -> Any:
+    from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers
+    from tokenizers.models import BPE
+    from tokenizers.trainers import BpeTrainer
+
+    tok = Tokenizer(BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = BpeTrainer(
+        vocab_size=vocab_size - len(ADDED_TOKENS),
+        min_frequency=2,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_training_text(), trainer=trainer)
+    tok.add_tokens(list(ADDED_TOKENS))  # non-special added tokens
+    return tok
+
+
+def _tokenizer_config(tok: Any, think: bool) -> dict[str, Any]:
+    decoder: dict[str, dict[str, Any]] = {}
+    for content in (*SPECIAL_TOKENS, *ADDED_TOKENS):
+        decoder[str(tok.token_to_id(content))] = {
+            "content": content,
+            "lstrip": False,
+            "normalized": False,
+            "rstrip": False,
+            "single_word": False,
+            "special": content in SPECIAL_TOKENS,
+        }
+    return {
+        "tokenizer_class": "Qwen2Tokenizer",
+        "added_tokens_decoder": decoder,
+        "additional_special_tokens": [IM_START, IM_END],
+        "bos_token": None,
+        "eos_token": IM_END,
+        "pad_token": ENDOFTEXT,
+        "unk_token": None,
+        "add_prefix_space": False,
+        "clean_up_tokenization_spaces": False,
+        "errors": "replace",
+        "model_max_length": 4096,
+        "split_special_tokens": False,
+        "chat_template": chat_template(think),
+    }
+
+
+def _write_model(outdir: Path, vocab_size: int, eos_id: int, pad_id: int) -> None:
+    import torch
+    import transformers
+
+    # transformers is only partly typed (and its config kwargs differ between
+    # 4.x and 5.x), so it is used through Any; rope_theta is accepted by both.
+    tf: Any = transformers
+    tf.utils.logging.disable_progress_bar()
+    config = tf.Qwen2Config(
+        vocab_size=vocab_size,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+        max_position_embeddings=4096,
+        rope_theta=10000.0,
+        rms_norm_eps=1e-6,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=pad_id,
+        use_sliding_window=False,
+    )
+    torch.manual_seed(SEED)
+    model = tf.Qwen2ForCausalLM(config).bfloat16()
+    model.save_pretrained(outdir, safe_serialization=True)
+    tf.GenerationConfig(
+        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False
+    ).save_pretrained(outdir)
+
+
+def generate_tiny_model(
+    outdir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, think: bool = False
+) -> Path:
+    """Write the tiny chat model into ``outdir`` (created if missing); return it."""
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tok = _build_tokenizer(vocab_size)
+    tok.save(str(outdir / "tokenizer.json"))
+    (outdir / "tokenizer_config.json").write_text(
+        json.dumps(_tokenizer_config(tok, think), indent=2) + "\n", encoding="utf-8"
+    )
+    eos_id = int(tok.token_to_id(IM_END))
+    pad_id = int(tok.token_to_id(ENDOFTEXT))
+    _write_model(outdir, int(tok.get_vocab_size()), eos_id, pad_id)
+    return outdir
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
+    parser.add_argument("outdir", type=Path)
+    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--think", action="store_true", help="generation prompt opens <think>")
+    args = parser.parse_args(argv)
+    print(generate_tiny_model(args.outdir, vocab_size=args.vocab_size, think=args.think))
+
+
+if __name__ == "__main__":
+    main()
