@@ -46,7 +46,13 @@ class WireModel(BaseModel):
         return self.model_dump_json(by_alias=True, exclude_none=True).encode()
 
 
-class ChatRequest(WireModel):
+class InboundModel(WireModel):
+    """Client payloads: camelCase names only, so a snake_case typo is an error, not ignored."""
+
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid")
+
+
+class ChatRequest(InboundModel):
     message: str = Field(min_length=1)
     session_id: str | None = None
     max_tokens: int | None = Field(None, ge=1)
@@ -57,7 +63,7 @@ class ChatRequest(WireModel):
     stream: bool = False
 
 
-class ControlRequest(WireModel):
+class ControlRequest(InboundModel):
     action: str
     request_id: str | None = Field(None, min_length=1, max_length=128)
 

@@ -173,5 +173,7 @@ class MqttTransport:
             deadline = time.monotonic() + timeout
             while not info.is_published() and time.monotonic() < deadline and self.connected:
                 await asyncio.sleep(0.02)
+        # paho's network thread logs an ERROR for the closed socket on its way out: not one.
+        self._client.disable_logger()
         self._client.disconnect()
         await asyncio.to_thread(self._client.loop_stop)

@@ -1,0 +1,220 @@
+"""End to end: a real mosquitto, ``python -m worker`` as a subprocess on the real vLLM CPU
+engine with the generated tiny model, and plain MQTT clients. One worker serves every test
+here (an engine start costs ~50 s); each test uses its own sessions."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from conftest import BLOCK_SIZE
+from support import Client, Mosquitto, Received, WorkerProcess
+
+pytestmark = pytest.mark.e2e
+
+
+def new_session() -> str:
+    return "s-" + uuid.uuid4().hex[:12]
+
+
+def reply_of(client: Client, user: str, session: str, timeout: float = 180) -> dict[str, Any]:
+    data: dict[str, Any] = client.wait_topic(f"chat/{user}/{session}/reply", timeout).json()
+    return data
+
+
+def stats_of(message: Received) -> dict[str, Any]:
+    data: dict[str, Any] = message.json()
+    return data
+
+
+def latest_stats(client: Client, after: float = 0.0) -> dict[str, Any]:
+    return stats_of(client.wait_for(lambda m: m.topic == "chat/_worker/shared/stats"
+                                    and stats_of(m)["timestamp"] > after, timeout=30))
+
+
+def test_three_turns_in_order_with_prefix_cache(shared_worker: WorkerProcess, client: Client) -> None:
+    before = latest_stats(client)
+    session = new_session()
+    topic = f"chat/alice/{session}/request"
+    system = "You are a helpful assistant who answers briefly. " * 4
+    turns = ["Hello, who are you and what can you do for me today?",
+             "Tell me more about the weather in the mountains in winter.",
+             "And what should I pack for a week of hiking there?"]
+    client.publish(topic, {"sessionId": session, "message": turns[0], "maxTokens": 32, "systemPrompt": system})
+    for message in turns[1:]:
+        client.publish(topic, {"sessionId": session, "message": message, "maxTokens": 32})
+    replies = [reply_of(client, "alice", session) for _ in turns]
+    for reply in replies:
+        assert "error" not in reply, reply
+        assert reply["sessionId"] == session and reply["finishReason"] in ("stop", "length")
+        assert set(reply["usage"]) == {"promptTokens", "completionTokens", "cachedTokens"}
+        assert set(reply["latency"]) == {"queueMs", "ttftMs", "totalMs"}
+        assert 0 < reply["usage"]["completionTokens"] <= 32
+        assert reply["latency"]["ttftMs"] <= reply["latency"]["totalMs"]
+    prompts = [r["usage"]["promptTokens"] for r in replies]
+    assert prompts[0] < prompts[1] < prompts[2], prompts  # in order: each turn carries the last
+    for previous, current in zip(replies, replies[1:], strict=False):
+        reused = previous["usage"]["promptTokens"] // BLOCK_SIZE * BLOCK_SIZE
+        assert current["usage"]["cachedTokens"] >= reused, (previous["usage"], current["usage"])
+    stats = latest_stats(client, after=time.time())
+    assert stats["processed"] >= before["processed"] + 3
+    assert stats["cachedTokensTotal"] >= before["cachedTokensTotal"] + replies[2]["usage"]["cachedTokens"]
+    assert stats["prefixCacheHitRateTotal"] > 0
+
+
+def test_eight_sessions_at_once_are_batched(shared_worker: WorkerProcess, client: Client) -> None:
+    sessions = [new_session() for _ in range(8)]
+    started = time.time()
+    for turn in range(2):
+        for session in sessions:
+            client.publish(f"chat/bob/{session}/request",
+                           {"message": f"turn {turn} of {session}: tell me a long story", "maxTokens": 48,
+                            "requestId": f"{session}-{turn}"})
+    order: dict[str, list[str]] = {s: [] for s in sessions}
+    for _ in range(16):
+        message = client.wait_for(lambda m: m.topic.startswith("chat/bob/") and m.topic.endswith("/reply"))
+        reply = message.json()
+        assert "error" not in reply, reply
+        order[reply["sessionId"]].append(reply["requestId"])
+    assert order == {s: [f"{s}-0", f"{s}-1"] for s in sessions}
+    # vLLM's own scheduler statistics: more than one request in the running batch at once.
+    most_running = 0
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and most_running <= 1:
+        stats = latest_stats(client)
+        if stats["timestamp"] >= started:
+            most_running = max(most_running, stats["maxRunning"])
+    assert most_running > 1
+
+
+def test_stream_deltas_add_up_to_the_reply(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    client.publish(f"chat/carol/{session}/request", {"message": "stream this please", "maxTokens": 24,
+                                                     "stream": True, "requestId": "r-stream"})
+    reply = reply_of(client, "carol", session)
+    deltas = []
+    while True:
+        try:
+            deltas.append(client.wait_topic(f"chat/carol/{session}/stream", timeout=0.5).json())
+        except TimeoutError:
+            break
+    assert deltas and all(d["requestId"] == "r-stream" for d in deltas)
+    assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+    assert "".join(d["delta"] for d in deltas).strip() == reply["reply"].strip()
+
+
+def test_cancel_aborts_and_does_not_store_the_turn(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    topic = f"chat/dave/{session}/request"
+    client.publish(topic, {"message": "go on forever", "maxTokens": 1000, "stream": True, "requestId": "long"})
+    client.wait_topic(f"chat/dave/{session}/stream")  # generating now
+    client.publish(f"chat/dave/{session}/control", {"action": "cancel", "requestId": "long"})
+    cancelled = reply_of(client, "dave", session)
+    assert cancelled["requestId"] == "long" and cancelled["finishReason"] == "cancelled"
+    assert cancelled["usage"]["completionTokens"] < 1000
+    # The same message again: had the cancelled turn been stored, the prompt would be longer.
+    client.publish(topic, {"message": "go on forever", "maxTokens": 8, "requestId": "again"})
+    again = reply_of(client, "dave", session)
+    assert again["usage"]["promptTokens"] == cancelled["usage"]["promptTokens"]
+
+
+def test_reset_clears_history(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    topic = f"chat/erin/{session}/request"
+    client.publish(topic, {"message": "first message", "maxTokens": 8})
+    first = reply_of(client, "erin", session)
+    client.publish(topic, {"message": "second message", "maxTokens": 8})
+    assert reply_of(client, "erin", session)["usage"]["promptTokens"] > first["usage"]["promptTokens"]
+    client.publish(f"chat/erin/{session}/control", {"action": "reset"})
+    assert reply_of(client, "erin", session) == {"sessionId": session, "action": "reset", "ok": True}
+    client.publish(topic, {"message": "first message", "maxTokens": 8, "requestId": "after-reset"})
+    assert reply_of(client, "erin", session)["usage"]["promptTokens"] == first["usage"]["promptTokens"]
+
+
+def test_repeated_request_is_answered_from_history(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    payload = {"message": "only once", "maxTokens": 8, "requestId": "dup-1"}
+    client.publish(f"chat/frank/{session}/request", payload)
+    first = client.wait_topic(f"chat/frank/{session}/reply").payload
+    client.publish(f"chat/frank/{session}/request", payload)
+    second = client.wait_topic(f"chat/frank/{session}/reply").payload
+    assert second == first  # same latency numbers too: not generated again
+
+
+@pytest.mark.parametrize(
+    ("payload", "code"),
+    [
+        (b"{not json", "bad_json"),
+        (json.dumps({"message": "x", "sessionId": "someone-else"}).encode(), "invalid_request"),
+        (json.dumps({"message": "x", "maxTokens": 5000}).encode(), "invalid_request"),
+        (json.dumps({"message": "x", "max_tokens": 5}).encode(), "invalid_request"),
+        (json.dumps({"message": "x" * 70000}).encode(), "too_large"),
+    ],
+)
+def test_bad_requests_get_error_replies(shared_worker: WorkerProcess, client: Client, payload: bytes,
+                                        code: str) -> None:
+    session = new_session()
+    client.publish(f"chat/gina/{session}/request", payload)
+    reply = reply_of(client, "gina", session, timeout=30)
+    assert reply["error"]["code"] == code and reply["sessionId"] == session and reply["error"]["message"]
+
+
+def test_unknown_control_action(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    client.publish(f"chat/gina/{session}/control", {"action": "explode"})
+    assert reply_of(client, "gina", session, timeout=30)["error"]["code"] == "unsupported_action"
+
+
+def test_invalid_topic_gets_no_reply_and_is_counted(shared_worker: WorkerProcess, client: Client) -> None:
+    before = latest_stats(client)["invalidTopics"]
+    client.publish("chat/_reserved/s1/request", {"message": "x"})
+    client.publish("chat/bad user/s1/request", {"message": "x"})
+    deadline = time.monotonic() + 15
+    while latest_stats(client)["invalidTopics"] < before + 2:
+        assert time.monotonic() < deadline, "invalid topics were not counted"
+    assert not [m for m in client.seen if m.topic.startswith(("chat/_reserved/", "chat/bad user/"))]
+
+
+def test_response_topic_and_correlation_data(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    own_reply = f"chat/hank/{session}/reply"
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = own_reply
+    props.CorrelationData = b"corr-1"
+    client.publish(f"chat/hank/{session}/request", {"message": "hi", "maxTokens": 4}, properties=props)
+    reply = client.wait_topic(own_reply)
+    assert reply.properties.CorrelationData == b"corr-1"
+    # A response topic outside the allow list is not honoured: the reply goes to the session's topic.
+    props = Properties(PacketTypes.PUBLISH)
+    props.ResponseTopic = "chat/victim/other/reply"
+    props.CorrelationData = b"corr-2"
+    client.publish(f"chat/hank/{session}/request", {"message": "hi again", "maxTokens": 4}, properties=props)
+    redirected = client.wait_topic(own_reply)
+    assert redirected.properties.CorrelationData == b"corr-2"
+    assert "ResponseTopic 'chat/victim/other/reply'" in shared_worker.log()
+
+
+def test_message_text_is_not_logged_at_info(shared_worker: WorkerProcess, client: Client) -> None:
+    session = new_session()
+    client.publish(f"chat/ivan/{session}/request", {"message": "a-very-private-sentence", "maxTokens": 4})
+    reply_of(client, "ivan", session)
+    log = shared_worker.log()
+    assert "a-very-private-sentence" not in log
+    assert "Prefix caching" in log or "prefix caching on" in log
+    assert "Stats: Processed=" in log
+
+
+def test_clean_stop_publishes_offline(shared_worker: WorkerProcess, broker: Mosquitto) -> None:
+    """Last in this module: stops the shared worker."""
+    watcher = Client(broker.port, ["chat/_worker/shared/status"])
+    watcher.wait_for(lambda m: m.payload == b"online", timeout=10)
+    assert shared_worker.stop() == 0
+    watcher.wait_for(lambda m: m.payload == b"offline", timeout=10)
+    watcher.close()
+    assert "Stopped (exit code 0)" in shared_worker.log()

@@ -1,0 +1,111 @@
+from __future__ import annotations
+
+import pytest
+
+from worker.history import (
+    HistoryLimits,
+    SessionHistory,
+    SessionStore,
+    Turn,
+    build_prompt,
+    history_tokens,
+    split_reasoning,
+    trim_to_limits,
+)
+from worker.messages import RequestError
+
+
+def conversation(n: int, words: int = 5) -> SessionHistory:
+    history = SessionHistory(system_prompt="You are a terse assistant.")
+    for i in range(n):
+        history.turns.append(Turn(f"k{i}", " ".join(f"question{i}" for _ in range(words)),
+                                  " ".join(f"answer{i}" for _ in range(words))))
+    return history
+
+
+def test_history_tokens_are_exact(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    history = conversation(3)
+    full = tokenizer.render(history.messages(), add_generation_prompt=False)
+    system = tokenizer.render(history.messages(turns=[]), add_generation_prompt=False)
+    assert history_tokens(tokenizer, history) == len(full) - len(system)
+    # The system prompt is not counted: a much longer one leaves the count unchanged.
+    longer = conversation(3)
+    longer.system_prompt = "You are a terse assistant. " * 50
+    assert history_tokens(tokenizer, longer) == history_tokens(tokenizer, history)
+    assert history_tokens(tokenizer, SessionHistory(system_prompt="x")) == 0
+
+
+def test_turn_limit_trims_to_half_and_keeps_prefix_stable(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    limits = HistoryLimits(max_turns=6, max_tokens=100_000)
+    history = conversation(6)
+    assert trim_to_limits(tokenizer, history, limits) is None  # at the limit: nothing dropped
+    history.turns.append(Turn("k6", "one more", "reply"))
+    trim = trim_to_limits(tokenizer, history, limits)
+    assert trim is not None and trim.dropped_turns == 4 and len(history.turns) == 3
+    assert [t.key for t in history.turns] == ["k4", "k5", "k6"]
+    # The next three turns append without trimming: the prompt prefix stays the same.
+    prefix = tokenizer.render(history.messages(), add_generation_prompt=False)
+    for i in range(3):
+        history.turns.append(Turn(f"n{i}", "next", "reply"))
+        assert trim_to_limits(tokenizer, history, limits) is None
+        now = tokenizer.render(history.messages(), add_generation_prompt=False)
+        assert now[: len(prefix)] == prefix
+
+
+def test_token_limit_trims_to_half_of_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    history = conversation(5, words=20)
+    per_turn = history_tokens(tokenizer, history) / 5
+    limit = int(per_turn * 4)  # five turns exceed it
+    trim = trim_to_limits(tokenizer, history, HistoryLimits(max_turns=100, max_tokens=limit))
+    assert trim is not None
+    assert trim.tokens_after == history_tokens(tokenizer, history) <= limit // 2
+    assert trim.tokens_before > limit
+    assert history.turns[-1].key == "k4"  # the newest turns are the ones kept
+
+
+def test_prompt_fits_context_or_is_too_long(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    history = conversation(6, words=30)
+    limits = HistoryLimits(max_turns=100, max_tokens=100_000)
+    full = build_prompt(tokenizer, history, "hello", limits=limits, max_tokens=16, max_model_len=100_000)
+    assert full.trims == () and len(history.turns) == 6
+    context = len(full.token_ids) - 60  # the whole conversation no longer fits
+    prompt = build_prompt(tokenizer, history, "hello", limits=limits, max_tokens=16, max_model_len=context)
+    assert len(prompt.token_ids) + 16 <= context
+    assert 0 < len(history.turns) < 6 and prompt.trims
+    assert prompt.token_ids == tokenizer.render(
+        [*history.messages(), {"role": "user", "content": "hello"}], add_generation_prompt=True)
+    with pytest.raises(RequestError) as err:
+        build_prompt(tokenizer, history, "word " * 500, limits=limits, max_tokens=16, max_model_len=64)
+    assert err.value.code.value == "too_long"
+    assert history.turns == []
+
+
+@pytest.mark.parametrize(
+    ("text", "opened", "answer", "reasoning"),
+    [
+        ("plain answer", False, "plain answer", None),
+        ("<think>hmm, let me see</think>\n\nThe answer", False, "The answer", "hmm, let me see"),
+        ("hmm</think>The answer", True, "The answer", "hmm"),
+        ("<think>still thinking", False, "", "still thinking"),
+        ("still thinking", True, "", "still thinking"),
+    ],
+)
+def test_reasoning_is_split_off(text: str, opened: bool, answer: str, reasoning: str | None) -> None:
+    assert split_reasoning(text, opened_in_prompt=opened) == (answer, reasoning)
+
+
+def test_reset_keeps_answered_keys() -> None:
+    history = conversation(2)
+    history.remember_answer("k1", b"{}")
+    history.reset()
+    assert history.turns == [] and "k1" in history.answered
+
+
+def test_session_store_evicts_least_recently_used() -> None:
+    store = SessionStore(capacity=2)
+    a = store.get("a")
+    store.get("b")
+    assert store.get("a") is a  # touch a: b is now the oldest
+    store.get("c")
+    assert len(store) == 2
+    assert store.get("a") is a

