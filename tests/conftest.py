@@ -5,7 +5,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from support import REPO, Client, Mosquitto, WorkerProcess
 
 # One compile cache for every engine the tests start (and for reruns on this machine).
@@ -40,17 +39,41 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
 
 def engine_args(model: Path) -> list[str]:
     """The CPU engine settings every test worker uses: small, eager, 32-token blocks."""
-    return ["--model", str(model), "--enforce-eager", "--block-size", str(BLOCK_SIZE),
-            "--gpu-memory-utilization", "0.3", "--max-model-len", "2048", "--max-num-seqs", "16"]
+    return [
+        "--model",
+        str(model),
+        "--enforce-eager",
+        "--block-size",
+        str(BLOCK_SIZE),
+        "--gpu-memory-utilization",
+        "0.3",
+        "--max-model-len",
+        "2048",
+        "--max-num-seqs",
+        "16",
+    ]
 
 
 @pytest.fixture(scope="session")
-def shared_worker(tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
-                  ) -> Iterator[WorkerProcess]:
+def shared_worker(
+    tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
     """One worker for every end-to-end test that can share it (an engine start costs ~50 s)."""
     log = tmp_path_factory.mktemp("worker") / "worker.log"
-    worker = WorkerProcess([*engine_args(tiny_model), "--mqtt-port", str(broker.port), "--worker-id", "shared",
-                            "--stats-interval", "1", "--max-history-turns", "6"], log)
+    worker = WorkerProcess(
+        [
+            *engine_args(tiny_model),
+            "--mqtt-port",
+            str(broker.port),
+            "--worker-id",
+            "shared",
+            "--stats-interval",
+            "1",
+            "--max-history-turns",
+            "6",
+        ],
+        log,
+    )
     watcher = Client(broker.port, ["chat/_worker/shared/status"])
     try:
         watcher.wait_for(lambda m: m.payload == b"online", timeout=300)

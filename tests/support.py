@@ -3,6 +3,7 @@ plain paho client that records what it receives."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -47,15 +48,18 @@ class Mosquitto:
         self.log = workdir / "mosquitto.log"
 
     def config_text(self) -> str:
-        return (f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
-                f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
-                f"log_dest file {self.log}\nlog_type all\n{self.extra_config}")
+        return (
+            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
+            f"log_dest file {self.log}\nlog_type all\n{self.extra_config}"
+        )
 
     def start(self) -> None:
         conf = self.workdir / "mosquitto.conf"
         conf.write_text(self.config_text())
-        self.proc = subprocess.Popen([mosquitto_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL,
-                                     stderr=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [mosquitto_binary(), "-c", str(conf)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+        )
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
             try:
@@ -63,7 +67,8 @@ class Mosquitto:
                     return
             except OSError:
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"mosquitto exited: {self.log.read_text() if self.log.exists() else ''}")
+                    log = self.log.read_text() if self.log.exists() else ""
+                    raise RuntimeError(f"mosquitto exited: {log}") from None
                 time.sleep(0.05)
         raise RuntimeError("mosquitto did not start listening")
 
@@ -92,11 +97,12 @@ class Client:
         self.seen: list[Received] = []
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
         self._client.on_message = lambda c, u, m: self.messages.put(
-            Received(m.topic, bytes(m.payload), bool(m.retain), m.properties))
+            Received(m.topic, bytes(m.payload), bool(m.retain), m.properties)
+        )
         self._client.connect("127.0.0.1", port, keepalive=30)
         self._client.loop_start()
         for topic in subscriptions:
-            result, mid = self._client.subscribe(topic, qos=1)
+            result, _ = self._client.subscribe(topic, qos=1)
             assert result == mqtt.MQTT_ERR_SUCCESS
         time.sleep(0.2)  # let the SUBACKs arrive before the first publish
 
@@ -115,8 +121,10 @@ class Client:
         while True:
             remaining = deadline - time.monotonic()
             if remaining <= 0:
-                raise TimeoutError(f"no matching message within {timeout}s; unmatched: "
-                                   f"{[(m.topic, m.payload[:200]) for m in self.seen][-10:]}")
+                raise TimeoutError(
+                    f"no matching message within {timeout}s; unmatched: "
+                    f"{[(m.topic, m.payload[:200]) for m in self.seen][-10:]}"
+                )
             try:
                 message = self.messages.get(timeout=remaining)
             except queue.Empty:
@@ -141,8 +149,14 @@ class WorkerProcess:
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
-        self.proc = subprocess.Popen([sys.executable, "-m", "worker", *args], cwd=REPO, env=full_env,
-                                     stdout=self._log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "worker", *args],
+            cwd=REPO,
+            env=full_env,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
@@ -151,19 +165,15 @@ class WorkerProcess:
         return self.proc.poll() is None
 
     def signal_group(self, sig: int) -> None:
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, sig)
-        except ProcessLookupError:
-            pass
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM, wait, then SIGKILL the whole group. The worker's exit code."""
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                pass
         self.signal_group(signal.SIGKILL)
         code = self.proc.wait(10)
         self._log.close()

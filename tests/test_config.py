@@ -30,10 +30,26 @@ def test_defaults(model_dir: str) -> None:
 
 def test_required_flag_names_exist() -> None:
     flags = {flag_for(s, k, info) for s, fields in sections().items() for k, info in fields.items()}
-    required = {"--model", "--visible-devices", "--mqtt-host", "--mqtt-port", "--mqtt-username",
-                "--mqtt-password-file", "--topic-prefix", "--worker-id", "--max-tokens", "--max-history-turns",
-                "--max-history-tokens", "--stats-interval", "--gpu-memory-utilization", "--max-model-len",
-                "--max-num-seqs", "--enforce-eager", "--block-size", "--engine-extra"}
+    required = {
+        "--model",
+        "--visible-devices",
+        "--mqtt-host",
+        "--mqtt-port",
+        "--mqtt-username",
+        "--mqtt-password-file",
+        "--topic-prefix",
+        "--worker-id",
+        "--max-tokens",
+        "--max-history-turns",
+        "--max-history-tokens",
+        "--stats-interval",
+        "--gpu-memory-utilization",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--enforce-eager",
+        "--block-size",
+        "--engine-extra",
+    }
     assert required <= flags
     assert len(flags) == sum(len(f) for f in sections().values()), "two keys share a flag"
     assert env_for("--mqtt-password") == "WORKER_MQTT_PASSWORD"
@@ -41,8 +57,9 @@ def test_required_flag_names_exist() -> None:
 
 def test_precedence_cli_over_env_over_toml(tmp_path: Path, model_dir: str) -> None:
     toml = tmp_path / "w.toml"
-    toml.write_text(f'[engine]\nmodel = "{model_dir}"\n[mqtt]\nport = 1000\nhost = "toml-host"\n'
-                    '[generation]\nmax_tokens = 100\n')
+    toml.write_text(
+        f'[engine]\nmodel = "{model_dir}"\n[mqtt]\nport = 1000\nhost = "toml-host"\n[generation]\nmax_tokens = 100\n'
+    )
     env = {"WORKER_MQTT_PORT": "2000", "WORKER_MAX_TOKENS": "200"}
     config, _ = load_config(["--config", str(toml), "--mqtt-port", "3000"], environ=env)
     assert config.mqtt.port == 3000  # CLI beats env and TOML
@@ -52,9 +69,22 @@ def test_precedence_cli_over_env_over_toml(tmp_path: Path, model_dir: str) -> No
 
 
 def test_typed_flags(model_dir: str) -> None:
-    config, _ = load_config(["--model", model_dir, "--enforce-eager", "--engine-extra",
-                             '{"max_num_batched_tokens": 4096}', "--stop", "END", "--stop", "STOP",
-                             "--stats-interval", "2.5"], environ={"WORKER_BLOCK_SIZE": "32"})
+    config, _ = load_config(
+        [
+            "--model",
+            model_dir,
+            "--enforce-eager",
+            "--engine-extra",
+            '{"max_num_batched_tokens": 4096}',
+            "--stop",
+            "END",
+            "--stop",
+            "STOP",
+            "--stats-interval",
+            "2.5",
+        ],
+        environ={"WORKER_BLOCK_SIZE": "32"},
+    )
     assert config.engine.enforce_eager is True
     assert config.engine.extra == {"max_num_batched_tokens": 4096}
     assert config.generation.stop == ["END", "STOP"]
@@ -76,8 +106,9 @@ def test_typed_flags(model_dir: str) -> None:
         ("[engine\n", [], {}, "is not valid TOML"),
     ],
 )
-def test_errors_name_the_key(tmp_path: Path, model_dir: str, toml: str, argv: list[str],
-                             env: dict[str, str], message: str) -> None:
+def test_errors_name_the_key(
+    tmp_path: Path, model_dir: str, toml: str, argv: list[str], env: dict[str, str], message: str
+) -> None:
     path = tmp_path / "w.toml"
     path.write_text(toml)
     with pytest.raises(ConfigError, match=re.escape(message)):
@@ -127,3 +158,10 @@ def test_example_config_is_current_and_loads(model_dir: str) -> None:
             assert re.search(rf"^#? ?{key} =", text, re.M), key
     config, _ = load_config(["--config", str(REPO / "config.example.toml"), "--model", model_dir], environ={})
     assert config.model_dump(exclude={"engine": {"model"}}) == WorkerConfig().model_dump(exclude={"engine": {"model"}})
+
+
+def test_configuration_reference_is_current() -> None:
+    from worker.cli import reference_markdown
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    assert text == reference_markdown(), "regenerate: python -m worker.cli --reference > docs/configuration.md"

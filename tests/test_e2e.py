@@ -4,16 +4,16 @@ here (an engine start costs ~50 s); each test uses its own sessions."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import time
 import uuid
 from typing import Any
 
 import pytest
+from conftest import BLOCK_SIZE
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
-
-from conftest import BLOCK_SIZE
 from support import Client, Mosquitto, Received, WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -34,8 +34,11 @@ def stats_of(message: Received) -> dict[str, Any]:
 
 
 def latest_stats(client: Client, after: float = 0.0) -> dict[str, Any]:
-    return stats_of(client.wait_for(lambda m: m.topic == "chat/_worker/shared/stats"
-                                    and stats_of(m)["timestamp"] > after, timeout=30))
+    return stats_of(
+        client.wait_for(
+            lambda m: m.topic == "chat/_worker/shared/stats" and stats_of(m)["timestamp"] > after, timeout=30
+        )
+    )
 
 
 def test_three_turns_in_order_with_prefix_cache(shared_worker: WorkerProcess, client: Client) -> None:
@@ -43,9 +46,11 @@ def test_three_turns_in_order_with_prefix_cache(shared_worker: WorkerProcess, cl
     session = new_session()
     topic = f"chat/alice/{session}/request"
     system = "You are a helpful assistant who answers briefly. " * 4
-    turns = ["Hello, who are you and what can you do for me today?",
-             "Tell me more about the weather in the mountains in winter.",
-             "And what should I pack for a week of hiking there?"]
+    turns = [
+        "Hello, who are you and what can you do for me today?",
+        "Tell me more about the weather in the mountains in winter.",
+        "And what should I pack for a week of hiking there?",
+    ]
     client.publish(topic, {"sessionId": session, "message": turns[0], "maxTokens": 32, "systemPrompt": system})
     for message in turns[1:]:
         client.publish(topic, {"sessionId": session, "message": message, "maxTokens": 32})
@@ -59,7 +64,7 @@ def test_three_turns_in_order_with_prefix_cache(shared_worker: WorkerProcess, cl
         assert reply["latency"]["ttftMs"] <= reply["latency"]["totalMs"]
     prompts = [r["usage"]["promptTokens"] for r in replies]
     assert prompts[0] < prompts[1] < prompts[2], prompts  # in order: each turn carries the last
-    for previous, current in zip(replies, replies[1:], strict=False):
+    for previous, current in itertools.pairwise(replies):
         reused = previous["usage"]["promptTokens"] // BLOCK_SIZE * BLOCK_SIZE
         assert current["usage"]["cachedTokens"] >= reused, (previous["usage"], current["usage"])
     stats = latest_stats(client, after=time.time())
@@ -73,9 +78,14 @@ def test_eight_sessions_at_once_are_batched(shared_worker: WorkerProcess, client
     started = time.time()
     for turn in range(2):
         for session in sessions:
-            client.publish(f"chat/bob/{session}/request",
-                           {"message": f"turn {turn} of {session}: tell me a long story", "maxTokens": 48,
-                            "requestId": f"{session}-{turn}"})
+            client.publish(
+                f"chat/bob/{session}/request",
+                {
+                    "message": f"turn {turn} of {session}: tell me a long story",
+                    "maxTokens": 48,
+                    "requestId": f"{session}-{turn}",
+                },
+            )
     order: dict[str, list[str]] = {s: [] for s in sessions}
     for _ in range(16):
         message = client.wait_for(lambda m: m.topic.startswith("chat/bob/") and m.topic.endswith("/reply"))
@@ -95,8 +105,10 @@ def test_eight_sessions_at_once_are_batched(shared_worker: WorkerProcess, client
 
 def test_stream_deltas_add_up_to_the_reply(shared_worker: WorkerProcess, client: Client) -> None:
     session = new_session()
-    client.publish(f"chat/carol/{session}/request", {"message": "stream this please", "maxTokens": 24,
-                                                     "stream": True, "requestId": "r-stream"})
+    client.publish(
+        f"chat/carol/{session}/request",
+        {"message": "stream this please", "maxTokens": 24, "stream": True, "requestId": "r-stream"},
+    )
     reply = reply_of(client, "carol", session)
     deltas = []
     while True:
@@ -157,8 +169,9 @@ def test_repeated_request_is_answered_from_history(shared_worker: WorkerProcess,
         (json.dumps({"message": "x" * 70000}).encode(), "too_large"),
     ],
 )
-def test_bad_requests_get_error_replies(shared_worker: WorkerProcess, client: Client, payload: bytes,
-                                        code: str) -> None:
+def test_bad_requests_get_error_replies(
+    shared_worker: WorkerProcess, client: Client, payload: bytes, code: str
+) -> None:
     session = new_session()
     client.publish(f"chat/gina/{session}/request", payload)
     reply = reply_of(client, "gina", session, timeout=30)

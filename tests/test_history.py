@@ -18,8 +18,9 @@ from worker.messages import RequestError
 def conversation(n: int, words: int = 5) -> SessionHistory:
     history = SessionHistory(system_prompt="You are a terse assistant.")
     for i in range(n):
-        history.turns.append(Turn(f"k{i}", " ".join(f"question{i}" for _ in range(words)),
-                                  " ".join(f"answer{i}" for _ in range(words))))
+        history.turns.append(
+            Turn(f"k{i}", " ".join(f"question{i}" for _ in range(words)), " ".join(f"answer{i}" for _ in range(words)))
+        )
     return history
 
 
@@ -73,7 +74,8 @@ def test_prompt_fits_context_or_is_too_long(tokenizer) -> None:  # type: ignore[
     assert len(prompt.token_ids) + 16 <= context
     assert 0 < len(history.turns) < 6 and prompt.trims
     assert prompt.token_ids == tokenizer.render(
-        [*history.messages(), {"role": "user", "content": "hello"}], add_generation_prompt=True)
+        [*history.messages(), {"role": "user", "content": "hello"}], add_generation_prompt=True
+    )
     with pytest.raises(RequestError) as err:
         build_prompt(tokenizer, history, "word " * 500, limits=limits, max_tokens=16, max_model_len=64)
     assert err.value.code.value == "too_long"
@@ -109,3 +111,15 @@ def test_session_store_evicts_least_recently_used() -> None:
     store.get("c")
     assert len(store) == 2
     assert store.get("a") is a
+
+
+def test_tokenizer_stop_tokens_and_reasoning_flag(tokenizer, tiny_model) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    vocab = json.loads((tiny_model / "tokenizer.json").read_text())["added_tokens"]
+    ids = {t["content"]: t["id"] for t in vocab}
+    assert ids["<|im_end|>"] in tokenizer.stop_token_ids  # end of turn is a stop *token*
+    assert tokenizer.opens_reasoning is False
+    assert tokenizer.count_text("hello world") == len(
+        tokenizer.render([{"role": "user", "content": "hello world"}], add_generation_prompt=False)
+    ) - len(tokenizer.render([{"role": "user", "content": ""}], add_generation_prompt=False))

@@ -64,13 +64,23 @@ def test_request_key() -> None:
 
 
 def test_reply_wire_format_is_camel_case() -> None:
-    reply = ChatReply(session_id="s", request_id="r", reply="hi", finish_reason="stop",
-                      usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
-                      latency=Latency(queue_ms=1, ttft_ms=2, total_ms=3))
+    reply = ChatReply(
+        session_id="s",
+        request_id="r",
+        reply="hi",
+        finish_reason="stop",
+        usage=Usage(prompt_tokens=3, completion_tokens=1, cached_tokens=0),
+        latency=Latency(queue_ms=1, ttft_ms=2, total_ms=3),
+    )
     data = json.loads(reply.to_json())
-    assert data == {"sessionId": "s", "requestId": "r", "reply": "hi", "finishReason": "stop",
-                    "usage": {"promptTokens": 3, "completionTokens": 1, "cachedTokens": 0},
-                    "latency": {"queueMs": 1.0, "ttftMs": 2.0, "totalMs": 3.0}}
+    assert data == {
+        "sessionId": "s",
+        "requestId": "r",
+        "reply": "hi",
+        "finishReason": "stop",
+        "usage": {"promptTokens": 3, "completionTokens": 1, "cachedTokens": 0},
+        "latency": {"queueMs": 1.0, "ttftMs": 2.0, "totalMs": 3.0},
+    }
 
 
 def test_topics_parse_and_build() -> None:
@@ -85,15 +95,18 @@ def test_topics_parse_and_build() -> None:
     assert Topics("org/chat").parse("org/chat/u/s/request")[0] == SessionAddress("u", "s")
 
 
-@pytest.mark.parametrize("topic", [
-    "chat/_worker/s/request",  # reserved namespace
-    "chat/u/" + "s" * 129 + "/request",  # too long
-    "chat/u/s p/request",  # invalid character
-    "chat/u/s/reply",  # not an inbound kind
-    "chat/u/request",  # missing level
-    "other/u/s/request",  # other prefix
-    "chat/u/s/x/request",
-])
+@pytest.mark.parametrize(
+    "topic",
+    [
+        "chat/_worker/s/request",  # reserved namespace
+        "chat/u/" + "s" * 129 + "/request",  # too long
+        "chat/u/s p/request",  # invalid character
+        "chat/u/s/reply",  # not an inbound kind
+        "chat/u/request",  # missing level
+        "other/u/s/request",  # other prefix
+        "chat/u/s/x/request",
+    ],
+)
 def test_invalid_topics(topic: str) -> None:
     with pytest.raises(InvalidTopic):
         Topics("chat").parse(topic)
@@ -109,11 +122,13 @@ def test_topic_filter_matching() -> None:
 def test_stats_report() -> None:
     stats = StatsCollector("w")
     for ms in (100.0, 200.0, 300.0, 400.0):
-        stats.record_reply(queue_ms=1, ttft_ms=ms / 10, total_ms=ms, prompt_tokens=10, completion_tokens=5,
-                           cached_tokens=4)
+        stats.record_reply(
+            queue_ms=1, ttft_ms=ms / 10, total_ms=ms, prompt_tokens=10, completion_tokens=5, cached_tokens=4
+        )
     stats.record_error("busy")
-    engine = EngineStats(running=2, waiting=1, max_running=5, kv_cache_usage=0.25,
-                         prefix_cache_queries=100, prefix_cache_hits=40)
+    engine = EngineStats(
+        running=2, waiting=1, max_running=5, kv_cache_usage=0.25, prefix_cache_queries=100, prefix_cache_hits=40
+    )
     report = stats.report(engine, sessions=3, pending=2)
     assert (report.processed, report.errors, report.requests) == (4, 1, 4)
     assert report.avg_latency_ms == 250 and report.p95_latency_ms == 400 and report.p50_latency_ms == 200

@@ -42,6 +42,7 @@ def test_systemd_analyze_verify(tmp_path: Path) -> None:
     result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
     problems = [line for line in result.stderr.splitlines() if UNIT.name in line]
     assert result.returncode == 0 and not problems, result.stderr
-    security = subprocess.run(["systemd-analyze", "security", "--offline=true", "--threshold=40", str(unit)],
-                              capture_output=True, text=True)
+    security = subprocess.run(
+        ["systemd-analyze", "security", "--offline=true", "--threshold=40", str(unit)], capture_output=True, text=True
+    )
     assert security.returncode == 0, security.stdout[-2000:]

@@ -52,10 +52,15 @@ class MqttConfig(Section):
         "and the visible devices, so two workers on one host never share a client id.",
         flag="--worker-id",
     )
-    keepalive: int = opt(30, "Keepalive interval in seconds; the broker publishes the Will "
-                         "after 1.5 times this without traffic.", ge=5, le=3600)
+    keepalive: int = opt(
+        30,
+        "Keepalive interval in seconds; the broker publishes the Will after 1.5 times this without traffic.",
+        ge=5,
+        le=3600,
+    )
     session_expiry: int = opt(
-        3600, "Seconds the broker keeps the worker's session (subscriptions and unacknowledged "
+        3600,
+        "Seconds the broker keeps the worker's session (subscriptions and unacknowledged "
         "requests) while it is disconnected, so requests sent during a restart are not lost.",
         ge=0,
     )
@@ -87,56 +92,67 @@ class EngineConfig(Section):
     model: str | None = opt(None, "Model directory (or hub id) to serve. Required.", flag="--model")
     visible_devices: str | None = opt(
         None,
-        "Sets CUDA_VISIBLE_DEVICES before torch or vLLM is imported, e.g. \"2\" or \"0,1\".",
+        'Sets CUDA_VISIBLE_DEVICES before torch or vLLM is imported, e.g. "2" or "0,1".',
         flag="--visible-devices",
     )
     tensor_parallel_size: int = opt(1, "GPUs one model is split over.", flag="--tensor-parallel-size", ge=1)
     gpu_memory_utilization: float = opt(
-        0.9, "Share of GPU memory vLLM may take (on the CPU backend: of host memory).",
-        flag="--gpu-memory-utilization", gt=0, le=1,
+        0.9,
+        "Share of GPU memory vLLM may take (on the CPU backend: of host memory).",
+        flag="--gpu-memory-utilization",
+        gt=0,
+        le=1,
     )
     max_model_len: int | None = opt(
-        None, "Context length (prompt + reply) in tokens. Default: the model's.",
-        flag="--max-model-len", ge=16,
+        None,
+        "Context length (prompt + reply) in tokens. Default: the model's.",
+        flag="--max-model-len",
+        ge=16,
     )
     max_num_seqs: int | None = opt(
         None, "Most requests batched in one engine step. Default: vLLM's.", flag="--max-num-seqs", ge=1
     )
-    enforce_eager: bool = opt(
-        False, "Disable CUDA graphs (slower decode; faster start).", flag="--enforce-eager"
-    )
+    enforce_eager: bool = opt(False, "Disable CUDA graphs (slower decode; faster start).", flag="--enforce-eager")
     block_size: int | None = opt(
-        None, "KV-cache block size in tokens; prefixes are cached in whole blocks. Default: vLLM's.",
-        flag="--block-size", ge=1,
+        None,
+        "KV-cache block size in tokens; prefixes are cached in whole blocks. Default: vLLM's.",
+        flag="--block-size",
+        ge=1,
     )
     dtype: str = opt("auto", "Weight and activation dtype (auto, bfloat16, float16, float32).", flag="--dtype")
     seed: int = opt(0, "Engine random seed.", flag="--seed")
     extra: dict[str, Any] = opt(
-        {}, "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
+        {},
+        "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
         flag="--engine-extra",
     )
 
 
 class HistoryConfig(Section):
-    max_history_turns: int = opt(6, "Most user/assistant turns kept per session.",
-                                 flag="--max-history-turns", ge=1)
+    max_history_turns: int = opt(6, "Most user/assistant turns kept per session.", flag="--max-history-turns", ge=1)
     max_history_tokens: int = opt(
-        2000, "Most tokens of kept turns per session (the system prompt is not counted).",
-        flag="--max-history-tokens", ge=16,
+        2000,
+        "Most tokens of kept turns per session (the system prompt is not counted).",
+        flag="--max-history-tokens",
+        ge=16,
     )
     system_prompt: str | None = opt(
-        None, "System prompt of sessions whose first request has no systemPrompt.",
+        None,
+        "System prompt of sessions whose first request has no systemPrompt.",
         flag="--system-prompt",
     )
-    max_sessions: int = opt(10000, "Most sessions kept; the least recently used is forgotten.",
-                            flag="--max-sessions", ge=1)
+    max_sessions: int = opt(
+        10000, "Most sessions kept; the least recently used is forgotten.", flag="--max-sessions", ge=1
+    )
 
 
 class GenerationConfig(Section):
     max_tokens: int = opt(256, "Reply length cap when a request gives no maxTokens.", flag="--max-tokens", ge=1)
     max_tokens_limit: int = opt(
-        1024, "Largest maxTokens a request may ask for; above it the request is invalid_request.",
-        flag="--max-tokens-limit", ge=1,
+        1024,
+        "Largest maxTokens a request may ask for; above it the request is invalid_request.",
+        flag="--max-tokens-limit",
+        ge=1,
     )
     temperature: float = opt(0.7, "Default sampling temperature.", flag="--temperature", ge=0, le=2)
     top_p: float = opt(0.95, "Default nucleus sampling top_p.", flag="--top-p", gt=0, le=1)
@@ -152,27 +168,36 @@ class GenerationConfig(Section):
 
 
 class LimitsConfig(Section):
-    max_payload_bytes: int = opt(65536, "Largest request payload in bytes; above it too_large.",
-                                 flag="--max-payload-bytes", ge=64)
-    max_message_tokens: int = opt(4096, "Largest user message in tokens; above it too_long.",
-                                  flag="--max-message-tokens", ge=1)
+    max_payload_bytes: int = opt(
+        65536, "Largest request payload in bytes; above it too_large.", flag="--max-payload-bytes", ge=64
+    )
+    max_message_tokens: int = opt(
+        4096, "Largest user message in tokens; above it too_long.", flag="--max-message-tokens", ge=1
+    )
     max_pending_requests: int = opt(
-        1024, "Requests accepted and not yet answered, all sessions together; above it busy.",
-        flag="--max-pending-requests", ge=1,
+        1024,
+        "Requests accepted and not yet answered, all sessions together; above it busy.",
+        flag="--max-pending-requests",
+        ge=1,
     )
     max_queued_per_session: int = opt(
-        16, "Requests of one session waiting behind its running turn; above it busy.",
-        flag="--max-queued-per-session", ge=1,
+        16,
+        "Requests of one session waiting behind its running turn; above it busy.",
+        flag="--max-queued-per-session",
+        ge=1,
     )
     drain_timeout: float = opt(
-        60.0, "Seconds a stop waits for running generations before aborting them.",
-        flag="--drain-timeout", ge=0,
+        60.0,
+        "Seconds a stop waits for running generations before aborting them.",
+        flag="--drain-timeout",
+        ge=0,
     )
 
 
 class StatsConfig(Section):
-    interval: float = opt(30.0, "Seconds between stats log lines and stats messages; 0 disables.",
-                          flag="--stats-interval", ge=0)
+    interval: float = opt(
+        30.0, "Seconds between stats log lines and stats messages; 0 disables.", flag="--stats-interval", ge=0
+    )
 
 
 class LoggingConfig(Section):

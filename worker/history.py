@@ -152,10 +152,10 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
         reasoning, answer = text.split(THINK_CLOSE, 1)
         reasoning = reasoning.strip()
         if reasoning.startswith(THINK_OPEN):
-            reasoning = reasoning[len(THINK_OPEN):].lstrip()
+            reasoning = reasoning[len(THINK_OPEN) :].lstrip()
         return answer.strip(), reasoning
     if opened:
-        reasoning = stripped[len(THINK_OPEN):] if stripped.startswith(THINK_OPEN) else stripped
+        reasoning = stripped[len(THINK_OPEN) :] if stripped.startswith(THINK_OPEN) else stripped
         return "", reasoning.strip()
     return text, None
 

@@ -26,8 +26,14 @@ class InterceptHandler(logging.Handler):
 def configure_logging(level: str = "INFO", *, json_logs: bool = False) -> None:
     logger.remove()
     logger.configure(patcher=lambda record: record["extra"].setdefault("name", record["name"]))
-    logger.add(sys.stderr, level=level, serialize=json_logs,
-               format=FORMAT.replace("{name}", "{extra[name]}"), backtrace=False, diagnose=False)
+    logger.add(
+        sys.stderr,
+        level=level,
+        serialize=json_logs,
+        format=FORMAT.replace("{name}", "{extra[name]}"),
+        backtrace=False,
+        diagnose=False,
+    )
     logging.basicConfig(handlers=[InterceptHandler()], level=0, force=True)
     logging.getLogger().setLevel("DEBUG" if level == "TRACE" else level)
     route_library_logging()

@@ -36,8 +36,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = config.engine.visible_devices
     configure_logging(config.logging.level, json_logs=config.logging.json_logs)
     if getattr(args, "mqtt.password", None) is not None:
-        logger.warning("The MQTT password was given on the command line, where ps shows it: "
-                       "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead")
+        logger.warning(
+            "The MQTT password was given on the command line, where ps shows it: "
+            "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
+        )
     try:
         return asyncio.run(serve(config))
     except KeyboardInterrupt:  # a second Ctrl-C
@@ -65,8 +67,12 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         trigger.add_done_callback(lambda _: request_stop())
 
     worker_id = config.effective_worker_id
-    logger.info("Worker {} {} starting with config:\n{}", worker_id, __version__,
-                render_toml(config.masked(), comments=False).rstrip())
+    logger.info(
+        "Worker {} {} starting with config:\n{}",
+        worker_id,
+        __version__,
+        render_toml(config.masked(), comments=False).rstrip(),
+    )
 
     from .tokenizer import ChatTokenizer
     from .transport import MqttSettings, MqttTransport
@@ -84,11 +90,17 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     topics = Topics(config.mqtt.topic_prefix)
     transport = MqttTransport(
         MqttSettings(
-            host=config.mqtt.host, port=config.mqtt.port, client_id=worker_id,
-            username=config.mqtt.username, password=config.mqtt_password(),
-            keepalive=config.mqtt.keepalive, reconnect_min_delay=config.mqtt.reconnect_min_delay,
-            reconnect_max_delay=config.mqtt.reconnect_max_delay, session_expiry=config.mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions()), status_topic=topics.status(worker_id),
+            host=config.mqtt.host,
+            port=config.mqtt.port,
+            client_id=worker_id,
+            username=config.mqtt.username,
+            password=config.mqtt_password(),
+            keepalive=config.mqtt.keepalive,
+            reconnect_min_delay=config.mqtt.reconnect_min_delay,
+            reconnect_max_delay=config.mqtt.reconnect_max_delay,
+            session_expiry=config.mqtt.session_expiry,
+            subscriptions=tuple(topics.subscriptions()),
+            status_topic=topics.status(worker_id),
         ),
         loop,
     )

@@ -136,23 +136,22 @@ def _validation_message(exc: ValidationError) -> str:
 def parse_chat_request(payload: bytes, session: str, max_payload_bytes: int) -> ChatRequest:
     """Validate a request payload for the session named by its topic."""
     if len(payload) > max_payload_bytes:
-        raise RequestError(ErrorCode.TOO_LARGE,
-                           f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
+        raise RequestError(ErrorCode.TOO_LARGE, f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
     data = _payload_object(payload)
     try:
         request = ChatRequest.model_validate(data)
     except ValidationError as exc:
         raise RequestError(ErrorCode.INVALID_REQUEST, _validation_message(exc)) from None
     if request.session_id is not None and request.session_id != session:
-        raise RequestError(ErrorCode.INVALID_REQUEST,
-                           f"sessionId {request.session_id[:140]!r} differs from the topic's session")
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST, f"sessionId {request.session_id[:140]!r} differs from the topic's session"
+        )
     return request
 
 
 def parse_control(payload: bytes, max_payload_bytes: int) -> ControlRequest:
     if len(payload) > max_payload_bytes:
-        raise RequestError(ErrorCode.TOO_LARGE,
-                           f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
+        raise RequestError(ErrorCode.TOO_LARGE, f"payload is {len(payload)} bytes; the limit is {max_payload_bytes}")
     try:
         return ControlRequest.model_validate(_payload_object(payload))
     except ValidationError as exc:

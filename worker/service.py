@@ -44,8 +44,9 @@ from .transport import InboundMessage
 class Transport(Protocol):
     inbox: asyncio.Queue[InboundMessage]
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                correlation_data: bytes | None = None) -> None: ...
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
+    ) -> None: ...
 
     def ack(self, message: InboundMessage) -> None: ...
 
@@ -74,8 +75,14 @@ def _ms(start: float, end: float) -> float:
 
 
 class Service:
-    def __init__(self, config: WorkerConfig, engine: Engine, renderer: PromptRenderer,
-                 transport: Transport, stop_requested: Callable[[int], None]) -> None:
+    def __init__(
+        self,
+        config: WorkerConfig,
+        engine: Engine,
+        renderer: PromptRenderer,
+        transport: Transport,
+        stop_requested: Callable[[int], None],
+    ) -> None:
         self.config = config
         self.engine = engine
         self.renderer = renderer
@@ -130,8 +137,7 @@ class Service:
             for task in still_running:
                 task.cancel()
             if still_running:
-                logger.warning("Stopped {} unfinished request(s); they are left unacknowledged",
-                               len(still_running))
+                logger.warning("Stopped {} unfinished request(s); they are left unacknowledged", len(still_running))
                 await asyncio.wait(still_running, timeout=5)
 
     # -- dispatch -----------------------------------------------------------------------
@@ -189,16 +195,19 @@ class Service:
     def _admit(self, request: ChatRequest, runtime: _SessionRuntime) -> None:
         limits, generation = self.config.limits, self.config.generation
         if request.max_tokens is not None and request.max_tokens > generation.max_tokens_limit:
-            raise RequestError(ErrorCode.INVALID_REQUEST,
-                               f"maxTokens {request.max_tokens} exceeds the limit of {generation.max_tokens_limit}")
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"maxTokens {request.max_tokens} exceeds the limit of {generation.max_tokens_limit}",
+            )
         if self.pending >= limits.max_pending_requests:
             raise RequestError(ErrorCode.BUSY, f"{self.pending} requests pending; try again later")
         if runtime.queued >= limits.max_queued_per_session:
             raise RequestError(ErrorCode.BUSY, f"{runtime.queued} requests of this session are queued")
         message_tokens = self.renderer.count_text(request.message)
         if message_tokens > limits.max_message_tokens:
-            raise RequestError(ErrorCode.TOO_LONG,
-                               f"message is {message_tokens} tokens; the limit is {limits.max_message_tokens}")
+            raise RequestError(
+                ErrorCode.TOO_LONG, f"message is {message_tokens} tokens; the limit is {limits.max_message_tokens}"
+            )
 
     def _dispatch_control(self, message: InboundMessage, address: SessionAddress) -> None:
         target = self._reply_target(message, address)
@@ -214,9 +223,10 @@ class Service:
         elif control.action == "reset":
             self._spawn(self._reset(message, address, target, runtime))
         else:
-            exc = RequestError(ErrorCode.UNSUPPORTED_ACTION,
-                               f"unknown action {control.action[:40]!r}; use reset or cancel")
-            self._answer_error(message, address, target, control.request_id, exc)
+            unsupported = RequestError(
+                ErrorCode.UNSUPPORTED_ACTION, f"unknown action {control.action[:40]!r}; use reset or cancel"
+            )
+            self._answer_error(message, address, target, control.request_id, unsupported)
 
     def _cancel(self, address: SessionAddress, runtime: _SessionRuntime, key: str | None) -> None:
         if key is None:
@@ -230,8 +240,9 @@ class Service:
         else:
             logger.info("Cancel for {} of {}: nothing in flight", key, address)
 
-    async def _reset(self, message: InboundMessage, address: SessionAddress, target: _Target,
-                     runtime: _SessionRuntime) -> None:
+    async def _reset(
+        self, message: InboundMessage, address: SessionAddress, target: _Target, runtime: _SessionRuntime
+    ) -> None:
         async with runtime.lock:  # in order with the session's turns
             self.sessions.get(str(address)).reset()
             logger.info("Session {} reset", address)
@@ -241,8 +252,15 @@ class Service:
 
     # -- one turn -----------------------------------------------------------------------
 
-    async def _run_turn(self, message: InboundMessage, address: SessionAddress, target: _Target,
-                        key: str, request: ChatRequest, runtime: _SessionRuntime) -> None:
+    async def _run_turn(
+        self,
+        message: InboundMessage,
+        address: SessionAddress,
+        target: _Target,
+        key: str,
+        request: ChatRequest,
+        runtime: _SessionRuntime,
+    ) -> None:
         try:
             async with runtime.lock:
                 runtime.queued -= 1
@@ -263,8 +281,15 @@ class Service:
             runtime.cancelled.discard(key)
             self._forget_if_idle(address, runtime)
 
-    async def _generate(self, message: InboundMessage, address: SessionAddress, target: _Target,
-                        key: str, request: ChatRequest, runtime: _SessionRuntime) -> bytes:
+    async def _generate(
+        self,
+        message: InboundMessage,
+        address: SessionAddress,
+        target: _Target,
+        key: str,
+        request: ChatRequest,
+        runtime: _SessionRuntime,
+    ) -> bytes:
         config = self.config
         history = self.sessions.get(str(address))
         if request.system_prompt is not None:
@@ -274,11 +299,23 @@ class Service:
         max_tokens = request.max_tokens or config.generation.max_tokens
         if key in runtime.cancelled:
             return self._reply(address, key, "", "cancelled", 0, 0, 0, message.received_at, None)
-        prompt = build_prompt(self.renderer, history, request.message, limits=self.limits,
-                              max_tokens=max_tokens, max_model_len=self.engine.info.max_model_len)
+        prompt = build_prompt(
+            self.renderer,
+            history,
+            request.message,
+            limits=self.limits,
+            max_tokens=max_tokens,
+            max_model_len=self.engine.info.max_model_len,
+        )
         for trim in prompt.trims:
-            logger.info("Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
-                        address, trim.dropped_turns, trim.kept_turns, trim.tokens_before, trim.tokens_after)
+            logger.info(
+                "Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
+                address,
+                trim.dropped_turns,
+                trim.kept_turns,
+                trim.tokens_before,
+                trim.tokens_after,
+            )
         sampling = SamplingOptions(
             max_tokens=max_tokens,
             temperature=config.generation.temperature if request.temperature is None else request.temperature,
@@ -319,24 +356,63 @@ class Service:
         if finish_reason != "cancelled":
             history.turns.append(Turn(key, request.message, answer))
         logger.debug("Reply {} of {}: {!r}", key, address, answer)
-        payload = self._reply(address, key, answer, finish_reason, prompt_tokens, completion, cached,
-                              message.received_at, (submitted, first_token))
+        payload = self._reply(
+            address,
+            key,
+            answer,
+            finish_reason,
+            prompt_tokens,
+            completion,
+            cached,
+            message.received_at,
+            (submitted, first_token),
+        )
         return payload
 
-    def _reply(self, address: SessionAddress, key: str, answer: str, finish_reason: str, prompt_tokens: int,
-               completion: int, cached: int, received: float, timing: tuple[float, float | None] | None) -> bytes:
+    def _reply(
+        self,
+        address: SessionAddress,
+        key: str,
+        answer: str,
+        finish_reason: str,
+        prompt_tokens: int,
+        completion: int,
+        cached: int,
+        received: float,
+        timing: tuple[float, float | None] | None,
+    ) -> bytes:
         now = time.monotonic()
         submitted, first_token = timing if timing else (now, None)
-        latency = Latency(queue_ms=_ms(received, submitted), ttft_ms=_ms(received, first_token or now),
-                          total_ms=_ms(received, now))
-        self.stats.record_reply(queue_ms=latency.queue_ms, ttft_ms=latency.ttft_ms, total_ms=latency.total_ms,
-                                prompt_tokens=prompt_tokens, completion_tokens=completion, cached_tokens=cached,
-                                cancelled=finish_reason == "cancelled")
-        logger.info("Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms", key, address,
-                    prompt_tokens, cached, completion, finish_reason, latency.total_ms)
-        reply = ChatReply(session_id=address.session, request_id=key, reply=answer, finish_reason=finish_reason,
-                          usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion,
-                                      cached_tokens=cached), latency=latency)
+        latency = Latency(
+            queue_ms=_ms(received, submitted), ttft_ms=_ms(received, first_token or now), total_ms=_ms(received, now)
+        )
+        self.stats.record_reply(
+            queue_ms=latency.queue_ms,
+            ttft_ms=latency.ttft_ms,
+            total_ms=latency.total_ms,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion,
+            cached_tokens=cached,
+            cancelled=finish_reason == "cancelled",
+        )
+        logger.info(
+            "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
+            key,
+            address,
+            prompt_tokens,
+            cached,
+            completion,
+            finish_reason,
+            latency.total_ms,
+        )
+        reply = ChatReply(
+            session_id=address.session,
+            request_id=key,
+            reply=answer,
+            finish_reason=finish_reason,
+            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, cached_tokens=cached),
+            latency=latency,
+        )
         return reply.to_json()
 
     # -- replies ------------------------------------------------------------------------
@@ -356,16 +432,18 @@ class Service:
     def _publish(self, target: _Target, payload: bytes) -> None:
         self.transport.publish(target.topic, payload, qos=1, correlation_data=target.correlation_data)
 
-    def _answer_error(self, message: InboundMessage, address: SessionAddress, target: _Target,
-                      key: str | None, exc: RequestError) -> None:
+    def _answer_error(
+        self, message: InboundMessage, address: SessionAddress, target: _Target, key: str | None, exc: RequestError
+    ) -> None:
         logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
         self.stats.record_error(exc.code.value)
-        reply = ErrorReply(session_id=address.session, request_id=key, error=ErrorBody(code=exc.code,
-                                                                                         message=exc.message))
+        reply = ErrorReply(
+            session_id=address.session, request_id=key, error=ErrorBody(code=exc.code, message=exc.message)
+        )
         self._publish(target, reply.to_json())
         self.transport.ack(message)
 
     def _forget_if_idle(self, address: SessionAddress, runtime: _SessionRuntime) -> None:
-        if not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.queued == 0:
-            if self._runtime.get(str(address)) is runtime:
-                del self._runtime[str(address)]
+        idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.queued == 0
+        if idle and self._runtime.get(str(address)) is runtime:
+            del self._runtime[str(address)]

@@ -102,8 +102,17 @@ class StatsCollector:
         self.cached_tokens = 0
         self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
 
-    def record_reply(self, *, queue_ms: float, ttft_ms: float, total_ms: float, prompt_tokens: int,
-                     completion_tokens: int, cached_tokens: int, cancelled: bool = False) -> None:
+    def record_reply(
+        self,
+        *,
+        queue_ms: float,
+        ttft_ms: float,
+        total_ms: float,
+        prompt_tokens: int,
+        completion_tokens: int,
+        cached_tokens: int,
+        cancelled: bool = False,
+    ) -> None:
         self.processed += 1
         self.cancelled += int(cancelled)
         self.prompt_tokens += prompt_tokens
@@ -154,7 +163,8 @@ class StatsCollector:
             prefix_cache_hit_rate=round(hits / queries, 4) if queries > 0 else 0.0,
             prefix_cache_hit_rate_total=(
                 round(engine.prefix_cache_hits / engine.prefix_cache_queries, 4)
-                if engine.prefix_cache_queries > 0 else 0.0
+                if engine.prefix_cache_queries > 0
+                else 0.0
             ),
             kv_cache_usage=round(engine.kv_cache_usage, 4),
             running=engine.running,

@@ -57,21 +57,19 @@ QWEN2_SPLIT_REGEX = (
 )
 
 _WORDS = (
-    "the a an and or but if when while because so then than of to in on at by "
-    "for with from into over under about after before between through during "
-    "i you he she it we they me him her us them my your his its our their this "
-    "that these those is are was were be been being have has had do does did "
-    "will would can could should may might must shall not no yes all some any "
-    "each every many much more most few less other another such only own same "
-    "time year day week hour minute people man woman child world life hand part "
-    "place case point group number fact water room mother father house friend "
-    "question answer problem system program model message server client worker "
-    "request reply token stream queue cache prefix engine test bench demo chat "
-    "say make go know take see come think look want give use find tell ask work "
-    "seem feel try leave call keep start run write read send receive open close "
-    "good new first last long great little old big high small large next early "
-    "young important public bad able right left late hard easy fast slow quiet "
-    "red blue green black white cold warm bright dark simple clear short"
+    "the a an and or but if when while because so then than of to in on at by for with from "
+    "into over under about after before between through during i you he she it we they me him "
+    "her us them my your his its our their this that these those is are was were be been being "
+    "have has had do does did will would can could should may might must shall not no yes all "
+    "some any each every many much more most few less other another such only own same time "
+    "year day week hour minute people man woman child world life hand part place case point "
+    "group number fact water room mother father house friend question answer problem system "
+    "program model message server client worker request reply token stream queue cache prefix "
+    "engine test bench demo chat say make go know take see come think look want give use find "
+    "tell ask work seem feel try leave call keep start run write read send receive open close "
+    "good new first last long great little old big high small large next early young important "
+    "public bad able right left late hard easy fast slow quiet red blue green black white cold "
+    "warm bright dark simple clear short"
 ).split()
 _PUNCT = (".", ".", ".", "?", "!", ",", ";", ":")
 
@@ -93,17 +91,11 @@ def _training_text(n_sentences: int = 6000) -> list[str]:
     for _ in range(6000):
         syllables = rng.randint(1, 3)
         lexicon.append(
-            "".join(
-                rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS)
-                for _ in range(syllables)
-            )
+            "".join(rng.choice(_ONSETS) + rng.choice(_VOWELS) + rng.choice(_CODAS) for _ in range(syllables))
         )
     lines: list[str] = []
     for i in range(n_sentences):
-        words = [
-            rng.choice(_WORDS) if rng.random() < 0.6 else rng.choice(lexicon)
-            for _ in range(rng.randint(4, 16))
-        ]
+        words = [rng.choice(_WORDS) if rng.random() < 0.6 else rng.choice(lexicon) for _ in range(rng.randint(4, 16))]
         words[0] = words[0].capitalize()
         if rng.random() < 0.2:
             words.insert(rng.randrange(len(words)), str(rng.randint(0, 10000)))
@@ -182,7 +174,7 @@ def _tokenizer_config(tok: Any, think: bool) -> dict[str, Any]:
     }
 
 
-def _write_model(outdir: Path, vocab_size: int, eos_id: int, pad_id: int) -> None:
+def _write_model(outdir: Path, vocab_size: int, eos_id: int, pad_id: int, rare_special_ids: tuple[int, ...]) -> None:
     import torch
     import transformers
 
@@ -208,17 +200,35 @@ def _write_model(outdir: Path, vocab_size: int, eos_id: int, pad_id: int) -> Non
         use_sliding_window=False,
     )
     torch.manual_seed(SEED)
-    model = tf.Qwen2ForCausalLM(config).bfloat16()
+    model = tf.Qwen2ForCausalLM(config)
+    if rare_special_ids:
+        # Near-uniform random logits would end a reply with probability 2/vocab per token,
+        # so long generations (cancel, batching tests) would end early at random. Spread
+        # the logits (std ~3) and give the end-of-turn tokens logit 0: they become ~1e-6
+        # likely and replies run to maxTokens.
+        with torch.no_grad():
+            embeddings = model.get_input_embeddings().weight
+            embeddings.mul_(3.0 / (embeddings.std() * config.hidden_size**0.5))
+            embeddings[list(rare_special_ids)] = 0.0
+    model = model.bfloat16()
     model.save_pretrained(outdir, safe_serialization=True)
-    tf.GenerationConfig(
-        bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False
-    ).save_pretrained(outdir)
+    tf.GenerationConfig(bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id, do_sample=False).save_pretrained(
+        outdir
+    )
 
 
 def generate_tiny_model(
-    outdir: Path, *, vocab_size: int = DEFAULT_VOCAB_SIZE, think: bool = False
+    outdir: Path,
+    *,
+    vocab_size: int = DEFAULT_VOCAB_SIZE,
+    think: bool = False,
+    rare_end_of_turn: bool = True,
 ) -> Path:
-    """Write the tiny chat model into ``outdir`` (created if missing); return it."""
+    """Write the tiny chat model into ``outdir`` (created if missing); return it.
+
+    With ``rare_end_of_turn`` (the default) the special tokens are almost never sampled, so
+    every reply runs to its maxTokens; without it a reply ends by itself about once in
+    vocab_size/2 tokens."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(vocab_size)
@@ -228,7 +238,8 @@ def generate_tiny_model(
     )
     eos_id = int(tok.token_to_id(IM_END))
     pad_id = int(tok.token_to_id(ENDOFTEXT))
-    _write_model(outdir, int(tok.get_vocab_size()), eos_id, pad_id)
+    special_ids = tuple(int(tok.token_to_id(t)) for t in SPECIAL_TOKENS)
+    _write_model(outdir, int(tok.get_vocab_size()), eos_id, pad_id, special_ids if rare_end_of_turn else ())
     return outdir
 
 
@@ -237,8 +248,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("outdir", type=Path)
     parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
     parser.add_argument("--think", action="store_true", help="generation prompt opens <think>")
+    parser.add_argument(
+        "--natural-stops", action="store_true", help="let replies end by themselves (1 in vocab/2 tokens)"
+    )
     args = parser.parse_args(argv)
-    print(generate_tiny_model(args.outdir, vocab_size=args.vocab_size, think=args.think))
+    path = generate_tiny_model(
+        args.outdir, vocab_size=args.vocab_size, think=args.think, rare_end_of_turn=not args.natural_stops
+    )
+    print(path)
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 """MQTT topic layout. Every topic the worker publishes is built here from validated parts.
 
-    <prefix>/<user>/<session>/request   in, QoS 1
-    <prefix>/<user>/<session>/control   in, QoS 1
-    <prefix>/<user>/<session>/reply     out, QoS 1
-    <prefix>/<user>/<session>/stream    out, QoS 0
-    <prefix>/_worker/<worker_id>/status out, retained
-    <prefix>/_worker/<worker_id>/stats  out, retained
+<prefix>/<user>/<session>/request   in, QoS 1
+<prefix>/<user>/<session>/control   in, QoS 1
+<prefix>/<user>/<session>/reply     out, QoS 1
+<prefix>/<user>/<session>/stream    out, QoS 0
+<prefix>/_worker/<worker_id>/status out, retained
+<prefix>/_worker/<worker_id>/stats  out, retained
 """
 
 from __future__ import annotations
@@ -57,7 +57,7 @@ class Topics:
         head = self.prefix + "/"
         if not topic.startswith(head):
             raise InvalidTopic(f"topic outside prefix {self.prefix!r}")
-        parts = topic[len(head):].split("/")
+        parts = topic[len(head) :].split("/")
         if len(parts) != 3:
             raise InvalidTopic("expected <user>/<session>/<kind> after the prefix")
         user, session, kind = parts

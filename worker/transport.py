@@ -67,8 +67,7 @@ class MqttTransport:
         if settings.username is not None:
             client.username_pw_set(settings.username, settings.password)
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
-        client.reconnect_delay_set(int(max(1, settings.reconnect_min_delay)),
-                                   int(max(1, settings.reconnect_max_delay)))
+        client.reconnect_delay_set(int(max(1, settings.reconnect_min_delay)), int(max(1, settings.reconnect_max_delay)))
         client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -78,8 +77,9 @@ class MqttTransport:
 
     # -- paho network thread: hand over and return --------------------------------------
 
-    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode,
-                    properties: Properties | None) -> None:
+    def _on_connect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
+    ) -> None:
         try:
             if reason.is_failure:
                 logger.error("MQTT connect refused: {}", reason)
@@ -88,14 +88,19 @@ class MqttTransport:
             client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
             resumed = bool(getattr(flags, "session_present", False))
-            logger.info("MQTT connected to {}:{} (session {})", self.settings.host, self.settings.port,
-                        "resumed" if resumed else "new")
+            logger.info(
+                "MQTT connected to {}:{} (session {})",
+                self.settings.host,
+                self.settings.port,
+                "resumed" if resumed else "new",
+            )
             self._loop.call_soon_threadsafe(self._connected.set)
         except Exception:  # never let a callback kill paho's network loop
             logger.exception("error in MQTT connect callback")
 
-    def _on_disconnect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode,
-                       properties: Properties | None) -> None:
+    def _on_disconnect(
+        self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
+    ) -> None:
         try:
             self._loop.call_soon_threadsafe(self._connected.clear)
             if reason.value != 0:
@@ -103,8 +108,9 @@ class MqttTransport:
         except Exception:
             logger.exception("error in MQTT disconnect callback")
 
-    def _on_subscribe(self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode],
-                      properties: Properties | None) -> None:
+    def _on_subscribe(
+        self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode], properties: Properties | None
+    ) -> None:
         try:
             refused = [r for r in reasons if r.is_failure]
             if refused:
@@ -135,10 +141,11 @@ class MqttTransport:
 
     def start(self) -> None:
         """Connect in the background; paho retries with backoff until the broker answers."""
-        props = Properties(PacketTypes.CONNECT)
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self.settings.session_expiry
-        self._client.connect_async(self.settings.host, self.settings.port, self.settings.keepalive,
-                                   clean_start=False, properties=props)
+        self._client.connect_async(
+            self.settings.host, self.settings.port, self.settings.keepalive, clean_start=False, properties=props
+        )
         self._client.loop_start()
 
     async def wait_connected(self) -> None:
@@ -148,12 +155,13 @@ class MqttTransport:
     def connected(self) -> bool:
         return self._connected.is_set()
 
-    def publish(self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False,
-                correlation_data: bytes | None = None) -> None:
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
+    ) -> None:
         """Queue a publish; paho sends it now or after a reconnect (QoS 1 is kept in flight)."""
         props = None
         if correlation_data is not None:
-            props = Properties(PacketTypes.PUBLISH)
+            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
             props.CorrelationData = correlation_data
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):

@@ -21,15 +21,22 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.inputs import TokensPrompt
 from vllm.sampling_params import RequestOutputKind, SamplingParams
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from .config import EngineConfig
 from .engine import EngineDead, EngineError, EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
 
-try:  # the module moved between releases
-    from vllm.v1.engine.exceptions import EngineDeadError
+try:  # 0.32+: request validation errors are VLLMClientError, no longer ValueError
+    from vllm.exceptions import VLLMClientError as _ClientError
+except ImportError:  # pragma: no cover - vLLM 0.26
+    _ClientError = ValueError  # type: ignore[misc,assignment]
+
+_tokens_prompt: Any
+try:  # the non-deprecated way to pass token ids (0.26+); TokensPrompt logs a deprecation
+    from vllm.inputs import tokens_input as _tokens_prompt
 except ImportError:  # pragma: no cover
-    EngineDeadError = RuntimeError  # type: ignore[misc,assignment]
+    _tokens_prompt = None
 
 # vLLM names an aborted request's finish reason "abort"; the wire contract says "cancelled".
 FINISH_REASONS = {"abort": "cancelled", "stop": "stop", "length": "length"}
@@ -38,7 +45,7 @@ FINISH_REASONS = {"abort": "cancelled", "stop": "stop", "length": "length"}
 class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
     """Receives vLLM's per-step scheduler statistics and keeps what the stats report needs."""
 
-    def __init__(self, sink: EngineStats) -> None:
+    def __init__(self, sink: EngineStats) -> None:  # vLLM calls the factory with (config, index)
         self.sink = sink
 
     def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> None:
@@ -46,12 +53,15 @@ class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
             return
         sink = self.sink
         sink.running = int(scheduler_stats.num_running_reqs)
-        sink.waiting = int(scheduler_stats.num_waiting_reqs)
+        # 0.32 counts requests it skipped this step separately; 0.26 has no such field.
+        sink.waiting = int(scheduler_stats.num_waiting_reqs) + int(
+            getattr(scheduler_stats, "num_skipped_waiting_reqs", 0) or 0
+        )
         sink.max_running = max(sink.max_running, sink.running)
         usage = getattr(scheduler_stats, "kv_cache_usage", None)
         if usage is None:
             usage = getattr(scheduler_stats, "gpu_cache_usage", 0.0)
-        sink.kv_cache_usage = float(usage)
+        sink.kv_cache_usage = float(usage or 0.0)
         prefix = getattr(scheduler_stats, "prefix_cache_stats", None)
         if prefix is not None:  # per-step deltas
             sink.prefix_cache_queries += int(prefix.queries)
@@ -94,8 +104,7 @@ class VllmEngine:
         except TypeError as exc:
             raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
         stats = EngineStats()
-        logger.info("Starting vLLM {} engine: {}", vllm.__version__,
-                    ", ".join(f"{k}={v}" for k, v in kwargs.items()))
+        logger.info("Starting vLLM {} engine: {}", vllm.__version__, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: _SchedulerStatsRecorder(stats)])
         vllm_config = llm.vllm_config
         cache = vllm_config.cache_config
@@ -109,7 +118,9 @@ class VllmEngine:
         )
         logger.info(
             "Engine ready: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}",
-            info.max_model_len, info.block_size, "on" if info.prefix_caching else "OFF",
+            info.max_model_len,
+            info.block_size,
+            "on" if info.prefix_caching else "OFF",
             "off (enforce_eager)" if config.enforce_eager else "on",
         )
         return cls(llm, info, stop_token_ids, stats)
@@ -125,7 +136,11 @@ class VllmEngine:
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
         )
-        prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        prompt: Any = (
+            _tokens_prompt(request.prompt_token_ids)
+            if _tokens_prompt is not None
+            else TokensPrompt(prompt_token_ids=request.prompt_token_ids)
+        )
         prompt_tokens = len(request.prompt_token_ids)
         completion_tokens = cached_tokens = 0
         finished = False
@@ -151,6 +166,8 @@ class VllmEngine:
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(request.request_id)
             raise
+        except (ValueError, _ClientError) as exc:  # the engine refused this request
+            raise EngineError(f"request rejected: {exc}") from exc
         except Exception as exc:
             if getattr(self._llm, "errored", False):
                 raise EngineDead(str(exc)) from exc

@@ -1,0 +1,70 @@
+#!/usr/bin/env bash
+# The whole pipeline on this machine, CPU only: installs (scripts/setup.sh), generates the tiny
+# random model, starts a private mosquitto and the worker, chats three turns over MQTT with
+# mosquitto_pub/mosquitto_sub, prints the replies and a stats line, and stops everything.
+# The model is random: its replies are gibberish; look at the token counts and latencies.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+
+MODEL=.cache/tiny-model
+[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL"
+
+RUN=$(mktemp -d)
+PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
+printf 'listener %s 127.0.0.1\nallow_anonymous true\n' "$PORT" > "$RUN/mosquitto.conf"
+"$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &
+BROKER=$!
+setsid .venv/bin/python -m worker --model "$MODEL" --mqtt-port "$PORT" --worker-id demo \
+  --enforce-eager --block-size 32 --gpu-memory-utilization 0.3 --max-model-len 2048 \
+  >"$RUN/worker.log" 2>&1 &
+WORKER=$!
+cleanup() {
+  kill -TERM "$WORKER" 2>/dev/null && { timeout 60 tail --pid="$WORKER" -f /dev/null || true; }
+  kill -KILL -- "-$WORKER" 2>/dev/null || true
+  kill "$BROKER" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
+for _ in $(seq 300); do  # the retained status says when the worker is ready
+  status=$(mosquitto_sub -p "$PORT" -t chat/_worker/demo/status -C 1 -W 1 2>/dev/null || true)
+  [ "$status" = online ] && break
+  kill -0 "$WORKER" 2>/dev/null || { echo "the worker exited:"; tail -40 "$RUN/worker.log"; exit 1; }
+done
+[ "$status" = online ] || { echo "the worker did not come online:"; tail -40 "$RUN/worker.log"; exit 1; }
+
+SESSION="demo-$$"
+SYSTEM="You are a helpful assistant. Answer in one short paragraph."
+turn() {
+  local payload=$1
+  mosquitto_sub -p "$PORT" -t "chat/me/$SESSION/reply" -C 1 -W 120 > "$RUN/reply.json" &
+  local sub=$!
+  sleep 0.3
+  echo
+  echo ">>> $payload"
+  mosquitto_pub -p "$PORT" -q 1 -t "chat/me/$SESSION/request" -m "$payload"
+  wait "$sub"
+  .venv/bin/python - "$RUN/reply.json" <<'PY'
+import json, sys
+r = json.load(open(sys.argv[1]))
+if "error" in r:
+    print("<<< error:", r["error"])
+else:
+    u, l = r["usage"], r["latency"]
+    print("<<<", r["reply"][:160].replace("\n", " "))
+    print(f"    prompt {u['promptTokens']} tokens ({u['cachedTokens']} cached), reply {u['completionTokens']} "
+          f"tokens, ttft {l['ttftMs']:.0f} ms, total {l['totalMs']:.0f} ms, {r['finishReason']}")
+PY
+}
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"Hello! What can you do?\", \"maxTokens\": 32, \"systemPrompt\": \"$SYSTEM\"}"
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"Tell me about the mountains in winter.\", \"maxTokens\": 32}"
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"What should I pack for a week there?\", \"maxTokens\": 32}"
+
+# A stop publishes the stats of the last interval (the periodic line comes every 30 s).
+cleanup
+trap - EXIT
+echo
+grep -o "Stats: .*" "$RUN/worker.log" | tail -1
