@@ -223,11 +223,18 @@ def test_message_text_is_not_logged_at_info(shared_worker: WorkerProcess, client
     assert "Stats: Processed=" in log
 
 
-def test_clean_stop_publishes_offline(shared_worker: WorkerProcess, broker: Mosquitto) -> None:
-    """Last in this module: stops the shared worker."""
+def test_clean_stop_finishes_running_work_and_publishes_offline(
+    shared_worker: WorkerProcess, broker: Mosquitto, client: Client
+) -> None:
+    """Last in this module: stops the shared worker with SIGTERM while it generates."""
     watcher = Client(broker.port, ["chat/_worker/shared/status"])
     watcher.wait_for(lambda m: m.payload == b"online", timeout=10)
+    session = new_session()
+    client.publish(f"chat/judy/{session}/request", {"message": "last words", "maxTokens": 200, "stream": True})
+    client.wait_topic(f"chat/judy/{session}/stream")  # generating now
     assert shared_worker.stop() == 0
+    reply = reply_of(client, "judy", session, timeout=10)  # drained, not dropped
+    assert reply["finishReason"] == "length" and reply["usage"]["completionTokens"] == 200
     watcher.wait_for(lambda m: m.payload == b"offline", timeout=10)
     watcher.close()
     assert "Stopped (exit code 0)" in shared_worker.log()

@@ -166,7 +166,14 @@ class Service:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(self._task_done)
+
+    def _task_done(self, task: asyncio.Task[None]) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled():
+            exc = task.exception()
+            if exc is not None and not isinstance(exc, EngineDead):
+                logger.opt(exception=exc).error("Request task failed")
 
     def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
         key = request_key(message.topic, message.payload, best_effort_request_id(message.payload))
@@ -201,8 +208,9 @@ class Service:
             )
         if self.pending >= limits.max_pending_requests:
             raise RequestError(ErrorCode.BUSY, f"{self.pending} requests pending; try again later")
-        if runtime.queued >= limits.max_queued_per_session:
-            raise RequestError(ErrorCode.BUSY, f"{runtime.queued} requests of this session are queued")
+        waiting = len(runtime.messages) - (1 if runtime.running or runtime.lock.locked() else 0)
+        if len(runtime.messages) > limits.max_queued_per_session:  # one running plus the queue
+            raise RequestError(ErrorCode.BUSY, f"{waiting} requests of this session are queued")
         message_tokens = self.renderer.count_text(request.message)
         if message_tokens > limits.max_message_tokens:
             raise RequestError(
@@ -270,13 +278,19 @@ class Service:
             self._publish(target, payload)
             for copy in runtime.messages.pop(key, []):
                 self.transport.ack(copy)
-        except RequestError as exc:
-            self._answer_error(message, address, target, key, exc)
+        except (asyncio.CancelledError, EngineDead):
+            # Shutting down, or the engine died: the work was interrupted and has no answer
+            # yet. Left unacknowledged, the broker redelivers it after the restart.
+            runtime.messages.pop(key, None)
+            raise
+        except Exception as exc:
+            error = exc if isinstance(exc, RequestError) else None
+            if error is None:  # a bug of ours: answer rather than leave the client waiting
+                logger.exception("Unexpected error on request {} of {}", key, address)
+                error = RequestError(ErrorCode.ENGINE_ERROR, "internal error")
+            self._answer_error(message, address, target, key, error, ack=False)
             for copy in runtime.messages.pop(key, []):
                 self.transport.ack(copy)
-        except asyncio.CancelledError:
-            runtime.messages.pop(key, None)  # shutting down: left unacknowledged on purpose
-            raise
         finally:
             runtime.cancelled.discard(key)
             self._forget_if_idle(address, runtime)
@@ -344,9 +358,9 @@ class Service:
                 if update.finished:
                     finish_reason = update.finish_reason or "stop"
         except EngineDead as exc:
-            logger.error("Engine died: {}; stopping the worker", exc)
+            logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, key)
             self._stop_requested(1)
-            raise RequestError(ErrorCode.ENGINE_ERROR, "the engine failed; the worker is restarting") from None
+            raise
         except EngineError as exc:
             logger.error("Engine error on request {} of {}: {}", key, address, exc)
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
@@ -433,7 +447,14 @@ class Service:
         self.transport.publish(target.topic, payload, qos=1, correlation_data=target.correlation_data)
 
     def _answer_error(
-        self, message: InboundMessage, address: SessionAddress, target: _Target, key: str | None, exc: RequestError
+        self,
+        message: InboundMessage,
+        address: SessionAddress,
+        target: _Target,
+        key: str | None,
+        exc: RequestError,
+        *,
+        ack: bool = True,
     ) -> None:
         logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
         self.stats.record_error(exc.code.value)
@@ -441,7 +462,8 @@ class Service:
             session_id=address.session, request_id=key, error=ErrorBody(code=exc.code, message=exc.message)
         )
         self._publish(target, reply.to_json())
-        self.transport.ack(message)
+        if ack:
+            self.transport.ack(message)
 
     def _forget_if_idle(self, address: SessionAddress, runtime: _SessionRuntime) -> None:
         idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.queued == 0

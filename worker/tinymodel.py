@@ -28,14 +28,26 @@ What it writes into ``outdir``:
   backend runs natively; no dtype conversion at load).
 * ``generation_config.json`` with ``eos_token_id`` = the ``<|im_end|>`` id.
 
-Usage: ``python -m worker.tinymodel OUTDIR [--vocab-size N] [--think]``.
+:func:`generate_geometry_model` instead writes a model directory with the real
+geometry of a Qwen2.5/QwQ model (see ``GEOMETRIES``) but *no weights*, for GPU
+benchmarks run with vLLM's ``load_format="dummy"``: ``config.json``,
+``generation_config.json`` and the same kind of tokenizer (same special tokens
+and chat template), whose vocab is the trained one extended with synthetic
+letter n-grams (and their merges) to exactly the geometry's ``vocab_size``, so
+every id a dummy-weight model can sample decodes.
+
+Usage: ``python -m worker.tinymodel OUTDIR [--vocab-size N] [--think]``
+or ``python -m worker.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen2.5-7b,qwq-32b} [--think]``.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import random
+import string
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -243,17 +255,115 @@ def generate_tiny_model(
     return outdir
 
 
+# name: (hidden, layers, attention heads, KV heads, intermediate, vocab, tied embeddings)
+GEOMETRIES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
+    "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False),
+    "qwq-32b": (5120, 64, 40, 8, 27648, 152064, False),
+}
+
+
+def _synthetic_tokens() -> Iterator[tuple[str, str, str]]:
+    """Yield ``(token, left, right)``: lowercase letter n-grams, bare and with the
+    ByteLevel space ``Ġ``, shortest first, so ``left`` (the token minus its last
+    letter) always comes earlier (or is a byte symbol)."""
+    for n in itertools.count(1):
+        for prefix in ("", "\u0120"):
+            if n == 1 and not prefix:
+                continue  # single letters are byte symbols already
+            for letters in itertools.product(string.ascii_lowercase, repeat=n):
+                token = prefix + "".join(letters)
+                yield token, token[:-1], token[-1]
+
+
+def _build_geometry_tokenizer(vocab_size: int) -> Any:
+    """The tiny model's trained tokenizer, its BPE vocab extended with synthetic
+    n-grams and merges to ``vocab_size`` ids in all (added tokens last)."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(_build_tokenizer(DEFAULT_VOCAB_SIZE).to_str())
+    vocab: dict[str, int] = data["model"]["vocab"]
+    merges: list[list[str]] = data["model"]["merges"]
+    n_added = sum(1 for t in data["added_tokens"] if t["content"] in ADDED_TOKENS)
+    target = vocab_size - n_added
+    if target < len(vocab):
+        raise ValueError(f"vocab_size {vocab_size} is below the trained tokenizer's {len(vocab) + n_added}")
+    synthetic = _synthetic_tokens()
+    while len(vocab) < target:
+        token, left, right = next(synthetic)
+        if token not in vocab:
+            vocab[token] = len(vocab)
+            merges.append([left, right])
+    for i, added in enumerate(t for t in data["added_tokens"] if t["content"] in ADDED_TOKENS):
+        added["id"] = target + i
+    return Tokenizer.from_str(json.dumps(data))
+
+
+def generate_geometry_model(outdir: Path, geometry: str, *, think: bool = False) -> Path:
+    """Write a weightless model directory with a real geometry (a ``GEOMETRIES`` key)
+    into ``outdir`` (created if missing); return it. Load it with ``load_format="dummy"``."""
+    hidden, layers, heads, kv_heads, intermediate, vocab_size, tied = GEOMETRIES[geometry]
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    tok = _build_geometry_tokenizer(vocab_size)
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    tok.save(str(outdir / "tokenizer.json"))
+    tok_config = _tokenizer_config(tok, think) | {"model_max_length": 32768}
+    (outdir / "tokenizer_config.json").write_text(json.dumps(tok_config, indent=2) + "\n", encoding="utf-8")
+    eos_id = int(tok.token_to_id(IM_END))
+    pad_id = int(tok.token_to_id(ENDOFTEXT))
+    config = {
+        "architectures": ["Qwen2ForCausalLM"],
+        "model_type": "qwen2",
+        "attention_dropout": 0.0,
+        "bos_token_id": None,
+        "eos_token_id": eos_id,
+        "pad_token_id": pad_id,
+        "hidden_act": "silu",
+        "hidden_size": hidden,
+        "initializer_range": 0.02,
+        "intermediate_size": intermediate,
+        "max_position_embeddings": 32768,
+        "max_window_layers": layers,
+        "num_attention_heads": heads,
+        "num_hidden_layers": layers,
+        "num_key_value_heads": kv_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "use_sliding_window": False,
+        "tie_word_embeddings": tied,
+        "torch_dtype": "bfloat16",
+        "use_cache": True,
+        "vocab_size": vocab_size,
+    }
+    generation = {"bos_token_id": None, "do_sample": False, "eos_token_id": eos_id, "pad_token_id": pad_id}
+    for name, content in (("config.json", config), ("generation_config.json", generation)):
+        (outdir / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+    return outdir
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0] if __doc__ else None)
     parser.add_argument("outdir", type=Path)
-    parser.add_argument("--vocab-size", type=int, default=DEFAULT_VOCAB_SIZE)
+    parser.add_argument("--vocab-size", type=int, default=None, help=f"default {DEFAULT_VOCAB_SIZE}")
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="real geometry, no weights (load_format=dummy)")
     parser.add_argument("--think", action="store_true", help="generation prompt opens <think>")
     parser.add_argument(
         "--natural-stops", action="store_true", help="let replies end by themselves (1 in vocab/2 tokens)"
     )
     args = parser.parse_args(argv)
+    if args.geometry is not None:
+        if args.vocab_size is not None or args.natural_stops:
+            parser.error("--geometry fixes the vocab and has no weights: drop --vocab-size / --natural-stops")
+        print(generate_geometry_model(args.outdir, args.geometry, think=args.think))
+        return
     path = generate_tiny_model(
-        args.outdir, vocab_size=args.vocab_size, think=args.think, rare_end_of_turn=not args.natural_stops
+        args.outdir,
+        vocab_size=DEFAULT_VOCAB_SIZE if args.vocab_size is None else args.vocab_size,
+        think=args.think,
+        rare_end_of_turn=not args.natural_stops,
     )
     print(path)
 

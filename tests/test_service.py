@@ -1,0 +1,241 @@
+"""The service's own rules, with an engine that fails on demand (no real engine can be made to
+fail at a chosen request) and an in-memory transport. Everything else is tested end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Sequence
+from typing import Any
+
+import pytest
+
+from worker.config import WorkerConfig
+from worker.engine import EngineDead, EngineError, EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from worker.history import ChatMessage
+from worker.service import Service
+from worker.transport import InboundMessage
+
+
+class WordRenderer:
+    """One token per word; enough for the service's bookkeeping."""
+
+    stop_token_ids = [0]
+    opens_reasoning = False
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
+        words = [w for m in messages for w in (m["role"], *m["content"].split())]
+        return [1] * (len(words) + (1 if add_generation_prompt else 0))
+
+    def count_text(self, text: str) -> int:
+        return len(text.split())
+
+
+class FakeEngine:
+    def __init__(self) -> None:
+        self.info = EngineInfo("fake", "0", "fake", max_model_len=4096, block_size=16, prefix_caching=True)
+        self.fail: dict[str, Exception] = {}  # message text -> what generate raises
+        self.running = 0
+        self.most_running = 0
+        self.aborted: set[str] = set()
+        self.started: list[str] = []
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        self.started.append(request.request_id)
+        for text, exc in self.fail.items():
+            if text in request.request_id:
+                raise exc
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            for i in range(request.sampling.max_tokens):
+                await asyncio.sleep(0.01)
+                if request.request_id in self.aborted:
+                    yield GenerationUpdate("", i, len(request.prompt_token_ids), 0, True, "cancelled")
+                    return
+                done = i + 1 == request.sampling.max_tokens
+                yield GenerationUpdate(
+                    f"w{i} ", i + 1, len(request.prompt_token_ids), 0, done, "length" if done else None
+                )
+        finally:
+            self.running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def take_stats(self) -> EngineStats:
+        return EngineStats(max_running=self.most_running)
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class MemoryTransport:
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[InboundMessage] = asyncio.Queue()
+        self.published: list[tuple[str, dict[str, Any]]] = []
+        self.acked: list[int] = []
+        self._mid = 0
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
+    ) -> None:
+        self.published.append((topic, json.loads(payload)))
+
+    def ack(self, message: InboundMessage) -> None:
+        self.acked.append(message.mid)
+
+    def stop_receiving(self) -> None:
+        pass
+
+    def deliver(self, topic: str, payload: Any, mid: int | None = None) -> int:
+        if mid is None:
+            self._mid += 1
+            mid = self._mid
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.inbox.put_nowait(InboundMessage(topic, data, 1, mid, False, None, None, time.monotonic()))
+        return mid
+
+    def replies(self, session: str) -> list[dict[str, Any]]:
+        return [p for t, p in self.published if t.endswith(f"/{session}/reply")]
+
+
+class Harness:
+    def __init__(self, **limits: Any) -> None:
+        config = WorkerConfig.model_validate(
+            {"engine": {"model": "fake"}, "limits": limits, "mqtt": {"worker_id": "t"}}
+        )
+        self.engine = FakeEngine()
+        self.transport = MemoryTransport()
+        self.stop_codes: list[int] = []
+        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append)
+
+    async def run_until(self, condition: Any, timeout: float = 10) -> None:
+        consumer = asyncio.ensure_future(self.service.consume())
+        deadline = time.monotonic() + timeout
+        try:
+            while not condition():
+                assert time.monotonic() < deadline, f"timed out; published: {self.transport.published}"
+                await asyncio.sleep(0.01)
+        finally:
+            consumer.cancel()
+
+
+def test_sessions_run_concurrently_turns_in_order() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        for turn in range(3):
+            for session in ("a", "b", "c"):
+                h.transport.deliver(
+                    f"chat/u/{session}/request",
+                    {"message": f"m{turn}", "maxTokens": 5, "requestId": f"{session}{turn}"},
+                )
+        await h.run_until(lambda: sum(len(h.transport.replies(s)) for s in "abc") == 9)
+        for session in "abc":
+            assert [r["requestId"] for r in h.transport.replies(session)] == [f"{session}{t}" for t in range(3)]
+            prompts = [r["usage"]["promptTokens"] for r in h.transport.replies(session)]
+            assert prompts == sorted(prompts) and len(set(prompts)) == 3
+        assert h.engine.most_running == 3  # one turn per session at a time, sessions in parallel
+        assert sorted(h.transport.acked) == list(range(1, 10))
+
+    asyncio.run(scenario())
+
+
+def test_engine_error_is_answered_and_engine_death_stops_the_worker() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.engine.fail = {"bad": EngineError("boom"), "dead": EngineDead("gone")}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "bad", "maxTokens": 3})
+        h.transport.deliver("chat/u/s1/request", {"message": "y", "requestId": "ok", "maxTokens": 3})
+        h.transport.deliver("chat/u/s2/request", {"message": "z", "requestId": "dead", "maxTokens": 3})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2 and h.stop_codes)
+        bad, ok = h.transport.replies("s1")
+        assert bad["error"]["code"] == "engine_error" and "boom" in bad["error"]["message"]
+        assert ok["finishReason"] == "length"  # the session goes on after a failed turn
+        # A dead engine interrupted the work: no answer, no ack (redelivered after the restart).
+        assert h.stop_codes == [1] and h.transport.replies("s2") == []
+        assert sorted(h.transport.acked) == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_busy_limits() -> None:
+    async def scenario() -> None:
+        h = Harness(max_queued_per_session=2, max_pending_requests=4)
+        for i in range(4):  # one runs, two queue, the fourth is refused
+            h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": f"q{i}", "maxTokens": 20})
+        for i in range(3):  # the pending total is 4: the third here is refused
+            h.transport.deliver(f"chat/u/t{i}/request", {"message": "x", "requestId": f"t{i}", "maxTokens": 20})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 4 and h.transport.replies("t2"))
+        codes = {r["requestId"]: r.get("error", {}).get("code") for t, r in h.transport.published if "reply" in t}
+        assert codes["q3"] == "busy" and codes["t2"] == "busy"
+        assert codes["q0"] is None and codes["q2"] is None and codes["t0"] is None
+
+    asyncio.run(scenario())
+
+
+def test_cancel_queued_and_running_requests() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/s1/request", {"message": "long", "requestId": "run", "maxTokens": 500})
+        h.transport.deliver("chat/u/s1/request", {"message": "next", "requestId": "queued", "maxTokens": 500})
+        await h.run_until(lambda: h.engine.running == 1)
+        h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "queued"})
+        h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "run"})
+        h.transport.deliver("chat/u/s1/request", {"message": "after", "requestId": "after", "maxTokens": 2})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 3)
+        run, queued, after = h.transport.replies("s1")
+        assert (run["requestId"], run["finishReason"]) == ("run", "cancelled")
+        assert (queued["requestId"], queued["finishReason"]) == ("queued", "cancelled")
+        assert not any("queued" in rid for rid in h.engine.started)  # never reached the engine
+        # Neither cancelled turn was stored: the prompt is that of a first turn.
+        assert (
+            after["usage"]["promptTokens"]
+            == WordRenderer().render([{"role": "user", "content": "after"}], add_generation_prompt=True).__len__()
+        )
+
+    asyncio.run(scenario())
+
+
+def test_redelivery_during_generation_is_answered_once() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        payload = {"message": "hello", "maxTokens": 30}  # no requestId: keyed by topic + payload hash
+        h.transport.deliver("chat/u/s1/request", payload, mid=7)
+        await h.run_until(lambda: h.engine.running == 1)
+        h.transport.deliver("chat/u/s1/request", payload, mid=7)  # the broker redelivers it
+        await h.run_until(lambda: h.transport.replies("s1"))
+        await asyncio.sleep(0.1)
+        h.transport.deliver("chat/u/s1/request", payload, mid=8)  # and again, after the answer
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2)
+        first, again = h.transport.replies("s1")
+        assert first == again and first["requestId"].startswith("h-")
+        assert len(h.engine.started) == 1
+        assert h.transport.acked == [7, 7, 8]
+
+    asyncio.run(scenario())
+
+
+def test_invalid_and_retained_messages_are_acked_without_reply() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/_x/s1/request", {"message": "x"})
+        h.transport.deliver("chat/u/s 1/request", {"message": "x"})
+        await h.run_until(lambda: len(h.transport.acked) == 2)
+        assert h.transport.published == []
+        assert h.service.stats.invalid_topics == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("message", "code"), [("word " * 5000, "too_long"), ("x", "invalid_request")])
+def test_admission_errors(message: str, code: str) -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/s1/request", {"message": message, "maxTokens": 5000 if code != "too_long" else 5})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        assert h.transport.replies("s1")[0]["error"]["code"] == code
+        assert h.engine.started == []
+
+    asyncio.run(scenario())
