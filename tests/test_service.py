@@ -21,7 +21,6 @@ from worker.transport import InboundMessage
 class WordRenderer:
     """One token per word; enough for the service's bookkeeping."""
 
-    stop_token_ids = [0]
     opens_reasoning = False
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:

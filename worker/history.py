@@ -26,6 +26,8 @@ ANSWERED_KEYS_PER_SESSION = 256
 class PromptRenderer(Protocol):
     """The model's chat template and tokenizer (see tokenizer.py)."""
 
+    opens_reasoning: bool  # the generation prompt opens <think> (QwQ-style templates)
+
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]: ...
 
     def count_text(self, text: str) -> int: ...

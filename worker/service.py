@@ -96,8 +96,6 @@ class Service:
         self._tasks: set[asyncio.Task[None]] = set()
         self._ids = itertools.count(1)
         self._stop_requested = stop_requested
-        self._stop_tokens = list(getattr(renderer, "stop_token_ids", []))
-        self._opens_reasoning = bool(getattr(renderer, "opens_reasoning", False))
 
     @property
     def pending(self) -> int:
@@ -366,7 +364,7 @@ class Service:
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
         finally:
             runtime.running.pop(key, None)
-        answer, _reasoning = split_reasoning("".join(parts), opened_in_prompt=self._opens_reasoning)
+        answer, _reasoning = split_reasoning("".join(parts), opened_in_prompt=self.renderer.opens_reasoning)
         if finish_reason != "cancelled":
             history.turns.append(Turn(key, request.message, answer))
         logger.debug("Reply {} of {}: {!r}", key, address, answer)
