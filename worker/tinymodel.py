@@ -335,6 +335,8 @@ def generate_geometry_model(outdir: Path, geometry: str, *, think: bool = False)
         "use_sliding_window": False,
         "tie_word_embeddings": tied,
         "torch_dtype": "bfloat16",
+        # as in the real Qwen2.5 configs; without it transformers 5 suspects a Mistral tokenizer and warns
+        "transformers_version": "4.43.1",
         "use_cache": True,
         "vocab_size": vocab_size,
     }
