@@ -21,6 +21,8 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
+from worker.transport import set_tcp_nodelay
+
 REPO = Path(__file__).resolve().parent.parent
 
 
@@ -51,7 +53,7 @@ class Mosquitto:
         return (
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
-            f"log_dest file {self.log}\nlog_type all\n{self.extra_config}"
+            f"set_tcp_nodelay true\nlog_dest file {self.log}\nlog_type all\n{self.extra_config}"
         )
 
     def start(self) -> None:
@@ -100,6 +102,7 @@ class Client:
             Received(m.topic, bytes(m.payload), bool(m.retain), m.properties)
         )
         self._client.connect("127.0.0.1", port, keepalive=30)
+        set_tcp_nodelay(self._client)
         self._client.loop_start()
         for topic in subscriptions:
             result, _ = self._client.subscribe(topic, qos=1)

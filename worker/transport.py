@@ -9,6 +9,7 @@ service, once they are answered (the broker redelivers what was never acknowledg
 from __future__ import annotations
 
 import asyncio
+import socket
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -51,6 +52,16 @@ class MqttSettings:
     status_topic: str
 
 
+def set_tcp_nodelay(client: mqtt.Client) -> None:
+    """Disable Nagle's algorithm on the client's socket. A reply and an acknowledgement are
+    small writes back to back; with Nagle the second waits for the peer's delayed ACK
+    (~40 ms on Linux). Measured on loopback: 88 ms per request/reply round trip with Nagle
+    on both the broker and the clients, 0.5 ms with it off on both (see docs/protocol.md)."""
+    sock = client.socket()
+    if isinstance(sock, socket.socket) and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+
 class MqttTransport:
     def __init__(self, settings: MqttSettings, loop: asyncio.AbstractEventLoop) -> None:
         self.settings = settings
@@ -84,6 +95,7 @@ class MqttTransport:
             if reason.is_failure:
                 logger.error("MQTT connect refused: {}", reason)
                 return
+            set_tcp_nodelay(client)
             # Subscribing here (not in the loop) makes every reconnect resubscribe at once.
             client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
