@@ -115,9 +115,19 @@ def main() -> int:
     parser.add_argument("--user-words", type=int, default=110)
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--json", help="write the results here")
+    parser.add_argument("--wait-online", type=float, default=0, help="first wait this long for the worker's status")
     args = parser.parse_args()
 
     driver = Driver(args.host, args.port, args.prefix)
+    if args.wait_online:
+        status: queue.Queue[bytes] = queue.Queue()
+        driver.client.message_callback_add(
+            f"{args.prefix}/_worker/{args.worker_id}/status", lambda c, u, m: status.put(m.payload)
+        )
+        driver.client.subscribe(f"{args.prefix}/_worker/{args.worker_id}/status", qos=1)
+        deadline = time.monotonic() + args.wait_online
+        while status.get(timeout=max(0.1, deadline - time.monotonic())) != b"online":
+            pass
     system = text(args.system_words, 99)
     out: dict[str, Any] = {"args": vars(args)}
 
