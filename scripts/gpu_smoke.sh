@@ -13,13 +13,11 @@ model=/tmp/model-$geometry
 printf 'listener 1883 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n' > /tmp/mosquitto.conf
 LD_LIBRARY_PATH=/root/mosq/lib /root/mosq/bin/mosquitto -c /tmp/mosquitto.conf >/dev/null 2>&1 &
 broker=$!
-start=$(date +%s)
 setsid python3 -m worker --model "$model" --engine-extra '{"load_format": "dummy"}' --worker-id gpu \
   --stats-interval 5 "$@" >"$out/worker-$geometry.log" 2>&1 &
 worker=$!
 python3 bench/smoke.py --worker-id gpu --wait-online 600 --json "$out/smoke-$geometry.json" \
   --turns 6 --sessions 1 8 32 64 || { tail -50 "$out/worker-$geometry.log"; exit 1; }
-echo "worker up after: $(grep -m1 -o 'MQTT connected' "$out/worker-$geometry.log" >/dev/null && echo ok) start ${start}"
 grep -E "Engine ready|Starting vLLM|Stats:" "$out/worker-$geometry.log" | tail -4
 kill -TERM "$worker"; timeout 60 tail --pid="$worker" -f /dev/null || true
 kill -KILL -- "-$worker" 2>/dev/null || true
