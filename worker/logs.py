@@ -2,16 +2,24 @@
 
 vLLM, paho and transformers log through the standard ``logging`` module; an intercepting
 handler routes their records into loguru so that one sink, one format and one level apply.
+vLLM's engine runs in child processes that configure their own logging from
+``VLLM_LOGGING_CONFIG_PATH``: the worker points it at a config whose handler is
+``LoguruHandler``, so the children log in the same format too.
 """
 
 from __future__ import annotations
 
+import json
 import logging
+import os
 import sys
+import tempfile
+from pathlib import Path
 
 from loguru import logger
 
-FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {name}: {message}"
+FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[name]}: {message}"
+_configured_in_process: int | None = None  # the pid that configured loguru
 
 
 class InterceptHandler(logging.Handler):
@@ -23,20 +31,26 @@ class InterceptHandler(logging.Handler):
         logger.opt(depth=6, exception=record.exc_info).bind(name=record.name).log(level, record.getMessage())
 
 
-def configure_logging(level: str = "INFO", *, json_logs: bool = False) -> None:
+class LoguruHandler(InterceptHandler):
+    """The handler of vLLM's logging config: configures loguru in a child process that
+    has not done so (vLLM's engine core), then intercepts like the parent's handler."""
+
+    def __init__(self, log_level: str = "INFO", json_logs: bool = False) -> None:
+        super().__init__()
+        if _configured_in_process != os.getpid():
+            configure_logging(log_level, json_logs=json_logs, intercept_root=False)
+
+
+def configure_logging(level: str = "INFO", *, json_logs: bool = False, intercept_root: bool = True) -> None:
+    global _configured_in_process
+    _configured_in_process = os.getpid()
     logger.remove()
     logger.configure(patcher=lambda record: record["extra"].setdefault("name", record["name"]))
-    logger.add(
-        sys.stderr,
-        level=level,
-        serialize=json_logs,
-        format=FORMAT.replace("{name}", "{extra[name]}"),
-        backtrace=False,
-        diagnose=False,
-    )
-    logging.basicConfig(handlers=[InterceptHandler()], level=0, force=True)
-    logging.getLogger().setLevel("DEBUG" if level == "TRACE" else level)
-    route_library_logging()
+    logger.add(sys.stderr, level=level, serialize=json_logs, format=FORMAT, backtrace=False, diagnose=False)
+    if intercept_root:
+        logging.basicConfig(handlers=[InterceptHandler()], level=0, force=True)
+        logging.getLogger().setLevel("DEBUG" if level == "TRACE" else level)
+        route_library_logging()
 
 
 def route_library_logging() -> None:
@@ -46,3 +60,25 @@ def route_library_logging() -> None:
         std = logging.getLogger(name)
         std.handlers = []
         std.propagate = True
+
+
+def use_loguru_in_vllm_processes(level: str, *, json_logs: bool) -> Path | None:
+    """Point vLLM (this process and the engine processes it spawns) at a logging config
+    that logs through loguru. Must run before vLLM is imported; an explicit
+    VLLM_LOGGING_CONFIG_PATH of the operator's wins. Returns the file written (to delete)."""
+    if os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
+        return None
+    std_level = "DEBUG" if level == "TRACE" else level
+    config = {
+        "version": 1,
+        "disable_existing_loggers": False,
+        "handlers": {
+            "loguru": {"class": f"{__name__}.LoguruHandler", "log_level": level, "json_logs": json_logs},
+        },
+        "loggers": {"vllm": {"handlers": ["loguru"], "level": std_level, "propagate": False}},
+    }
+    fd, path = tempfile.mkstemp(prefix="worker-vllm-logging-", suffix=".json")
+    with os.fdopen(fd, "w") as fh:
+        json.dump(config, fh)
+    os.environ["VLLM_LOGGING_CONFIG_PATH"] = path
+    return Path(path)

@@ -19,7 +19,7 @@ from loguru import logger
 from . import __version__
 from .cli import ConfigError, load_config, render_toml
 from .config import WorkerConfig
-from .logs import configure_logging, route_library_logging
+from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,10 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             "The MQTT password was given on the command line, where ps shows it: "
             "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
         )
+    vllm_logging = use_loguru_in_vllm_processes(config.logging.level, json_logs=config.logging.json_logs)
     try:
         return asyncio.run(serve(config))
     except KeyboardInterrupt:  # a second Ctrl-C
         return 130
+    finally:
+        if vllm_logging is not None:
+            vllm_logging.unlink(missing_ok=True)
 
 
 async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
