@@ -178,5 +178,9 @@ class SessionStore:
             self._sessions.popitem(last=False)
         return history
 
+    def peek(self, name: str) -> SessionHistory | None:
+        """The session if it exists; neither creates nor refreshes it."""
+        return self._sessions.get(name)
+
     def __len__(self) -> int:
         return len(self._sessions)

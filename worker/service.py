@@ -58,7 +58,7 @@ class _SessionRuntime:
     """What is in flight for one session; dropped when the session goes idle."""
 
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    queued: int = 0
+    waiting: int = 0  # tasks (turns and resets) waiting for the lock
     running: dict[str, str] = field(default_factory=dict)  # request key -> engine request id
     cancelled: set[str] = field(default_factory=set)  # keys cancelled while queued
     messages: dict[str, list[InboundMessage]] = field(default_factory=dict)  # key -> copies to ack
@@ -176,8 +176,8 @@ class Service:
     def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
         key = request_key(message.topic, message.payload, best_effort_request_id(message.payload))
         target = self._reply_target(message, address)
-        history = self.sessions.get(str(address))
-        if key in history.answered:
+        history = self.sessions.peek(str(address))
+        if history is not None and key in history.answered:
             logger.info("Request {} of {} already answered: publishing the stored reply", key, address)
             self._publish(target, history.answered[key])
             self.transport.ack(message)
@@ -194,7 +194,7 @@ class Service:
             self._answer_error(message, address, target, key, exc)
             return
         runtime.messages[key] = [message]
-        runtime.queued += 1
+        runtime.waiting += 1
         self._spawn(self._run_turn(message, address, target, key, request, runtime))
 
     def _admit(self, request: ChatRequest, runtime: _SessionRuntime) -> None:
@@ -227,6 +227,7 @@ class Service:
             self._cancel(address, runtime, control.request_id)
             self.transport.ack(message)
         elif control.action == "reset":
+            runtime.waiting += 1
             self._spawn(self._reset(message, address, target, runtime))
         else:
             unsupported = RequestError(
@@ -250,6 +251,7 @@ class Service:
         self, message: InboundMessage, address: SessionAddress, target: _Target, runtime: _SessionRuntime
     ) -> None:
         async with runtime.lock:  # in order with the session's turns
+            runtime.waiting -= 1
             self.sessions.get(str(address)).reset()
             logger.info("Session {} reset", address)
             self._publish(target, ControlReply(session_id=address.session, action="reset").to_json())
@@ -269,7 +271,7 @@ class Service:
     ) -> None:
         try:
             async with runtime.lock:
-                runtime.queued -= 1
+                runtime.waiting -= 1
                 payload = await self._generate(message, address, target, key, request, runtime)
             history = self.sessions.get(str(address))
             history.remember_answer(key, payload)
@@ -464,6 +466,6 @@ class Service:
             self.transport.ack(message)
 
     def _forget_if_idle(self, address: SessionAddress, runtime: _SessionRuntime) -> None:
-        idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.queued == 0
+        idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.waiting == 0
         if idle and self._runtime.get(str(address)) is runtime:
             del self._runtime[str(address)]
