@@ -123,7 +123,8 @@ def test_stats_report() -> None:
     stats = StatsCollector("w")
     for ms in (100.0, 200.0, 300.0, 400.0):
         stats.record_reply(
-            queue_ms=1, ttft_ms=ms / 10, total_ms=ms, prompt_tokens=10, completion_tokens=5, cached_tokens=4
+            Usage(prompt_tokens=10, completion_tokens=5, cached_tokens=4),
+            Latency(queue_ms=1, ttft_ms=ms / 10, total_ms=ms),
         )
     stats.record_error("busy")
     engine = EngineStats(

@@ -9,28 +9,21 @@ continuously. Every inbound message is acknowledged exactly when it has been ans
 from __future__ import annotations
 
 import asyncio
-import itertools
-import time
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from loguru import logger
 
 from .config import WorkerConfig
-from .engine import Engine, EngineDead, EngineError, GenerationRequest, SamplingOptions
-from .history import HistoryLimits, PromptRenderer, SessionStore, Turn, build_prompt, split_reasoning
+from .engine import Engine, EngineDead
+from .history import HistoryLimits, PromptRenderer, SessionStore
 from .messages import (
-    ChatReply,
     ChatRequest,
     ControlReply,
     ErrorBody,
     ErrorCode,
     ErrorReply,
-    Latency,
     RequestError,
-    StreamDelta,
-    Usage,
     best_effort_request_id,
     parse_chat_request,
     parse_control,
@@ -39,39 +32,15 @@ from .messages import (
 from .stats import StatsCollector
 from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from .transport import InboundMessage
+from .turns import PendingTurn, Publisher, ReplyTarget, SessionRuntime, TurnRunner
 
 
-class Transport(Protocol):
+class Transport(Publisher, Protocol):
     inbox: asyncio.Queue[InboundMessage]
-
-    def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> None: ...
 
     def ack(self, message: InboundMessage) -> None: ...
 
     def stop_receiving(self) -> None: ...
-
-
-@dataclass
-class _SessionRuntime:
-    """What is in flight for one session; dropped when the session goes idle."""
-
-    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
-    waiting: int = 0  # tasks (turns and resets) waiting for the lock
-    running: dict[str, str] = field(default_factory=dict)  # request key -> engine request id
-    cancelled: set[str] = field(default_factory=set)  # keys cancelled while queued
-    messages: dict[str, list[InboundMessage]] = field(default_factory=dict)  # key -> copies to ack
-
-
-@dataclass
-class _Target:
-    topic: str
-    correlation_data: bytes | None
-
-
-def _ms(start: float, end: float) -> float:
-    return round((end - start) * 1000, 1)
 
 
 class Service:
@@ -91,11 +60,20 @@ class Service:
         self.worker_id = config.effective_worker_id
         self.sessions = SessionStore(config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
-        self.limits = HistoryLimits(config.history.max_history_turns, config.history.max_history_tokens)
-        self._runtime: dict[str, _SessionRuntime] = {}
+        self._runtime: dict[str, SessionRuntime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
-        self._ids = itertools.count(1)
         self._stop_requested = stop_requested
+        self.turns = TurnRunner(
+            engine=engine,
+            renderer=renderer,
+            generation=config.generation,
+            limits=HistoryLimits(config.history.max_history_turns, config.history.max_history_tokens),
+            default_system_prompt=config.history.system_prompt,
+            topics=self.topics,
+            publisher=transport,
+            stats=self.stats,
+            engine_died=stop_requested,
+        )
 
     @property
     def pending(self) -> int:
@@ -158,8 +136,8 @@ class Service:
         else:
             self._dispatch_request(message, address)
 
-    def _runtime_for(self, address: SessionAddress) -> _SessionRuntime:
-        return self._runtime.setdefault(str(address), _SessionRuntime())
+    def _runtime_for(self, address: SessionAddress) -> SessionRuntime:
+        return self._runtime.setdefault(str(address), SessionRuntime())
 
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task = asyncio.ensure_future(coro)
@@ -195,9 +173,9 @@ class Service:
             return
         runtime.messages[key] = [message]
         runtime.waiting += 1
-        self._spawn(self._run_turn(message, address, target, key, request, runtime))
+        self._spawn(self._run_turn(PendingTurn(message, address, target, key, request, runtime)))
 
-    def _admit(self, request: ChatRequest, runtime: _SessionRuntime) -> None:
+    def _admit(self, request: ChatRequest, runtime: SessionRuntime) -> None:
         limits, generation = self.config.limits, self.config.generation
         if request.max_tokens is not None and request.max_tokens > generation.max_tokens_limit:
             raise RequestError(
@@ -235,7 +213,7 @@ class Service:
             )
             self._answer_error(message, address, target, control.request_id, unsupported)
 
-    def _cancel(self, address: SessionAddress, runtime: _SessionRuntime, key: str | None) -> None:
+    def _cancel(self, address: SessionAddress, runtime: SessionRuntime, key: str | None) -> None:
         if key is None:
             logger.info("Cancel for {} without requestId ignored", address)
         elif key in runtime.running:
@@ -248,7 +226,7 @@ class Service:
             logger.info("Cancel for {} of {}: nothing in flight", key, address)
 
     async def _reset(
-        self, message: InboundMessage, address: SessionAddress, target: _Target, runtime: _SessionRuntime
+        self, message: InboundMessage, address: SessionAddress, target: ReplyTarget, runtime: SessionRuntime
     ) -> None:
         async with runtime.lock:  # in order with the session's turns
             runtime.waiting -= 1
@@ -260,19 +238,12 @@ class Service:
 
     # -- one turn -----------------------------------------------------------------------
 
-    async def _run_turn(
-        self,
-        message: InboundMessage,
-        address: SessionAddress,
-        target: _Target,
-        key: str,
-        request: ChatRequest,
-        runtime: _SessionRuntime,
-    ) -> None:
+    async def _run_turn(self, turn: PendingTurn) -> None:
+        message, address, target, key, runtime = turn.message, turn.address, turn.target, turn.key, turn.runtime
         try:
             async with runtime.lock:
                 runtime.waiting -= 1
-                payload = await self._generate(message, address, target, key, request, runtime)
+                payload = await self.turns.run(turn, self.sessions.get(str(address)))
             history = self.sessions.get(str(address))
             history.remember_answer(key, payload)
             self._publish(target, payload)
@@ -295,143 +266,9 @@ class Service:
             runtime.cancelled.discard(key)
             self._forget_if_idle(address, runtime)
 
-    async def _generate(
-        self,
-        message: InboundMessage,
-        address: SessionAddress,
-        target: _Target,
-        key: str,
-        request: ChatRequest,
-        runtime: _SessionRuntime,
-    ) -> bytes:
-        config = self.config
-        history = self.sessions.get(str(address))
-        if request.system_prompt is not None:
-            history.system_prompt = request.system_prompt
-        elif history.system_prompt is None:
-            history.system_prompt = config.history.system_prompt
-        max_tokens = request.max_tokens or config.generation.max_tokens
-        if key in runtime.cancelled:
-            return self._reply(address, key, "", "cancelled", 0, 0, 0, message.received_at, None)
-        prompt = build_prompt(
-            self.renderer,
-            history,
-            request.message,
-            limits=self.limits,
-            max_tokens=max_tokens,
-            max_model_len=self.engine.info.max_model_len,
-        )
-        for trim in prompt.trims:
-            logger.info(
-                "Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
-                address,
-                trim.dropped_turns,
-                trim.kept_turns,
-                trim.tokens_before,
-                trim.tokens_after,
-            )
-        sampling = SamplingOptions(
-            max_tokens=max_tokens,
-            temperature=config.generation.temperature if request.temperature is None else request.temperature,
-            top_p=config.generation.top_p if request.top_p is None else request.top_p,
-            stop=tuple(config.generation.stop),
-        )
-        engine_id = f"{address}/{key}/{next(self._ids)}"
-        submitted = time.monotonic()
-        first_token: float | None = None
-        parts: list[str] = []
-        seq = 0
-        finish_reason, completion, prompt_tokens, cached = "stop", 0, len(prompt.token_ids), 0
-        logger.debug("Request {} of {}: {!r}", key, address, request.message)
-        runtime.running[key] = engine_id
-        try:
-            async for update in self.engine.generate(GenerationRequest(engine_id, prompt.token_ids, sampling)):
-                if first_token is None and update.completion_tokens > 0:
-                    first_token = time.monotonic()
-                if update.delta:
-                    parts.append(update.delta)
-                    if request.stream:
-                        delta = StreamDelta(request_id=key, seq=seq, delta=update.delta)
-                        self.transport.publish(self.topics.stream(address), delta.to_json(), qos=0)
-                        seq += 1
-                completion, prompt_tokens, cached = update.completion_tokens, update.prompt_tokens, update.cached_tokens
-                if update.finished:
-                    finish_reason = update.finish_reason or "stop"
-        except EngineDead as exc:
-            logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, key)
-            self._stop_requested(1)
-            raise
-        except EngineError as exc:
-            logger.error("Engine error on request {} of {}: {}", key, address, exc)
-            raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
-        finally:
-            runtime.running.pop(key, None)
-        answer, _reasoning = split_reasoning("".join(parts), opened_in_prompt=self.renderer.opens_reasoning)
-        if finish_reason != "cancelled":
-            history.turns.append(Turn(key, request.message, answer))
-        logger.debug("Reply {} of {}: {!r}", key, address, answer)
-        payload = self._reply(
-            address,
-            key,
-            answer,
-            finish_reason,
-            prompt_tokens,
-            completion,
-            cached,
-            message.received_at,
-            (submitted, first_token),
-        )
-        return payload
-
-    def _reply(
-        self,
-        address: SessionAddress,
-        key: str,
-        answer: str,
-        finish_reason: str,
-        prompt_tokens: int,
-        completion: int,
-        cached: int,
-        received: float,
-        timing: tuple[float, float | None] | None,
-    ) -> bytes:
-        now = time.monotonic()
-        submitted, first_token = timing if timing else (now, None)
-        latency = Latency(
-            queue_ms=_ms(received, submitted), ttft_ms=_ms(received, first_token or now), total_ms=_ms(received, now)
-        )
-        self.stats.record_reply(
-            queue_ms=latency.queue_ms,
-            ttft_ms=latency.ttft_ms,
-            total_ms=latency.total_ms,
-            prompt_tokens=prompt_tokens,
-            completion_tokens=completion,
-            cached_tokens=cached,
-            cancelled=finish_reason == "cancelled",
-        )
-        logger.info(
-            "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
-            key,
-            address,
-            prompt_tokens,
-            cached,
-            completion,
-            finish_reason,
-            latency.total_ms,
-        )
-        reply = ChatReply(
-            session_id=address.session,
-            request_id=key,
-            reply=answer,
-            finish_reason=finish_reason,
-            usage=Usage(prompt_tokens=prompt_tokens, completion_tokens=completion, cached_tokens=cached),
-            latency=latency,
-        )
-        return reply.to_json()
-
     # -- replies ------------------------------------------------------------------------
 
-    def _reply_target(self, message: InboundMessage, address: SessionAddress) -> _Target:
+    def _reply_target(self, message: InboundMessage, address: SessionAddress) -> ReplyTarget:
         own = self.topics.reply(address)
         wanted = message.response_topic
         if wanted and wanted != own:
@@ -441,16 +278,16 @@ class Service:
             if not allowed:
                 logger.warning("ResponseTopic {!r} of {} is not allowed; replying on {}", wanted[:300], address, own)
                 wanted = None
-        return _Target(wanted or own, message.correlation_data)
+        return ReplyTarget(wanted or own, message.correlation_data)
 
-    def _publish(self, target: _Target, payload: bytes) -> None:
+    def _publish(self, target: ReplyTarget, payload: bytes) -> None:
         self.transport.publish(target.topic, payload, qos=1, correlation_data=target.correlation_data)
 
     def _answer_error(
         self,
         message: InboundMessage,
         address: SessionAddress,
-        target: _Target,
+        target: ReplyTarget,
         key: str | None,
         exc: RequestError,
         *,
@@ -465,7 +302,7 @@ class Service:
         if ack:
             self.transport.ack(message)
 
-    def _forget_if_idle(self, address: SessionAddress, runtime: _SessionRuntime) -> None:
+    def _forget_if_idle(self, address: SessionAddress, runtime: SessionRuntime) -> None:
         idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.waiting == 0
         if idle and self._runtime.get(str(address)) is runtime:
             del self._runtime[str(address)]

@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
 from .engine import EngineStats
+from .messages import Latency, Usage
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -102,27 +103,17 @@ class StatsCollector:
         self.cached_tokens = 0
         self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
 
-    def record_reply(
-        self,
-        *,
-        queue_ms: float,
-        ttft_ms: float,
-        total_ms: float,
-        prompt_tokens: int,
-        completion_tokens: int,
-        cached_tokens: int,
-        cancelled: bool = False,
-    ) -> None:
+    def record_reply(self, usage: Usage, latency: Latency, *, cancelled: bool = False) -> None:
         self.processed += 1
         self.cancelled += int(cancelled)
-        self.prompt_tokens += prompt_tokens
-        self.completion_tokens += completion_tokens
-        self.cached_tokens += cached_tokens
+        self.prompt_tokens += usage.prompt_tokens
+        self.completion_tokens += usage.completion_tokens
+        self.cached_tokens += usage.cached_tokens
         interval = self._interval
-        interval.latencies_ms.append(total_ms)
-        interval.ttfts_ms.append(ttft_ms)
-        interval.queues_ms.append(queue_ms)
-        interval.completion_tokens += completion_tokens
+        interval.latencies_ms.append(latency.total_ms)
+        interval.ttfts_ms.append(latency.ttft_ms)
+        interval.queues_ms.append(latency.queue_ms)
+        interval.completion_tokens += usage.completion_tokens
 
     def record_error(self, code: str) -> None:
         self.errors_by_code[code] += 1

@@ -1,0 +1,215 @@
+"""One turn of a session: prompt, generation, streaming, reply.
+
+The service decides *whether* and *when* a request runs (validation, admission, per-session
+order); the TurnRunner runs it: builds the trimmed prompt from the session's history, streams
+the generation from the engine (publishing deltas when asked), stores the turn, and builds the
+reply with its token counts and latencies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from loguru import logger
+
+from .config import GenerationConfig
+from .engine import Engine, EngineDead, EngineError, GenerationRequest, SamplingOptions
+from .history import HistoryLimits, PromptRenderer, SessionHistory, Turn, build_prompt, split_reasoning
+from .messages import ChatReply, ChatRequest, ErrorCode, Latency, RequestError, StreamDelta, Usage
+from .stats import StatsCollector
+from .topics import SessionAddress, Topics
+from .transport import InboundMessage
+
+
+class Publisher(Protocol):
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
+    ) -> None: ...
+
+
+@dataclass
+class SessionRuntime:
+    """What is in flight for one session; dropped when the session goes idle."""
+
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    waiting: int = 0  # tasks (turns and resets) waiting for the lock
+    running: dict[str, str] = field(default_factory=dict)  # request key -> engine request id
+    cancelled: set[str] = field(default_factory=set)  # keys cancelled while queued
+    messages: dict[str, list[InboundMessage]] = field(default_factory=dict)  # key -> copies to ack
+
+
+@dataclass(frozen=True)
+class ReplyTarget:
+    """Where a request's answer goes: a topic, and the MQTT 5 correlation data to echo."""
+
+    topic: str
+    correlation_data: bytes | None
+
+
+@dataclass
+class Outcome:
+    """What a generation produced, and when."""
+
+    submitted: float  # time.monotonic() when handed to the engine
+    first_token: float | None = None
+    text: str = ""
+    finish_reason: str = "stop"
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+
+
+@dataclass
+class PendingTurn:
+    """One accepted request on its way through the session queue and the engine."""
+
+    message: InboundMessage
+    address: SessionAddress
+    target: ReplyTarget
+    key: str
+    request: ChatRequest
+    runtime: SessionRuntime
+
+
+def ms_between(start: float, end: float) -> float:
+    return round((end - start) * 1000, 1)
+
+
+class TurnRunner:
+    def __init__(
+        self,
+        *,
+        engine: Engine,
+        renderer: PromptRenderer,
+        generation: GenerationConfig,
+        limits: HistoryLimits,
+        default_system_prompt: str | None,
+        topics: Topics,
+        publisher: Publisher,
+        stats: StatsCollector,
+        engine_died: Callable[[int], None],
+    ) -> None:
+        self.engine = engine
+        self.renderer = renderer
+        self.generation = generation
+        self.limits = limits
+        self.default_system_prompt = default_system_prompt
+        self.topics = topics
+        self.publisher = publisher
+        self.stats = stats
+        self._engine_died = engine_died
+        self._ids = itertools.count(1)
+
+    async def run(self, turn: PendingTurn, history: SessionHistory) -> bytes:
+        """Generate the turn's reply, store the turn in the history; the reply payload."""
+        address, request = turn.address, turn.request
+        generation = self.generation
+        if request.system_prompt is not None:
+            history.system_prompt = request.system_prompt
+        elif history.system_prompt is None:
+            history.system_prompt = self.default_system_prompt
+        if turn.key in turn.runtime.cancelled:
+            return self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled"))
+        max_tokens = request.max_tokens or generation.max_tokens
+        prompt = build_prompt(
+            self.renderer,
+            history,
+            request.message,
+            limits=self.limits,
+            max_tokens=max_tokens,
+            max_model_len=self.engine.info.max_model_len,
+        )
+        for trim in prompt.trims:
+            logger.info(
+                "Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
+                address,
+                trim.dropped_turns,
+                trim.kept_turns,
+                trim.tokens_before,
+                trim.tokens_after,
+            )
+        sampling = SamplingOptions(
+            max_tokens=max_tokens,
+            temperature=generation.temperature if request.temperature is None else request.temperature,
+            top_p=generation.top_p if request.top_p is None else request.top_p,
+            stop=tuple(generation.stop),
+        )
+        logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
+        outcome = await self._stream(
+            turn, GenerationRequest(f"{address}/{turn.key}/{next(self._ids)}", prompt.token_ids, sampling)
+        )
+        answer, _reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
+        outcome.text = answer
+        if outcome.finish_reason != "cancelled":
+            history.turns.append(Turn(turn.key, request.message, answer))
+        logger.debug("Reply {} of {}: {!r}", turn.key, address, answer)
+        return self.reply(turn, outcome)
+
+    async def _stream(self, turn: PendingTurn, request: GenerationRequest) -> Outcome:
+        """Run the generation, publishing deltas if asked; what came out of it."""
+        outcome = Outcome(submitted=time.monotonic(), prompt_tokens=len(request.prompt_token_ids))
+        parts: list[str] = []
+        turn.runtime.running[turn.key] = request.request_id
+        try:
+            async for update in self.engine.generate(request):
+                if outcome.first_token is None and update.completion_tokens > 0:
+                    outcome.first_token = time.monotonic()
+                if update.delta:
+                    if turn.request.stream:
+                        delta = StreamDelta(request_id=turn.key, seq=len(parts), delta=update.delta)
+                        self.publisher.publish(self.topics.stream(turn.address), delta.to_json(), qos=0)
+                    parts.append(update.delta)
+                outcome.completion_tokens = update.completion_tokens
+                outcome.prompt_tokens, outcome.cached_tokens = update.prompt_tokens, update.cached_tokens
+                if update.finished:
+                    outcome.finish_reason = update.finish_reason or "stop"
+        except EngineDead as exc:
+            logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, turn.key)
+            self._engine_died(1)
+            raise
+        except EngineError as exc:
+            logger.error("Engine error on request {} of {}: {}", turn.key, turn.address, exc)
+            raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
+        finally:
+            turn.runtime.running.pop(turn.key, None)
+        outcome.text = "".join(parts)
+        return outcome
+
+    def reply(self, turn: PendingTurn, outcome: Outcome) -> bytes:
+        now = time.monotonic()
+        received = turn.message.received_at
+        latency = Latency(
+            queue_ms=ms_between(received, outcome.submitted),
+            total_ms=ms_between(received, now),
+            ttft_ms=ms_between(received, outcome.first_token or now),
+        )
+        usage = Usage(
+            prompt_tokens=outcome.prompt_tokens,
+            completion_tokens=outcome.completion_tokens,
+            cached_tokens=outcome.cached_tokens,
+        )
+        self.stats.record_reply(usage, latency, cancelled=outcome.finish_reason == "cancelled")
+        logger.info(
+            "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
+            turn.key,
+            turn.address,
+            usage.prompt_tokens,
+            usage.cached_tokens,
+            usage.completion_tokens,
+            outcome.finish_reason,
+            latency.total_ms,
+        )
+        reply = ChatReply(
+            session_id=turn.address.session,
+            request_id=turn.key,
+            reply=outcome.text,
+            finish_reason=outcome.finish_reason,
+            usage=usage,
+            latency=latency,
+        )
+        return reply.to_json()
