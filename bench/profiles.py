@@ -1,0 +1,90 @@
+"""Benchmark sizes and engine settings per machine."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from worker.config import EngineConfig, flag_for
+
+
+@dataclass(frozen=True)
+class Profile:
+    engine_overrides: dict[str, Any]  # EngineConfig fields, the same for the worker and in-process
+    concurrency: tuple[int, ...] = (1, 5, 10, 50, 100)
+    one_at_a_time: tuple[int, ...] = (1, 5, 10)
+    turns: int = 3
+    multi_turns: int = 10
+    structured_sessions: int = 16
+    max_tokens: int = 128
+    before_max_tokens: int = 512  # the "before" script's maxTokens
+    decode_tokens: int = 512
+    ablation: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
+        settings = {**self.engine_overrides, **overrides}
+        settings["extra"] = {**self.engine_overrides.get("extra", {}), **overrides.get("extra", {})}
+        return EngineConfig(model=str(model), **settings)
+
+    @property
+    def worker_args(self) -> list[str]:
+        """The same engine settings as worker flags."""
+        args: list[str] = []
+        fields = EngineConfig.model_fields
+        for key, value in self.engine_overrides.items():
+            flag = flag_for("engine", key, fields[key])
+            if isinstance(value, bool):
+                args.append(flag if value else f"--no-{flag[2:]}")
+            elif isinstance(value, dict):
+                args += [flag, json.dumps(value)]
+            else:
+                args += [flag, str(value)]
+        return args
+
+
+_CPU_ENGINE = {"enforce_eager": True, "block_size": 32, "gpu_memory_utilization": 0.3, "max_model_len": 4096}
+
+PROFILES: dict[str, Profile] = {
+    # The tiny generated model on this machine's CPU: minutes, not hours.
+    "cpu": Profile(
+        _CPU_ENGINE,
+        concurrency=(1, 4, 8, 16),
+        one_at_a_time=(1, 4, 8),
+        multi_turns=10,
+        structured_sessions=4,
+        max_tokens=32,
+        before_max_tokens=128,  # 512 x 10 turns would not fit the tiny model's 4096 positions
+        decode_tokens=128,
+    ),
+    # CI: does every phase run end to end? No timing is asserted.
+    "smoke": Profile(
+        _CPU_ENGINE,
+        concurrency=(1, 4),
+        one_at_a_time=(1, 2),
+        turns=2,
+        multi_turns=3,
+        structured_sessions=2,
+        max_tokens=16,
+        before_max_tokens=64,
+        decode_tokens=32,
+    ),
+    # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
+    # long enough for ten turns without trimming in the "before" pattern.
+    "gpu": Profile(
+        {"max_model_len": 16384},
+        ablation={
+            "default": {},
+            "eager": {"enforce_eager": True},
+            "max_num_seqs_64": {"max_num_seqs": 64},
+            "batched_tokens_16k": {"extra": {"max_num_batched_tokens": 16384}},
+            "async_scheduling": {"extra": {"async_scheduling": True}},
+            "ngram_spec": {
+                "extra": {
+                    "speculative_config": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 4}
+                }
+            },
+        },
+    ),
+}
