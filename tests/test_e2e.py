@@ -11,6 +11,7 @@ import time
 import uuid
 from typing import Any
 
+import jsonschema
 import pytest
 from conftest import BLOCK_SIZE
 from paho.mqtt.packettypes import PacketTypes
@@ -225,6 +226,89 @@ def test_logging_is_routed_and_keeps_message_text_out(shared_worker: WorkerProce
     # vLLM's logging, in this process and in its engine process, goes through loguru's format.
     assert re.search(r"^\S+ \S+ \| INFO +\| vllm\.v1\.engine\.core: ", log, re.M), "engine core log not routed"
     assert re.search(r"^\S+ \S+ \| INFO +\| vllm\.config\.model: ", log, re.M)
+
+
+# Structured output. The tiny random model almost never ends a turn by itself (its end-of-turn
+# tokens are made rare); a structured reply ends because, once the grammar's JSON is complete,
+# only end-of-turn tokens are allowed. So the schema here is bounded: strings have a maxLength,
+# the integer a range, the enum fixed strings, no additional properties, and the worker's
+# default json_disable_any_whitespace allows no whitespace between tokens. With an unbounded
+# string the random model could run to maxTokens mid-string and the JSON would be cut off.
+PERSON_SCHEMA: dict[str, Any] = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+        "mood": {"enum": ["happy", "sad", "calm"]},
+    },
+    "required": ["name", "age", "mood"],
+    "additionalProperties": False,
+}
+
+
+def test_json_schema_replies_are_complete_and_valid(shared_worker: WorkerProcess, client: Client) -> None:
+    sessions = [new_session() for _ in range(4)]
+    response_format = {"type": "json_schema", "schema": PERSON_SCHEMA}
+    for turn in range(2):  # the second turn's prompt holds the first JSON reply in its history
+        for i, session in enumerate(sessions):
+            client.publish(
+                f"chat/kate/{session}/request",
+                {
+                    "message": f"Describe person {i} as JSON, turn {turn}.",
+                    "maxTokens": 96,
+                    "temperature": 1.0,
+                    "responseFormat": response_format,
+                },
+            )
+        for session in sessions:
+            reply = reply_of(client, "kate", session)
+            assert "error" not in reply, reply
+            assert reply["finishReason"] == "stop", reply  # the grammar closed the JSON before maxTokens
+            assert reply["usage"]["completionTokens"] < 96
+            data = json.loads(reply["reply"])
+            jsonschema.validate(data, PERSON_SCHEMA)
+
+
+def test_json_object_reply_is_a_json_object(shared_worker: WorkerProcess, client: Client) -> None:
+    # {"type": "object"} allows any object, without bound: greedy decoding (temperature 0) of the
+    # tiny model closes it at once, deterministically. What is checked is the contract (a
+    # complete JSON object, ended by the grammar), not what the model puts in it.
+    session = new_session()
+    client.publish(
+        f"chat/kate/{session}/request",
+        {
+            "message": "Any JSON object, please.",
+            "maxTokens": 64,
+            "temperature": 0,
+            "responseFormat": {"type": "json_object"},
+        },
+    )
+    reply = reply_of(client, "kate", session)
+    assert "error" not in reply and reply["finishReason"] == "stop", reply
+    assert isinstance(json.loads(reply["reply"]), dict)
+
+
+@pytest.mark.parametrize(
+    ("schema", "fragment"),
+    [
+        ({"type": "objekt"}, "not a valid JSON Schema at $.type"),  # refused by the worker
+        ({"type": "integer", "multipleOf": 3}, "not supported by xgrammar"),  # valid, refused by vLLM
+        ({"$ref": "#/definitions/missing"}, "Cannot find field definitions"),  # xgrammar cannot compile it
+    ],
+)
+def test_unusable_schema_is_invalid_schema(
+    shared_worker: WorkerProcess, client: Client, schema: dict[str, Any], fragment: str
+) -> None:
+    session = new_session()
+    client.publish(
+        f"chat/kate/{session}/request",
+        {"message": "x", "maxTokens": 16, "responseFormat": {"type": "json_schema", "schema": schema}},
+    )
+    reply = reply_of(client, "kate", session, timeout=60)
+    assert reply["error"]["code"] == "invalid_schema" and fragment in reply["error"]["message"], reply
+    # The session and the engine go on.
+    client.publish(f"chat/kate/{session}/request", {"message": "and now free text", "maxTokens": 4})
+    assert reply_of(client, "kate", session)["finishReason"] == "length"
 
 
 def test_clean_stop_finishes_running_work_and_publishes_offline(

@@ -6,8 +6,12 @@ import pytest
 
 from worker.engine import EngineStats
 from worker.messages import (
+    MAX_SCHEMA_DEPTH,
+    MAX_SCHEMA_NODES,
     ChatReply,
     ErrorCode,
+    JsonObjectFormat,
+    JsonSchemaFormat,
     Latency,
     RequestError,
     Usage,
@@ -44,6 +48,84 @@ def test_bad_requests(payload: bytes, code: ErrorCode, fragment: str) -> None:
         parse_chat_request(payload, "s1", 1000)
     assert err.value.code is code
     assert fragment in err.value.message
+
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 12}, "age": {"type": "integer", "minimum": 0}},
+    "required": ["name", "age"],
+}
+
+
+def chat_payload(response_format: object) -> bytes:
+    return json.dumps({"message": "hi", "responseFormat": response_format}).encode()
+
+
+def test_response_format_json_schema_and_json_object() -> None:
+    request = parse_chat_request(chat_payload({"type": "json_schema", "schema": PERSON}), "s1", 10000)
+    assert isinstance(request.response_format, JsonSchemaFormat)
+    assert request.response_format.json_schema == PERSON
+    request = parse_chat_request(chat_payload({"type": "json_object"}), "s1", 10000)
+    assert isinstance(request.response_format, JsonObjectFormat)
+    assert parse_chat_request(b'{"message": "hi"}', "s1", 100).response_format is None
+
+
+def nested(depth: int) -> dict[str, object]:
+    schema: dict[str, object] = {"type": "string"}
+    for _ in range(depth):
+        schema = {"type": "array", "items": schema}
+    return schema
+
+
+@pytest.mark.parametrize(
+    ("response_format", "code", "fragment"),
+    [
+        ({"type": "xml"}, ErrorCode.INVALID_REQUEST, "'responseFormat': Input tag 'xml'"),
+        ({"schema": PERSON}, ErrorCode.INVALID_REQUEST, "'responseFormat'"),
+        ("json", ErrorCode.INVALID_REQUEST, "'responseFormat'"),
+        ({"type": "json_schema"}, ErrorCode.INVALID_REQUEST, "'responseFormat.json_schema.schema': Field required"),
+        ({"type": "json_schema", "schema": True}, ErrorCode.INVALID_REQUEST, "'responseFormat.json_schema.schema'"),
+        ({"type": "json_object", "schema": PERSON}, ErrorCode.INVALID_REQUEST, "unknown field"),
+        ({"type": "json_schema", "schema": {"type": "objekt"}}, ErrorCode.INVALID_SCHEMA, "at $.type"),
+        (
+            {"type": "json_schema", "schema": {"properties": {"a": {"maxLength": -1}}}},
+            ErrorCode.INVALID_SCHEMA,
+            "at $.properties.a.maxLength: -1 is less than the minimum of 0",
+        ),
+        ({"type": "json_schema", "schema": {"pattern": "("}}, ErrorCode.INVALID_SCHEMA, "is not a 'regex'"),
+        ({"type": "json_schema", "schema": {"required": "name"}}, ErrorCode.INVALID_SCHEMA, "at $.required"),
+        (
+            {"type": "json_schema", "schema": nested(MAX_SCHEMA_DEPTH)},
+            ErrorCode.INVALID_SCHEMA,
+            f"deeper than {MAX_SCHEMA_DEPTH} levels",
+        ),
+        (
+            {"type": "json_schema", "schema": {"enum": list(range(MAX_SCHEMA_NODES))}},
+            ErrorCode.INVALID_SCHEMA,
+            f"more than {MAX_SCHEMA_NODES} values",
+        ),
+    ],
+)
+def test_bad_response_formats(response_format: object, code: ErrorCode, fragment: str) -> None:
+    with pytest.raises(RequestError) as err:
+        parse_chat_request(chat_payload(response_format), "s1", 100000)
+    assert err.value.code is code
+    assert fragment in err.value.message
+
+
+def test_schema_caps_are_inclusive() -> None:
+    deep = nested(MAX_SCHEMA_DEPTH - 1)  # the innermost {"type": "string"} is the last of 32 levels
+    wide = {"enum": list(range(MAX_SCHEMA_NODES - 2))}  # the schema object and the list count too
+    for schema in (deep, wide):
+        assert parse_chat_request(chat_payload({"type": "json_schema", "schema": schema}), "s1", 100000).response_format
+
+
+def test_deeply_nested_payload_is_bad_json() -> None:
+    payload = b'{"message": "hi", "x": ' + b"[" * 100000 + b"]" * 100000 + b"}"
+    with pytest.raises(RequestError) as err:
+        parse_chat_request(payload, "s1", 1000000)
+    assert err.value.code is ErrorCode.BAD_JSON
+    assert best_effort_request_id(payload) is None
 
 
 def test_control_payloads() -> None:

@@ -12,7 +12,16 @@ from typing import Any
 import pytest
 
 from worker.config import WorkerConfig
-from worker.engine import EngineDead, EngineError, EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from worker.engine import (
+    EngineDead,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    GenerationUpdate,
+    StructuredOutput,
+    StructuredOutputRejected,
+)
 from worker.history import ChatMessage
 from worker.service import Service
 from worker.transport import InboundMessage
@@ -39,12 +48,23 @@ class FakeEngine:
         self.most_running = 0
         self.aborted: set[str] = set()
         self.started: list[str] = []
+        self.requests: list[GenerationRequest] = []
+        self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
+        self.requests.append(request)
         for text, exc in self.fail.items():
             if text in request.request_id:
                 raise exc
+        for text, deltas in self.script.items():
+            if text in request.request_id:
+                for i, delta in enumerate(deltas):
+                    done = i + 1 == len(deltas)
+                    yield GenerationUpdate(
+                        delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None
+                    )
+                return
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
@@ -236,5 +256,48 @@ def test_admission_errors(message: str, code: str) -> None:
         await h.run_until(lambda: h.transport.replies("s1"))
         assert h.transport.replies("s1")[0]["error"]["code"] == code
         assert h.engine.started == []
+
+    asyncio.run(scenario())
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_response_format_reaches_the_engine_and_schema_errors_are_invalid_schema() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        # A JSON string may contain "</think>": structured replies are not split as reasoning.
+        h.engine.script = {"json": ['{"n": 1, "s": "a</think>', 'b"}'], "free": ["a</think>", "b"]}
+        h.transport.deliver(
+            "chat/u/s1/request",
+            {"message": "x", "requestId": "json", "responseFormat": {"type": "json_schema", "schema": SCHEMA}},
+        )
+        h.transport.deliver(
+            "chat/u/s1/request",
+            {"message": "x", "requestId": "obj", "maxTokens": 2, "responseFormat": {"type": "json_object"}},
+        )
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "free"})
+        bad = {"type": "json_schema", "schema": {"type": "objekt"}}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "bad", "responseFormat": bad})
+        unsupported = {"type": "json_schema", "schema": {"type": "integer", "multipleOf": 3}}
+        h.engine.fail = {"refused": StructuredOutputRejected("features not supported by xgrammar")}
+        h.transport.deliver(
+            "chat/u/s1/request", {"message": "x", "requestId": "refused", "responseFormat": unsupported}
+        )
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 5)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+        structured = {r.request_id.split("/")[-2]: r.sampling.structured for r in h.engine.requests}
+        assert structured == {
+            "json": StructuredOutput(json_schema=SCHEMA),
+            "obj": StructuredOutput(json_schema=None),
+            "free": None,
+            "refused": StructuredOutput(json_schema=unsupported["schema"]),
+        }  # "bad" never reached the engine
+        assert json.loads(replies["json"]["reply"]) == {"n": 1, "s": "a</think>b"}
+        assert replies["free"]["reply"] == "b"  # free text: the think block is removed
+        assert replies["bad"]["error"]["code"] == "invalid_schema" and "$.type" in replies["bad"]["error"]["message"]
+        assert replies["refused"]["error"]["code"] == "invalid_schema"
+        assert "xgrammar" in replies["refused"]["error"]["message"]
+        assert h.service.stats.errors_by_code == {"invalid_schema": 2}
 
     asyncio.run(scenario())

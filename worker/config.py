@@ -159,6 +159,13 @@ class GenerationConfig(Section):
     stop: list[str] = opt(
         [], "Extra stop strings. The end of turn is detected by the tokenizer's stop tokens.", flag="--stop"
     )
+    json_disable_any_whitespace: bool = opt(
+        True,
+        "Structured output (responseFormat) as compact JSON, without whitespace outside strings; "
+        "otherwise a weak model may pad the JSON with whitespace until maxTokens. Goes into vLLM's "
+        "structured_outputs_config (backend xgrammar), whose keys in engine.extra take precedence.",
+        flag="--json-disable-any-whitespace",
+    )
 
     @model_validator(mode="after")
     def _check_limits(self) -> GenerationConfig:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 class EngineError(Exception):
@@ -19,12 +19,26 @@ class EngineDead(EngineError):
     """The engine can serve nothing more; the worker must stop (and be restarted)."""
 
 
+class StructuredOutputRejected(EngineError):
+    """The engine cannot enforce this request's structured output (a schema its grammar
+    backend does not support or fails to compile); answered as invalid_schema."""
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """Constrain the reply to JSON: valid for ``json_schema`` when given, else any JSON object.
+    The schema has been checked (a valid JSON Schema of bounded size) before it gets here."""
+
+    json_schema: dict[str, Any] | None = None
+
+
 @dataclass(frozen=True)
 class SamplingOptions:
     max_tokens: int
     temperature: float
     top_p: float
     stop: tuple[str, ...] = ()
+    structured: StructuredOutput | None = None  # None: free text
 
 
 @dataclass(frozen=True)

@@ -85,7 +85,11 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     route_library_logging()
     assert config.engine.model is not None
     renderer = await asyncio.to_thread(ChatTokenizer, config.engine.model)
-    engine = await VllmEngine.start(config.engine, stop_token_ids=renderer.stop_token_ids)
+    engine = await VllmEngine.start(
+        config.engine,
+        stop_token_ids=renderer.stop_token_ids,
+        json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+    )
     route_library_logging()
 
     from .service import Service

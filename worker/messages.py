@@ -9,10 +9,16 @@ from __future__ import annotations
 import hashlib
 import json
 from enum import Enum
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
+import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
+
+# A responseFormat schema's sanity caps, checked before it reaches the engine: nesting of
+# objects and arrays, and JSON values in all (the payload size is capped separately).
+MAX_SCHEMA_DEPTH = 32
+MAX_SCHEMA_NODES = 4096
 
 
 class ErrorCode(str, Enum):
@@ -52,6 +58,22 @@ class InboundModel(WireModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid")
 
 
+class JsonSchemaFormat(InboundModel):
+    """Reply with JSON valid for ``schema`` (a JSON Schema object)."""
+
+    type: Literal["json_schema"]
+    json_schema: dict[str, Any] = Field(alias="schema")
+
+
+class JsonObjectFormat(InboundModel):
+    """Reply with any JSON object."""
+
+    type: Literal["json_object"]
+
+
+ResponseFormat = Annotated[JsonSchemaFormat | JsonObjectFormat, Field(discriminator="type")]
+
+
 class ChatRequest(InboundModel):
     message: str = Field(min_length=1)
     session_id: str | None = None
@@ -61,6 +83,7 @@ class ChatRequest(InboundModel):
     system_prompt: str | None = None
     request_id: str | None = Field(None, min_length=1, max_length=128)
     stream: bool = False
+    response_format: ResponseFormat | None = None
 
 
 class ControlRequest(InboundModel):
@@ -115,7 +138,7 @@ class StreamDelta(WireModel):
 def _payload_object(payload: bytes) -> dict[str, Any]:
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
         raise RequestError(ErrorCode.BAD_JSON, f"payload is not valid JSON: {exc}") from None
     if not isinstance(data, dict):
         raise RequestError(ErrorCode.BAD_JSON, "payload must be a JSON object")
@@ -146,7 +169,42 @@ def parse_chat_request(payload: bytes, session: str, max_payload_bytes: int) -> 
         raise RequestError(
             ErrorCode.INVALID_REQUEST, f"sessionId {request.session_id[:140]!r} differs from the topic's session"
         )
+    if isinstance(request.response_format, JsonSchemaFormat):
+        check_json_schema(request.response_format.json_schema)
     return request
+
+
+def _schema_shape(schema: Any) -> tuple[int, int]:
+    """(depth, values) of a JSON document: how deep objects and arrays nest, how many values."""
+    depth = values = 0
+    level = [schema]
+    while level:
+        values += len(level)
+        containers = [node for node in level if isinstance(node, (dict, list))]
+        if not containers:
+            break
+        depth += 1
+        if depth > MAX_SCHEMA_DEPTH or values > MAX_SCHEMA_NODES:
+            break  # already over a cap: stop walking
+        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
+    return depth, values
+
+
+def check_json_schema(schema: dict[str, Any]) -> None:
+    """Refuse (invalid_schema) a responseFormat schema that is not a valid JSON Schema, or
+    too large or deep to be compiled into a grammar in reasonable time."""
+    depth, values = _schema_shape(schema)
+    if depth > MAX_SCHEMA_DEPTH:
+        raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
+    if values > MAX_SCHEMA_NODES:
+        raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema has more than {MAX_SCHEMA_NODES} values")
+    try:
+        jsonschema.validators.validator_for(schema).check_schema(schema)
+    except jsonschema.SchemaError as exc:
+        where = exc.json_path if exc.json_path != "$" else "the top level"
+        raise RequestError(
+            ErrorCode.INVALID_SCHEMA, f"schema is not a valid JSON Schema at {where}: {exc.message[:300]}"
+        ) from None
 
 
 def parse_control(payload: bytes, max_payload_bytes: int) -> ControlRequest:
@@ -171,7 +229,7 @@ def best_effort_request_id(payload: bytes) -> str | None:
     """The requestId of a payload that failed validation, so its error can be correlated."""
     try:
         data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError):
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         return None
     value = data.get("requestId") if isinstance(data, dict) else None
     return value if isinstance(value, str) and 0 < len(value) <= 128 else None

@@ -18,9 +18,26 @@ from typing import Protocol
 from loguru import logger
 
 from .config import GenerationConfig
-from .engine import Engine, EngineDead, EngineError, GenerationRequest, SamplingOptions
+from .engine import (
+    Engine,
+    EngineDead,
+    EngineError,
+    GenerationRequest,
+    SamplingOptions,
+    StructuredOutput,
+    StructuredOutputRejected,
+)
 from .history import HistoryLimits, PromptRenderer, SessionHistory, Turn, build_prompt, split_reasoning
-from .messages import ChatReply, ChatRequest, ErrorCode, Latency, RequestError, StreamDelta, Usage
+from .messages import (
+    ChatReply,
+    ChatRequest,
+    ErrorCode,
+    JsonSchemaFormat,
+    Latency,
+    RequestError,
+    StreamDelta,
+    Usage,
+)
 from .stats import StatsCollector
 from .topics import SessionAddress, Topics
 from .transport import InboundMessage
@@ -74,6 +91,15 @@ class PendingTurn:
     key: str
     request: ChatRequest
     runtime: SessionRuntime
+
+
+def structured_output(request: ChatRequest) -> StructuredOutput | None:
+    """The engine's form of the request's responseFormat (None: free text)."""
+    if request.response_format is None:
+        return None
+    if isinstance(request.response_format, JsonSchemaFormat):
+        return StructuredOutput(json_schema=request.response_format.json_schema)
+    return StructuredOutput()
 
 
 def ms_between(start: float, end: float) -> float:
@@ -138,12 +164,19 @@ class TurnRunner:
             temperature=generation.temperature if request.temperature is None else request.temperature,
             top_p=generation.top_p if request.top_p is None else request.top_p,
             stop=tuple(generation.stop),
+            structured=structured_output(request),
         )
         logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
         outcome = await self._stream(
             turn, GenerationRequest(f"{address}/{turn.key}/{next(self._ids)}", prompt.token_ids, sampling)
         )
-        answer, _reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
+        if sampling.structured is None:
+            answer, _reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
+        else:
+            # The grammar constrains the reply from its first token: there is no think block to
+            # remove, and "</think>" inside a JSON string (or a prompt that opened <think>) must
+            # not cut the JSON.
+            answer = outcome.text
         outcome.text = answer
         if outcome.finish_reason != "cancelled":
             history.turns.append(Turn(turn.key, request.message, answer))
@@ -172,6 +205,10 @@ class TurnRunner:
             logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, turn.key)
             self._engine_died(1)
             raise
+        except StructuredOutputRejected as exc:
+            logger.info("Engine refused the responseFormat of request {} of {}: {}", turn.key, turn.address, exc)
+            message = f"the engine cannot use this schema: {str(exc)[:500]}"
+            raise RequestError(ErrorCode.INVALID_SCHEMA, message) from None
         except EngineError as exc:
             logger.error("Engine error on request {} of {}: {}", turn.key, turn.address, exc)
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None

