@@ -18,14 +18,13 @@ from .mqtt_driver import Progress
 
 class InProcess:
     def __init__(self, engine_config: EngineConfig, tokenizer: ChatTokenizer) -> None:
-        from vllm.engine.arg_utils import AsyncEngineArgs
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from worker.vllm_engine import engine_arguments
+        from worker.vllm_engine import engine_arguments, make_engine_args
 
         self.tokenizer = tokenizer
         started = time.perf_counter()
-        self.llm: Any = AsyncLLM.from_engine_args(AsyncEngineArgs(**engine_arguments(engine_config)))
+        self.llm: Any = AsyncLLM.from_engine_args(make_engine_args(engine_arguments(engine_config)))
         self.start_s = round(time.perf_counter() - started, 1)
         self.block_size = int(self.llm.vllm_config.cache_config.block_size)
 

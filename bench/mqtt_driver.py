@@ -37,6 +37,12 @@ class MqttDriver:
         self.client.subscribe(f"{prefix}/_worker/+/stats", qos=1)
         time.sleep(0.3)
         self.run_id = uuid.uuid4().hex[:6]
+        self._runs = 0
+
+    def _session_names(self, label: str, sessions: int) -> list[str]:
+        """Names no earlier run used: a repeated request id would be answered from history."""
+        self._runs += 1
+        return [f"{label}-c{sessions}-{i}-{self.run_id}{self._runs}" for i in range(sessions)]
 
     def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
         if message.topic.endswith("/stats"):
@@ -102,7 +108,7 @@ class MqttDriver:
         """``sessions`` chat sessions at once; each sends its next turn (after ``think_s``)
         when its reply arrives."""
         max_tokens = max_tokens or workload.max_tokens
-        names = [f"{label}-c{sessions}-{i}-{self.run_id}" for i in range(sessions)]
+        names = self._session_names(label, sessions)
         index_of = {name: i for i, name in enumerate(names)}
         turn_of = dict.fromkeys(names, 0)
         sent_at: dict[str, float] = {}
@@ -159,7 +165,7 @@ class MqttDriver:
         """The pattern this worker replaces: ``sessions`` users send a turn at the same moment,
         and their requests are served one after another. Each latency counts from that moment."""
         max_tokens = max_tokens or workload.max_tokens
-        names = [f"{label}-c{sessions}-{i}-{self.run_id}" for i in range(sessions)]
+        names = self._session_names(label, sessions)
         records: list[Record] = []
         first_delta: dict[str, float] = {}
         for turn in range(turns):

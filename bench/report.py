@@ -51,7 +51,7 @@ def summarize_run(out: Path) -> dict[str, Any]:
         result["multi_turn"] = {
             "worker_ms": lat,
             "worker_ratio_to_turn1": [round(x / lat[0], 2) for x in lat],
-            "worker_turn10_over_turn2": round(lat[-1] / lat[1], 2) if len(lat) > 2 else None,
+            "worker_last_over_turn2": round(lat[-1] / lat[1], 2) if len(lat) > 2 else None,
             "worker_reuse": _reuse(turns, block),
             "worker_prompt_tokens": [r["prompt_tokens"] for r in turns],
         }
@@ -120,7 +120,8 @@ def _ratio(a: float | None, b: float | None) -> float | None:
 
 def _concurrency_table(worker: dict[str, Any], inproc: dict[str, Any]) -> list[dict[str, Any]]:
     rows = []
-    counts = sorted({int(c) for c in worker.get("concurrency", {})} | {int(c) for c in inproc.get("ceiling", {})})
+    sources = (worker.get("concurrency", {}), inproc.get("ceiling", {}), worker.get("one_at_a_time", {}))
+    counts = sorted({int(c) for source in sources for c in source})
     for count in counts:
         row: dict[str, Any] = {"sessions": count}
         for name, source in (
@@ -175,7 +176,8 @@ def markdown(result: dict[str, Any]) -> str:
                 f"| {i + 1} | {_fmt(at('worker_ms'))} | {_fmt(at('worker_ratio_to_turn1'))} | "
                 f"{_fmt(at('worker_reuse'))} | {_fmt(at('before_ms'))} | {_fmt(at('before_ratio_to_turn1'))} |"
             )
-        lines += ["", f"Worker turn 10 / turn 2: {_fmt(turns.get('worker_turn10_over_turn2'))}", ""]
+        last = len(turns.get("worker_ms", []))
+        lines += ["", f"Worker turn {last} / turn 2: {_fmt(turns.get('worker_last_over_turn2'))}", ""]
     if result.get("concurrency"):
         lines += [
             "## Concurrency (3 turns per session)",

@@ -121,9 +121,9 @@ class MemoryTransport:
 
 
 class Harness:
-    def __init__(self, **limits: Any) -> None:
+    def __init__(self, generation: dict[str, Any] | None = None, **limits: Any) -> None:
         config = WorkerConfig.model_validate(
-            {"engine": {"model": "fake"}, "limits": limits, "mqtt": {"worker_id": "t"}}
+            {"engine": {"model": "fake"}, "limits": limits, "mqtt": {"worker_id": "t"}, "generation": generation or {}}
         )
         self.engine = FakeEngine()
         self.transport = MemoryTransport()
@@ -299,5 +299,24 @@ def test_response_format_reaches_the_engine_and_schema_errors_are_invalid_schema
         assert replies["refused"]["error"]["code"] == "invalid_schema"
         assert "xgrammar" in replies["refused"]["error"]["message"]
         assert h.service.stats.errors_by_code == {"invalid_schema": 2}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("interval_ms", [0, 50])
+def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": interval_ms})
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "maxTokens": 40, "stream": True, "requestId": "r"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        deltas = [p for t, p in h.transport.published if t.endswith("/s1/stream")]
+        reply = h.transport.replies("s1")[0]
+        assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+        assert "".join(d["delta"] for d in deltas) == reply["reply"]
+        assert deltas[0]["delta"] == "w0 "  # the first token goes out at once: the client's TTFT
+        if interval_ms == 0:
+            assert len(deltas) == 40  # one per engine step
+        else:  # 40 tokens 10 ms apart in 50 ms batches
+            assert 6 <= len(deltas) <= 12
 
     asyncio.run(scenario())

@@ -25,7 +25,7 @@ from worker.engine import (
     StructuredOutput,
     StructuredOutputRejected,
 )
-from worker.vllm_engine import VllmEngine, _engine_args, structured_outputs_args
+from worker.vllm_engine import VllmEngine, make_engine_args, structured_outputs_args
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
@@ -93,6 +93,6 @@ def test_structured_outputs_engine_arguments(tiny_model: Path) -> None:
     }
     auto = structured_outputs_args({"structured_outputs_config": {"backend": "auto"}}, True)
     assert auto == {"structured_outputs_config": {"backend": "auto"}}
-    args = _engine_args({"model": str(tiny_model), **default})
+    args = make_engine_args({"model": str(tiny_model), **default})
     assert args.structured_outputs_config.backend == "xgrammar"
     assert args.structured_outputs_config.disable_any_whitespace is True

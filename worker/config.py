@@ -156,6 +156,12 @@ class GenerationConfig(Section):
     )
     temperature: float = opt(0.7, "Default sampling temperature.", flag="--temperature", ge=0, le=2)
     top_p: float = opt(0.95, "Default nucleus sampling top_p.", flag="--top-p", gt=0, le=1)
+    stream_interval_ms: float = opt(
+        50.0,
+        "Stream deltas are published at most this often (the first at once); 0: every engine step.",
+        flag="--stream-interval-ms",
+        ge=0,
+    )
     stop: list[str] = opt(
         [], "Extra stop strings. The end of turn is detected by the tokenizer's stop tokens.", flag="--stop"
     )

@@ -106,6 +106,36 @@ def ms_between(start: float, end: float) -> float:
     return round((end - start) * 1000, 1)
 
 
+class _DeltaStream:
+    """A request's stream deltas: the first published at once (the client's time to first
+    token), later ones gathered and published at most once per ``stream_interval_ms``. One
+    MQTT message per token would cost the worker more than a chat display gains from it
+    (measured on the CPU: a third of batch-1 decode speed)."""
+
+    def __init__(self, runner: TurnRunner, turn: PendingTurn) -> None:
+        self._publish = runner.publisher.publish
+        self._topic = runner.topics.stream(turn.address)
+        self._request_id = turn.key
+        self._interval = runner.generation.stream_interval_ms / 1000
+        self._pending: list[str] = []
+        self._seq = 0
+        self._last = 0.0
+
+    def add(self, text: str) -> None:
+        self._pending.append(text)
+        if self._seq == 0 or time.monotonic() - self._last >= self._interval:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self._pending:
+            return
+        delta = StreamDelta(request_id=self._request_id, seq=self._seq, delta="".join(self._pending))
+        self._publish(self._topic, delta.to_json(), qos=0)
+        self._pending.clear()
+        self._seq += 1
+        self._last = time.monotonic()
+
+
 class TurnRunner:
     def __init__(
         self,
@@ -187,16 +217,16 @@ class TurnRunner:
         """Run the generation, publishing deltas if asked; what came out of it."""
         outcome = Outcome(submitted=time.monotonic(), prompt_tokens=len(request.prompt_token_ids))
         parts: list[str] = []
+        stream = _DeltaStream(self, turn) if turn.request.stream else None
         turn.runtime.running[turn.key] = request.request_id
         try:
             async for update in self.engine.generate(request):
                 if outcome.first_token is None and update.completion_tokens > 0:
                     outcome.first_token = time.monotonic()
                 if update.delta:
-                    if turn.request.stream:
-                        delta = StreamDelta(request_id=turn.key, seq=len(parts), delta=update.delta)
-                        self.publisher.publish(self.topics.stream(turn.address), delta.to_json(), qos=0)
                     parts.append(update.delta)
+                    if stream:
+                        stream.add(update.delta)
                 outcome.completion_tokens = update.completion_tokens
                 outcome.prompt_tokens, outcome.cached_tokens = update.prompt_tokens, update.cached_tokens
                 if update.finished:
@@ -214,6 +244,8 @@ class TurnRunner:
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
         finally:
             turn.runtime.running.pop(turn.key, None)
+        if stream:
+            stream.flush()
         outcome.text = "".join(parts)
         return outcome
 

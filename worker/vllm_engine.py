@@ -90,7 +90,29 @@ def structured_outputs_args(kwargs: dict[str, Any], disable_any_whitespace: bool
     return out
 
 
-def _engine_args(kwargs: dict[str, Any]) -> AsyncEngineArgs:
+def engine_arguments(config: EngineConfig, *, json_disable_any_whitespace: bool = True) -> dict[str, Any]:
+    """The AsyncEngineArgs values for a worker config, as plain data (the benchmark starts
+    its in-process engines from the same values)."""
+    kwargs: dict[str, Any] = {
+        "model": config.model,
+        "tensor_parallel_size": config.tensor_parallel_size,
+        "gpu_memory_utilization": config.gpu_memory_utilization,
+        "enforce_eager": config.enforce_eager,
+        "enable_prefix_caching": True,
+        "dtype": config.dtype,
+        "seed": config.seed,
+        "disable_log_stats": False,  # the scheduler statistics feed the worker's stats
+    }
+    for key in ("max_model_len", "max_num_seqs", "block_size"):
+        value = getattr(config, key)
+        if value is not None:
+            kwargs[key] = value
+    kwargs.update(config.extra)
+    kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
+    return kwargs
+
+
+def make_engine_args(kwargs: dict[str, Any]) -> AsyncEngineArgs:
     """AsyncEngineArgs from plain values; a structured-outputs dict becomes its config object
     (vLLM converts some config dicts itself, not this one)."""
     settings = kwargs.get("structured_outputs_config")
@@ -154,24 +176,9 @@ class VllmEngine:
         cls, config: EngineConfig, *, stop_token_ids: list[int], json_disable_any_whitespace: bool = True
     ) -> VllmEngine:
         assert config.model is not None
-        kwargs: dict[str, Any] = {
-            "model": config.model,
-            "tensor_parallel_size": config.tensor_parallel_size,
-            "gpu_memory_utilization": config.gpu_memory_utilization,
-            "enforce_eager": config.enforce_eager,
-            "enable_prefix_caching": True,
-            "dtype": config.dtype,
-            "seed": config.seed,
-            "disable_log_stats": False,  # the scheduler statistics feed the worker's stats
-        }
-        for key in ("max_model_len", "max_num_seqs", "block_size"):
-            value = getattr(config, key)
-            if value is not None:
-                kwargs[key] = value
-        kwargs.update(config.extra)
-        kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
+        kwargs = engine_arguments(config, json_disable_any_whitespace=json_disable_any_whitespace)
         try:
-            args = _engine_args(kwargs)
+            args = make_engine_args(kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
         stats = EngineStats()
