@@ -264,7 +264,11 @@ async def ablation_phase(profile: Profile, model: Path, out: Path) -> None:
             continue
         config = profile.engine_config(model, **overrides)
         print(f"ablation {name}: {overrides}", flush=True)
-        engine = InProcess(config, tokenizer)
+        try:
+            engine = InProcess(config, tokenizer)
+        except Exception as exc:  # a setting this vLLM refuses is a result too
+            save(path, {"settings": overrides, "error": f"{type(exc).__name__}: {exc}"[:2000]})
+            continue
         try:
             result = {
                 "settings": overrides,

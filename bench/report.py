@@ -229,6 +229,9 @@ def markdown(result: dict[str, Any]) -> str:
             "|---|---|---|---|",
         ]
         for name, data in result["ablation"].items():
+            if "error" in data:
+                lines.append(f"| {name} `{data['settings']}` | failed: {data['error'][:120]} | | |")
+                continue
             lines.append(
                 f"| {name} `{data['settings']}` | {_fmt(data['engine_start_s'])} | "
                 f"{_fmt(data['batch1']['decode_tok_per_s_per_request'])} | "
