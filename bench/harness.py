@@ -184,16 +184,21 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> di
                 ("json_schema", {"responseFormat": {"type": "json_schema", "schema": SCHEMA}}),
             ):
                 started = time.perf_counter()
-                records = driver.run_concurrent(
-                    f"structured-{name}",
-                    workload,
-                    tokenizer.count_text,
-                    sessions=profile.structured_sessions,
-                    turns=2,
-                    extra=extra,
-                    max_tokens=64,
-                    progress=bar.update,
-                )
+                try:
+                    records = driver.run_concurrent(
+                        f"structured-{name}",
+                        workload,
+                        tokenizer.count_text,
+                        sessions=profile.structured_sessions,
+                        turns=2,
+                        extra=extra,
+                        max_tokens=64,
+                        progress=bar.update,
+                    )
+                except RuntimeError as exc:  # an error reply: a result to report, not a crash
+                    runs["structured"][name] = {"error": str(exc)[:1000]}
+                    driver.drain(5)
+                    continue
                 runs["structured"][name] = {
                     "summary": summarize(records, time.perf_counter() - started),
                     "records": records,

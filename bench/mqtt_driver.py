@@ -91,6 +91,15 @@ class MqttDriver:
                 raise RuntimeError(f"error reply on {topic}: {data}")
             return received, topic.split("/")[-2], data
 
+    def drain(self, seconds: float) -> None:
+        """Drop what is still arriving from an aborted run."""
+        deadline = time.perf_counter() + seconds
+        while time.perf_counter() < deadline:
+            try:
+                self.events.get(timeout=0.2)
+            except queue.Empty:
+                return
+
     def run_concurrent(
         self,
         label: str,

@@ -73,7 +73,7 @@ PROFILES: dict[str, Profile] = {
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.
     "gpu": Profile(
-        {"max_model_len": 16384},
+        {"max_model_len": 16384, "extra": {"load_format": "dummy"}},  # real geometry, no weights
         ablation={
             "default": {},
             "eager": {"enforce_eager": True},

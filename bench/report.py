@@ -63,7 +63,7 @@ def summarize_run(out: Path) -> dict[str, Any]:
             "client_minus_worker_p50": round(percentile(hop, 50), 3),
             "client_minus_worker_p99": round(percentile(hop, 99), 3),
         }
-        structured = worker["structured"]
+        structured = {k: v for k, v in worker["structured"].items() if "summary" in v}
         result["structured"] = {
             f"{name}_{key}": value
             for name in structured
@@ -71,8 +71,10 @@ def summarize_run(out: Path) -> dict[str, Any]:
             if key in ("tokens_per_s", "p50_ms", "completion_tokens")
         } | {
             "throughput_ratio": _ratio(
-                structured["json_schema"]["summary"]["tokens_per_s"], structured["plain"]["summary"]["tokens_per_s"]
-            )
+                structured.get("json_schema", {}).get("summary", {}).get("tokens_per_s"),
+                structured.get("plain", {}).get("summary", {}).get("tokens_per_s"),
+            ),
+            "errors": {k: v["error"] for k, v in worker["structured"].items() if "error" in v} or None,
         }
         result["decode_batch1"] = {"worker_tok_per_s": worker["decode_batch1"]["decode_tok_per_s"]}
         result["start_to_ready_s"] = worker["start_to_ready_s"]
