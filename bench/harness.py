@@ -6,9 +6,10 @@
 Phases (each writes OUT/<phase>.json and is skipped when that file exists, so a run that does
 not fit one command continues where it stopped):
   worker     the worker through mosquitto: multi-turn growth, concurrency, one-at-a-time,
-             structured output, batch-1 decode, MQTT hop, start-to-ready, RSS
+             batch-1 decode, MQTT hop, start-to-ready, RSS
   inprocess  vLLM in this process on the same prompts: the ceiling, the "before" script, raw decode
   ablation   engine settings, in-process (GPU profile)
+  structured the same requests with and without a JSON schema (vLLM structured outputs)
   restart    a second worker start on a warm compile cache
 """
 
@@ -141,7 +142,6 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> di
         profile.multi_turns
         + sum(c * profile.turns for c in profile.concurrency)
         + sum(c * profile.turns for c in profile.one_at_a_time)
-        + 2 * profile.structured_sessions * 2
         + 1
     )
     rss: list[dict[str, float]] = []
@@ -178,31 +178,6 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> di
                     "summary": summarize(records, time.perf_counter() - started),
                     "records": records,
                 }
-            runs["structured"] = {}
-            for name, extra in (
-                ("plain", None),
-                ("json_schema", {"responseFormat": {"type": "json_schema", "schema": SCHEMA}}),
-            ):
-                started = time.perf_counter()
-                try:
-                    records = driver.run_concurrent(
-                        f"structured-{name}",
-                        workload,
-                        tokenizer.count_text,
-                        sessions=profile.structured_sessions,
-                        turns=2,
-                        extra=extra,
-                        max_tokens=64,
-                        progress=bar.update,
-                    )
-                except RuntimeError as exc:  # an error reply: a result to report, not a crash
-                    runs["structured"][name] = {"error": str(exc)[:1000]}
-                    driver.drain(5)
-                    continue
-                runs["structured"][name] = {
-                    "summary": summarize(records, time.perf_counter() - started),
-                    "records": records,
-                }
             decode = driver.run_concurrent(
                 "decode",
                 workload,
@@ -218,6 +193,39 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> di
         runs["worker_stats"] = driver.stats[-1] if driver.stats else None
         runs["kv_cache_usage_max"] = max((s["kvCacheUsage"] for s in driver.stats), default=None)
         result.update(runs)
+    finally:
+        driver.close()
+        worker.stop()
+        broker.stop()
+    return result
+
+
+def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
+    """The same requests with and without a JSON schema, through the worker."""
+    from worker.tokenizer import ChatTokenizer
+
+    from .mqtt_driver import MqttDriver
+
+    tokenizer = ChatTokenizer(str(model))
+    workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
+    broker = Broker(mosquitto, out)
+    worker = WorkerRun(["--model", str(model), *profile.worker_args], broker.port, out / "worker-structured.log")
+    driver = MqttDriver("127.0.0.1", broker.port)
+    result: dict[str, Any] = {}
+    schema = {"responseFormat": {"type": "json_schema", "schema": SCHEMA}}
+    try:
+        driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=profile.structured_sessions, turns=1)
+        for name, extra in (("plain", None), ("json_schema", schema), ("plain_again", None)):
+            started = time.perf_counter()
+            try:
+                records = driver.run_concurrent(f"structured-{name}", workload, tokenizer.count_text,
+                                                sessions=profile.structured_sessions, turns=2, extra=extra,
+                                                max_tokens=profile.max_tokens)  # fmt: skip
+            except RuntimeError as exc:  # an error reply: a result to report, not a crash
+                result[name] = {"error": str(exc)[:1000]}
+                driver.drain(5)
+                continue
+            result[name] = {"summary": summarize(records, time.perf_counter() - started), "records": records}
     finally:
         driver.close()
         worker.stop()
@@ -292,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="model directory (default: generated per profile)")
     parser.add_argument("--geometry", help="generate a real geometry (dummy weights), e.g. qwen2.5-7b")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phases", default="worker,inprocess,restart,ablation")
+    parser.add_argument("--phases", default="worker,inprocess,structured,restart,ablation")
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
@@ -319,6 +327,8 @@ def main(argv: list[str] | None = None) -> int:
         started = time.perf_counter()
         if phase == "worker":
             save(path, worker_phase(profile, model, out, args.mosquitto))
+        elif phase == "structured":
+            save(path, structured_phase(profile, model, out, args.mosquitto))
         elif phase == "inprocess":
             save(path, asyncio.run(inprocess_phase(profile, model)))
         elif phase == "restart":

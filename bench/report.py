@@ -63,19 +63,6 @@ def summarize_run(out: Path) -> dict[str, Any]:
             "client_minus_worker_p50": round(percentile(hop, 50), 3),
             "client_minus_worker_p99": round(percentile(hop, 99), 3),
         }
-        structured = {k: v for k, v in worker["structured"].items() if "summary" in v}
-        result["structured"] = {
-            f"{name}_{key}": value
-            for name in structured
-            for key, value in structured[name]["summary"].items()
-            if key in ("tokens_per_s", "p50_ms", "completion_tokens")
-        } | {
-            "throughput_ratio": _ratio(
-                structured.get("json_schema", {}).get("summary", {}).get("tokens_per_s"),
-                structured.get("plain", {}).get("summary", {}).get("tokens_per_s"),
-            ),
-            "errors": {k: v["error"] for k, v in worker["structured"].items() if "error" in v} or None,
-        }
         result["decode_batch1"] = {"worker_tok_per_s": worker["decode_batch1"]["decode_tok_per_s"]}
         result["start_to_ready_s"] = worker["start_to_ready_s"]
         result["rss_mb_max"] = max((r["total_rss_mb"] for r in worker["rss"]), default=None)
@@ -108,12 +95,29 @@ def summarize_run(out: Path) -> dict[str, Any]:
         for key in ("worker_tok_per_s", "raw_tok_per_s"):
             if key in decode:
                 decode[key.replace("tok_per_s", "of_roofline")] = round(decode[key] / roofline, 3)
+    structured_path = out / "structured.json"
+    if structured_path.exists():
+        result["structured"] = _structured(load(structured_path))
+    elif worker.get("structured"):  # runs before the structured phase existed
+        result["structured"] = _structured(worker["structured"])
     if (out / "restart.json").exists():
         result["restart"] = load(out / "restart.json")
     ablation = {p.stem.removeprefix("ablation-"): load(p) for p in sorted(out.glob("ablation-*.json"))}
     if ablation:
         result["ablation"] = ablation
     return result
+
+
+def _structured(runs: dict[str, Any]) -> dict[str, Any]:
+    ok = {name: run["summary"] for name, run in runs.items() if "summary" in run}
+    out: dict[str, Any] = {f"{name}_{key}": ok[name][key] for name in ok for key in ("tokens_per_s", "p50_ms")}
+    plain = [ok[name]["tokens_per_s"] for name in ("plain", "plain_again") if name in ok]
+    if plain and "json_schema" in ok:
+        out["schema_over_plain_throughput"] = _ratio(ok["json_schema"]["tokens_per_s"], sum(plain) / len(plain))
+    errors = {name: run["error"] for name, run in runs.items() if "error" in run}
+    if errors:
+        out["errors"] = errors
+    return out
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:

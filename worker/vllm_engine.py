@@ -132,6 +132,16 @@ def _structured_sampling(structured: StructuredOutput | None) -> dict[str, Any]:
     return {_STRUCTURED_KWARG: _structured_params(json_object=True)}
 
 
+def describe(exc: BaseException) -> str:
+    """An exception and its causes, one line: vLLM's wrappers carry no message themselves."""
+    parts: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(parts) < 4:
+        parts.append(f"{type(current).__name__}: {current}".rstrip(": "))
+        current = current.__cause__ or current.__context__
+    return " <- ".join(parts)
+
+
 class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
     """Receives vLLM's per-step scheduler statistics and keeps what the stats report needs."""
 
@@ -257,8 +267,10 @@ class VllmEngine:
             raise EngineError(f"request rejected: {text}") from exc
         except Exception as exc:
             if getattr(self._llm, "errored", False):
-                raise EngineDead(str(exc)) from exc
-            raise EngineError(f"{type(exc).__name__}: {exc}") from exc
+                raise EngineDead(describe(exc)) from exc
+            # vLLM wraps the real failure (EngineGenerateError has no message of its own).
+            logger.opt(exception=exc).debug("engine failure on request {}", request.request_id)
+            raise EngineError(describe(exc)) from exc
 
     async def abort(self, request_id: str) -> None:
         result = self._llm.abort(request_id)
