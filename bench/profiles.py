@@ -88,3 +88,8 @@ PROFILES: dict[str, Profile] = {
         },
     ),
 }
+# The GPU profile with vLLM's async scheduling (CPU work of step n+1 overlaps the GPU's step n).
+PROFILES["gpu-async"] = Profile(
+    {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", "async_scheduling": True}}
+)
+
