@@ -92,4 +92,3 @@ PROFILES: dict[str, Profile] = {
 PROFILES["gpu-async"] = Profile(
     {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", "async_scheduling": True}}
 )
-

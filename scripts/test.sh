@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Sets up (scripts/setup.sh) and runs every check CI runs: ruff, mypy, the tests.
-# Extra arguments go to pytest, e.g. `bash scripts/test.sh -k config`.
+# Sets up (scripts/setup.sh) and runs every check CI runs: ruff, mypy, a benchmark smoke run,
+# the tests. Extra arguments go to pytest (and skip the smoke run): `bash scripts/test.sh -k config`.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
@@ -10,5 +10,13 @@ echo "==> ruff"
 .venv/bin/ruff format --check worker tests scripts bench
 echo "==> mypy"
 .venv/bin/mypy
+if [ $# -eq 0 ]; then
+  echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
+  smoke=$(mktemp -d)
+  .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured >"$smoke/bench.out" 2>&1 \
+    || { tail -50 "$smoke/bench.out"; exit 1; }
+  grep -q "## Concurrency" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
+  echo "benchmark smoke run: ok ($smoke/results.md)"
+fi
 echo "==> pytest"
 .venv/bin/python -m pytest -ra "$@"
