@@ -52,7 +52,9 @@ class Broker:
     def __init__(self, binary: str, workdir: Path) -> None:
         self.port = free_port()
         conf = workdir / "mosquitto.conf"
-        conf.write_text(f"listener {self.port} 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\n")
+        # set_tcp_nodelay and max_inflight_messages: see "Broker settings" in docs/protocol.md.
+        settings = "allow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\n"
+        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}")
         env = dict(os.environ)
         lib = Path(binary).resolve().parent.parent / "lib"
         if lib.is_dir():  # a carried bundle (the GPU machine): its own libraries
@@ -124,7 +126,7 @@ def decode_rate(record: Record) -> float | None:
     return round((record.completion_tokens - 1) / (decoding_ms / 1000), 1) if decoding_ms > 0 else None
 
 
-def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
+def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think_s: float = 0.0) -> dict[str, Any]:
     from worker.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
@@ -156,7 +158,13 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> di
             for count in profile.concurrency:
                 started = time.perf_counter()
                 records = driver.run_concurrent(
-                    "worker", workload, tokenizer.count_text, sessions=count, turns=profile.turns, progress=bar.update
+                    "worker",
+                    workload,
+                    tokenizer.count_text,
+                    sessions=count,
+                    turns=profile.turns,
+                    think_s=think_s,
+                    progress=bar.update,
                 )
                 runs["concurrency"][count] = {
                     "summary": summarize(records, time.perf_counter() - started),
@@ -218,9 +226,15 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
         for name, extra in (("plain", None), ("json_schema", schema), ("plain_again", None)):
             started = time.perf_counter()
             try:
-                records = driver.run_concurrent(f"structured-{name}", workload, tokenizer.count_text,
-                                                sessions=profile.structured_sessions, turns=2, extra=extra,
-                                                max_tokens=profile.max_tokens)  # fmt: skip
+                records = driver.run_concurrent(
+                    f"structured-{name}",
+                    workload,
+                    tokenizer.count_text,
+                    sessions=profile.structured_sessions,
+                    turns=2,
+                    extra=extra,
+                    max_tokens=profile.max_tokens,
+                )
             except RuntimeError as exc:  # an error reply: a result to report, not a crash
                 result[name] = {"error": str(exc)[:1000]}
                 driver.drain(5)
@@ -302,6 +316,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--phases", default="worker,inprocess,structured,restart,ablation")
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
+    parser.add_argument(
+        "--think-time",
+        type=float,
+        default=0.0,
+        help="seconds a user waits after a reply before the next turn (concurrency runs)",
+    )
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
     out: Path = args.out
@@ -326,7 +346,7 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.perf_counter()
         if phase == "worker":
-            save(path, worker_phase(profile, model, out, args.mosquitto))
+            save(path, worker_phase(profile, model, out, args.mosquitto, think_s=args.think_time))
         elif phase == "structured":
             save(path, structured_phase(profile, model, out, args.mosquitto))
         elif phase == "inprocess":

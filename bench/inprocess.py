@@ -68,6 +68,34 @@ class InProcess:
         end = time.perf_counter()
         return "".join(parts), completion, cached, (first or end) - started, end - started
 
+    async def _turn(
+        self,
+        label: str,
+        concurrency: int,
+        index: int,
+        turn: int,
+        workload: Workload,
+        history: list[tuple[str, str]],
+        max_tokens: int,
+        **options: Any,
+    ) -> Record:
+        """One turn of a session: render the conversation, generate, append the reply."""
+        message = workload.user_message(index, turn, self.tokenizer.count_text)
+        ids = self.tokenizer.render(history_messages(workload, history, message), add_generation_prompt=True)
+        text, completion, cached, ttft, total = await self._generate(ids, max_tokens, **options)
+        history.append((message, text))
+        return Record(
+            label,
+            concurrency,
+            index,
+            turn,
+            round(total * 1000, 2),
+            round(ttft * 1000, 2),
+            prompt_tokens=len(ids),
+            cached_tokens=cached,
+            completion_tokens=completion,
+        )
+
     async def sessions(
         self,
         label: str,
@@ -79,29 +107,14 @@ class InProcess:
         progress: Progress | None = None,
     ) -> list[Record]:
         """The worker's concurrent workload, minus MQTT and the worker."""
-        max_tokens = max_tokens or workload.max_tokens
         records: list[Record] = []
 
         async def session(index: int) -> None:
             history: list[tuple[str, str]] = []
             for turn in range(turns):
-                message = workload.user_message(index, turn, self.tokenizer.count_text)
-                ids = self.tokenizer.render(history_messages(workload, history, message), add_generation_prompt=True)
-                text, completion, cached, ttft, total = await self._generate(ids, max_tokens)
                 records.append(
-                    Record(
-                        label,
-                        sessions,
-                        index,
-                        turn,
-                        round(total * 1000, 2),
-                        round(ttft * 1000, 2),
-                        prompt_tokens=len(ids),
-                        cached_tokens=cached,
-                        completion_tokens=completion,
-                    )
+                    await self._turn(label, sessions, index, turn, workload, history, max_tokens or workload.max_tokens)
                 )
-                history.append((message, text))
                 if progress:
                     progress(1)
 
@@ -116,25 +129,11 @@ class InProcess:
         records: list[Record] = []
         history: list[tuple[str, str]] = []
         for turn in range(turns):
-            message = workload.user_message(0, turn, self.tokenizer.count_text)
-            ids = self.tokenizer.render(history_messages(workload, history, message), add_generation_prompt=True)
-            text, completion, cached, ttft, total = await self._generate(
-                ids, max_tokens, salt=uuid.uuid4().hex, ignore_eos=True
-            )
             records.append(
-                Record(
-                    "before",
-                    1,
-                    0,
-                    turn,
-                    round(total * 1000, 2),
-                    round(ttft * 1000, 2),
-                    prompt_tokens=len(ids),
-                    cached_tokens=cached,
-                    completion_tokens=completion,
+                await self._turn(
+                    "before", 1, 0, turn, workload, history, max_tokens, salt=uuid.uuid4().hex, ignore_eos=True
                 )
             )
-            history.append((message, text))
             if progress:
                 progress(1)
         return records

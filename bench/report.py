@@ -84,6 +84,14 @@ def summarize_run(out: Path) -> dict[str, Any]:
             "decode_tok_per_s_per_request"
         ]
     result["concurrency"] = _concurrency_table(worker, inproc)
+    first = result["concurrency"][0] if result["concurrency"] else {}
+    if first.get("sessions") == 1 and "worker" in first and "one_at_a_time" in first:
+        # The one-at-a-time baseline is the same worker: at one session the two must agree.
+        ratio = first["one_at_a_time"]["p50_ms"] / first["worker"]["p50_ms"]
+        result["baseline_check"] = {
+            "one_at_a_time_over_worker_at_c1": round(ratio, 3),
+            "within_10_percent": abs(ratio - 1) <= 0.1,
+        }
     decode = result.get("decode_batch1", {})
     if "worker_tok_per_s" in decode and "raw_tok_per_s" in decode:
         decode["worker_over_raw"] = _ratio(decode["worker_tok_per_s"], decode["raw_tok_per_s"])
@@ -226,6 +234,7 @@ def markdown(result: dict[str, Any]) -> str:
             "prefix_cache_hit_rate_total",
         )
     }
+    extras |= result.get("baseline_check", {})
     lines += ["## Worker", "", "| | |", "|---|---|", *[f"| {k} | {_fmt(v)} |" for k, v in extras.items()], ""]
     if result.get("ablation"):
         lines += [

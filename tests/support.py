@@ -53,7 +53,8 @@ class Mosquitto:
         return (
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
-            f"set_tcp_nodelay true\nlog_dest file {self.log}\nlog_type all\n{self.extra_config}"
+            "set_tcp_nodelay true\nmax_inflight_messages 0\n"  # docs/protocol.md, "Broker settings"
+            f"log_dest file {self.log}\nlog_type all\n{self.extra_config}"
         )
 
     def start(self) -> None:
