@@ -10,7 +10,6 @@ from worker.history import (
     build_prompt,
     history_tokens,
     split_reasoning,
-    trim_to_limits,
 )
 from worker.messages import RequestError
 
@@ -36,30 +35,37 @@ def test_history_tokens_are_exact(tokenizer) -> None:  # type: ignore[no-untyped
     assert history_tokens(tokenizer, SessionHistory(system_prompt="x")) == 0
 
 
+def prompt_for(tokenizer, history: SessionHistory, limits: HistoryLimits, message: str = "next"):  # type: ignore[no-untyped-def]
+    return build_prompt(tokenizer, history, message, limits=limits, max_tokens=16, max_model_len=100_000)
+
+
 def test_turn_limit_trims_to_half_and_keeps_prefix_stable(tokenizer) -> None:  # type: ignore[no-untyped-def]
     limits = HistoryLimits(max_turns=6, max_tokens=100_000)
     history = conversation(6)
-    assert trim_to_limits(tokenizer, history, limits) is None  # at the limit: nothing dropped
+    assert prompt_for(tokenizer, history, limits).trims == ()  # at the limit: nothing dropped
     history.turns.append(Turn("k6", "one more", "reply"))
-    trim = trim_to_limits(tokenizer, history, limits)
-    assert trim is not None and trim.dropped_turns == 4 and len(history.turns) == 3
+    prompt = prompt_for(tokenizer, history, limits)
+    (trim,) = prompt.trims
+    assert trim.dropped_turns == 4 and trim.kept_turns == 3 and len(history.turns) == 3
     assert [t.key for t in history.turns] == ["k4", "k5", "k6"]
-    # The next three turns append without trimming: the prompt prefix stays the same.
-    prefix = tokenizer.render(history.messages(), add_generation_prompt=False)
+    # The next three turns append without trimming: each prompt starts with the previous one.
+    previous = prompt.token_ids
     for i in range(3):
         history.turns.append(Turn(f"n{i}", "next", "reply"))
-        assert trim_to_limits(tokenizer, history, limits) is None
-        now = tokenizer.render(history.messages(), add_generation_prompt=False)
-        assert now[: len(prefix)] == prefix
+        prompt = prompt_for(tokenizer, history, limits, message=f"message {i}")
+        assert prompt.trims == ()
+        shared = len(tokenizer.render(history.messages(turns=history.turns[:-1]), add_generation_prompt=False))
+        assert prompt.token_ids[:shared] == previous[:shared]
+        previous = prompt.token_ids
 
 
 def test_token_limit_trims_to_half_of_tokens(tokenizer) -> None:  # type: ignore[no-untyped-def]
     history = conversation(5, words=20)
     per_turn = history_tokens(tokenizer, history) / 5
     limit = int(per_turn * 4)  # five turns exceed it
-    trim = trim_to_limits(tokenizer, history, HistoryLimits(max_turns=100, max_tokens=limit))
-    assert trim is not None
-    assert trim.tokens_after == history_tokens(tokenizer, history) <= limit // 2
+    prompt = prompt_for(tokenizer, history, HistoryLimits(max_turns=100, max_tokens=limit))
+    (trim,) = prompt.trims
+    assert trim.tokens_after == prompt.history_tokens == history_tokens(tokenizer, history) <= limit // 2
     assert trim.tokens_before > limit
     assert history.turns[-1].key == "k4"  # the newest turns are the ones kept
 

@@ -75,16 +75,6 @@ class SessionHistory:
         self.system_prompt = None
 
 
-def history_tokens(renderer: PromptRenderer, history: SessionHistory) -> int:
-    """Exact tokens of the kept turns: the rendered conversation minus the system part."""
-    if not history.turns:
-        return 0
-    full = len(renderer.render(history.messages(), add_generation_prompt=False))
-    system_only = history.messages(turns=[])
-    base = len(renderer.render(system_only, add_generation_prompt=False)) if system_only else 0
-    return full - base
-
-
 @dataclass(frozen=True)
 class Trim:
     dropped_turns: int
@@ -93,24 +83,39 @@ class Trim:
     tokens_after: int
 
 
-def trim_to_limits(renderer: PromptRenderer, history: SessionHistory, limits: HistoryLimits) -> Trim | None:
-    """Once a limit is exceeded, drop the oldest turns until both are at most half their
-    limit. Returns what was done, or None when nothing was dropped."""
-    tokens = history_tokens(renderer, history)
-    if len(history.turns) <= limits.max_turns and tokens <= limits.max_tokens:
-        return None
-    before, dropped = tokens, 0
-    while history.turns and (len(history.turns) > limits.max_turns // 2 or tokens > limits.max_tokens // 2):
-        history.turns.pop(0)
-        dropped += 1
-        tokens = history_tokens(renderer, history)
-    return Trim(dropped, len(history.turns), before, tokens)
-
-
 @dataclass(frozen=True)
 class Prompt:
     token_ids: list[int]
+    history_tokens: int  # what the kept turns add to this prompt
     trims: tuple[Trim, ...]
+
+
+class _PromptRenderings:
+    """Renders history + one user message, and what the history adds to it: the prompt with
+    the kept turns minus the prompt without them (the system prompt and the new message are
+    not counted). One full render per request; trimming re-renders only when it drops turns."""
+
+    def __init__(self, renderer: PromptRenderer, history: SessionHistory, user_message: str) -> None:
+        self.renderer, self.history = renderer, history
+        self.user: ChatMessage = {"role": "user", "content": user_message}
+        self._bare = self._render(history.messages(turns=[]))
+        self.update()
+
+    def _render(self, messages: list[ChatMessage]) -> list[int]:
+        return self.renderer.render([*messages, self.user], add_generation_prompt=True)
+
+    def update(self) -> None:
+        self.token_ids = self._render(self.history.messages()) if self.history.turns else self._bare
+        self.history_tokens = len(self.token_ids) - len(self._bare)
+
+    def drop_oldest(self, count: int = 1) -> None:
+        del self.history.turns[:count]
+        self.update()
+
+
+def history_tokens(renderer: PromptRenderer, history: SessionHistory, user_message: str = "") -> int:
+    """Exact tokens the kept turns add to a prompt (see _PromptRenderings)."""
+    return _PromptRenderings(renderer, history, user_message).history_tokens
 
 
 def build_prompt(
@@ -122,26 +127,31 @@ def build_prompt(
     max_tokens: int,
     max_model_len: int,
 ) -> Prompt:
-    """The token ids of history + the new user message, trimmed so that prompt + max_tokens
-    fits the context. Raises RequestError(too_long) when even the bare message cannot fit."""
+    """The token ids of history + the new user message.
+
+    Once a history limit is exceeded, the oldest turns are dropped until both are at most half
+    their limit; then more, if prompt + max_tokens would not fit the context. Raises
+    RequestError(too_long) when even the bare message cannot fit."""
+    prompt = _PromptRenderings(renderer, history, user_message)
     trims: list[Trim] = []
-    trim = trim_to_limits(renderer, history, limits)
-    if trim:
-        trims.append(trim)
-    user: ChatMessage = {"role": "user", "content": user_message}
-    while True:
-        token_ids = renderer.render([*history.messages(), user], add_generation_prompt=True)
-        if len(token_ids) + max_tokens <= max_model_len:
-            return Prompt(token_ids, tuple(trims))
-        if not history.turns:
+    turns = history.turns
+    if len(turns) > limits.max_turns or prompt.history_tokens > limits.max_tokens:
+        before, dropped = prompt.history_tokens, 0
+        while turns and (len(turns) > limits.max_turns // 2 or prompt.history_tokens > limits.max_tokens // 2):
+            prompt.drop_oldest()
+            dropped += 1
+        trims.append(Trim(dropped, len(turns), before, prompt.history_tokens))
+    while len(prompt.token_ids) + max_tokens > max_model_len:
+        if not turns:
             raise RequestError(
                 ErrorCode.TOO_LONG,
-                f"prompt of {len(token_ids)} tokens plus maxTokens {max_tokens} exceeds the "
+                f"prompt of {len(prompt.token_ids)} tokens plus maxTokens {max_tokens} exceeds the "
                 f"context of {max_model_len} tokens",
             )
-        before = history_tokens(renderer, history)
-        history.turns.pop(0)
-        trims.append(Trim(1, len(history.turns), before, history_tokens(renderer, history)))
+        before = prompt.history_tokens
+        prompt.drop_oldest()
+        trims.append(Trim(1, len(turns), before, prompt.history_tokens))
+    return Prompt(prompt.token_ids, prompt.history_tokens, tuple(trims))
 
 
 def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, str | None]:
