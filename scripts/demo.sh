@@ -8,8 +8,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-MODEL=.cache/tiny-model
-[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL"
+MODEL=.cache/demo-model  # replies that end by themselves, like a real model's
+[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL" --natural-stops
 
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
