@@ -129,3 +129,29 @@ def test_tokenizer_stop_tokens_and_reasoning_flag(tokenizer, tiny_model) -> None
     assert tokenizer.count_text("hello world") == len(
         tokenizer.render([{"role": "user", "content": "hello world"}], add_generation_prompt=False)
     ) - len(tokenizer.render([{"role": "user", "content": ""}], add_generation_prompt=False))
+
+
+def test_segment_cached_encoding_equals_whole_encoding(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import random
+
+    assert tokenizer._cache_segments, "the tiny model's tokenizer should pass the start-up check"
+    rng = random.Random(7)
+    pieces = ["hello", " world", "\n", "  ", "Ünï", "数字", "🙂", "<think>", "</think>", "<|im_end|>", "x\ty", "12"]
+    for _ in range(30):
+        history = SessionHistory(system_prompt="".join(rng.choice(pieces) for _ in range(12)))
+        for i in range(rng.randint(0, 4)):
+            history.turns.append(
+                Turn(
+                    str(i),
+                    "".join(rng.choice(pieces) for _ in range(20)),
+                    "".join(rng.choice(pieces) for _ in range(20)),
+                )
+            )
+        for generation_prompt in (False, True):
+            text = tokenizer._tokenizer.apply_chat_template(
+                history.messages(), add_generation_prompt=generation_prompt, tokenize=False
+            )
+            whole = list(tokenizer._tokenizer.encode(text, add_special_tokens=False))
+            # twice: the second time from the segment cache
+            assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
+            assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
