@@ -105,9 +105,6 @@ class MemoryTransport:
     def ack(self, message: InboundMessage) -> None:
         self.acked.append(message.mid)
 
-    def stop_receiving(self) -> None:
-        pass
-
     def deliver(self, topic: str, payload: Any, mid: int | None = None) -> int:
         if mid is None:
             self._mid += 1

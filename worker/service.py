@@ -40,8 +40,6 @@ class Transport(Publisher, Protocol):
 
     def ack(self, message: InboundMessage) -> None: ...
 
-    def stop_receiving(self) -> None: ...
-
 
 class Service:
     def __init__(
@@ -63,6 +61,7 @@ class Service:
         self._runtime: dict[str, SessionRuntime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
         self._stop_requested = stop_requested
+        self._draining = False
         self.turns = TurnRunner(
             engine=engine,
             renderer=renderer,
@@ -84,6 +83,8 @@ class Service:
     async def consume(self) -> None:
         while True:
             message = await self.transport.inbox.get()
+            if self._draining:
+                continue  # left unacknowledged: the broker delivers it again after the restart
             try:
                 self.dispatch(message)
             except Exception:  # one bad message must not stop the worker
@@ -106,7 +107,9 @@ class Service:
     async def drain(self, timeout: float) -> None:
         """Let running generations finish (up to timeout), then abort the rest unanswered:
         they stay unacknowledged and the broker redelivers them after a restart."""
-        self.transport.stop_receiving()
+        # Not an unsubscribe: that would empty the broker's persistent session, and requests
+        # sent while the worker is down would be lost instead of queued for its restart.
+        self._draining = True
         if self._tasks:
             logger.info("Draining {} pending request(s) for up to {:.0f}s", len(self._tasks), timeout)
             _, still_running = await asyncio.wait(set(self._tasks), timeout=timeout)

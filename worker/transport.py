@@ -183,9 +183,6 @@ class MqttTransport:
         if message.qos > 0:
             self._client.ack(message.mid, message.qos)
 
-    def stop_receiving(self) -> None:
-        self._client.unsubscribe(list(self.settings.subscriptions))
-
     async def close(self, timeout: float = 5.0) -> None:
         """Publish the retained offline status, wait for it, and disconnect."""
         info = self._client.publish(self.settings.status_topic, OFFLINE, qos=1, retain=True)

@@ -1,0 +1,101 @@
+"""A worker's restarts and faults against a real mosquitto: requests sent while it is down are
+answered after it starts, and its retained status follows it (clean stop, freeze, kill).
+One worker id, two worker processes in sequence (each engine start costs ~40 s)."""
+
+from __future__ import annotations
+
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import engine_args
+from support import Client, Mosquitto, WorkerProcess
+
+pytestmark = pytest.mark.e2e
+KEEPALIVE = 5
+STATUS = "chat/_worker/steady/status"
+
+
+def start_worker(model: Path, broker: Mosquitto, log: Path) -> WorkerProcess:
+    worker = WorkerProcess(
+        [
+            *engine_args(model),
+            "--mqtt-port",
+            str(broker.port),
+            "--worker-id",
+            "steady",
+            "--mqtt-keepalive",
+            str(KEEPALIVE),
+            "--mqtt-reconnect-max-delay",
+            "2",
+        ],
+        log,
+    )
+    return worker
+
+
+def wait_status(watcher: Client, payload: bytes, timeout: float) -> float:
+    """Seconds until the retained status topic carries ``payload``."""
+    started = time.monotonic()
+    watcher.wait_for(lambda m: m.topic == STATUS and m.payload == payload, timeout=timeout)
+    return time.monotonic() - started
+
+
+@pytest.fixture(scope="module")
+def watcher(broker: Mosquitto) -> Iterator[Client]:
+    client = Client(broker.port, [STATUS, "chat/+/+/reply"])
+    yield client
+    client.close()
+
+
+def test_requests_sent_while_the_worker_is_down_are_answered(
+    tiny_model: Path, broker: Mosquitto, watcher: Client, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    logs = tmp_path_factory.mktemp("steady")
+    first = start_worker(tiny_model, broker, logs / "first.log")
+    try:
+        wait_status(watcher, b"online", timeout=300)
+    finally:
+        assert first.stop() == 0
+    wait_status(watcher, b"offline", timeout=10)  # a clean stop publishes it itself
+    sender = Client(broker.port, [])
+    for session in ("down-a", "down-b"):
+        for turn in range(2):
+            sender.publish(
+                f"chat/carl/{session}/request",
+                {"message": f"turn {turn}", "maxTokens": 8, "requestId": f"{session}-{turn}"},
+            )
+    sender.close()
+    second = start_worker(tiny_model, broker, logs / "second.log")
+    pytest.second_worker = second  # type: ignore[attr-defined]  # the next test freezes and kills it
+    wait_status(watcher, b"online", timeout=300)
+    answered: dict[str, list[str]] = {"down-a": [], "down-b": []}
+    for _ in range(4):
+        reply = watcher.wait_for(
+            lambda m: m.topic.startswith("chat/carl/") and m.topic.endswith("/reply"), timeout=120
+        ).json()
+        assert "error" not in reply, reply
+        answered[reply["sessionId"]].append(reply["requestId"])
+    assert answered == {"down-a": ["down-a-0", "down-a-1"], "down-b": ["down-b-0", "down-b-1"]}
+    assert "session resumed" in second.log()
+
+
+def test_status_follows_freeze_and_kill(watcher: Client) -> None:
+    worker: WorkerProcess = pytest.second_worker  # type: ignore[attr-defined]
+    assert worker.alive()
+    # Frozen, its TCP connection stays open: only the keepalive can tell the broker, which
+    # then publishes the Will. MQTT says after 1.5 x keepalive without a packet; Debian's
+    # mosquitto 2.0.11 took 6-10.6 s here with a keepalive of 5 s (the bound below allows
+    # for that; the 1.5 x target is the reliability issue's to pin down).
+    worker.proc.send_signal(signal.SIGSTOP)
+    try:
+        waited = wait_status(watcher, b"offline", timeout=KEEPALIVE * 4)
+        assert waited <= KEEPALIVE * 2.5, waited
+    finally:
+        worker.proc.send_signal(signal.SIGCONT)
+    wait_status(watcher, b"online", timeout=30)  # reconnects by itself
+    worker.signal_group(signal.SIGKILL)
+    wait_status(watcher, b"offline", timeout=KEEPALIVE * 3)  # the Will, on the broken connection
+    worker.stop()
