@@ -50,11 +50,25 @@ def watcher(broker: Mosquitto) -> Iterator[Client]:
     client.close()
 
 
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[WorkerProcess]]:
+    """The workers this module starts; whatever a failing test leaves running is killed."""
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.stop(timeout=10)
+
+
 def test_requests_sent_while_the_worker_is_down_are_answered(
-    tiny_model: Path, broker: Mosquitto, watcher: Client, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path,
+    broker: Mosquitto,
+    watcher: Client,
+    workers: list[WorkerProcess],
+    tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     logs = tmp_path_factory.mktemp("steady")
     first = start_worker(tiny_model, broker, logs / "first.log")
+    workers.append(first)
     try:
         wait_status(watcher, b"online", timeout=300)
     finally:
@@ -69,7 +83,7 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
             )
     sender.close()
     second = start_worker(tiny_model, broker, logs / "second.log")
-    pytest.second_worker = second  # type: ignore[attr-defined]  # the next test freezes and kills it
+    workers.append(second)  # the next test freezes and kills it
     wait_status(watcher, b"online", timeout=300)
     answered: dict[str, list[str]] = {"down-a": [], "down-b": []}
     for _ in range(4):
@@ -82,8 +96,9 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
     assert "session resumed" in second.log()
 
 
-def test_status_follows_freeze_and_kill(watcher: Client) -> None:
-    worker: WorkerProcess = pytest.second_worker  # type: ignore[attr-defined]
+def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerProcess]) -> None:
+    assert len(workers) == 2, "needs the worker the previous test started"
+    worker = workers[1]
     assert worker.alive()
     # Frozen, its TCP connection stays open: only the keepalive can tell the broker, which
     # then publishes the Will. MQTT says after 1.5 x keepalive without a packet; Debian's
@@ -98,4 +113,3 @@ def test_status_follows_freeze_and_kill(watcher: Client) -> None:
     wait_status(watcher, b"online", timeout=30)  # reconnects by itself
     worker.signal_group(signal.SIGKILL)
     wait_status(watcher, b"offline", timeout=KEEPALIVE * 3)  # the Will, on the broken connection
-    worker.stop()
