@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -120,6 +121,13 @@ class WorkerRun:
         self.log.close()
 
 
+def timed(run: Callable[[], list[Record]]) -> dict[str, Any]:
+    """One run's records and their summary over its wall time."""
+    started = time.perf_counter()
+    records = run()
+    return {"summary": summarize(records, time.perf_counter() - started), "records": records}
+
+
 def decode_rate(record: Record) -> float | None:
     """Decode tokens/s of one request, by the worker's own clock (first token to reply)."""
     decoding_ms = (record.worker_total_ms or 0) - (record.worker_ttft_ms or 0)
@@ -156,36 +164,30 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
             )
             runs["concurrency"] = {}
             for count in profile.concurrency:
-                started = time.perf_counter()
-                records = driver.run_concurrent(
-                    "worker",
-                    workload,
-                    tokenizer.count_text,
-                    sessions=count,
-                    turns=profile.turns,
-                    think_s=think_s,
-                    progress=bar.update,
+                runs["concurrency"][count] = timed(
+                    lambda count=count: driver.run_concurrent(
+                        "worker",
+                        workload,
+                        tokenizer.count_text,
+                        sessions=count,
+                        turns=profile.turns,
+                        think_s=think_s,
+                        progress=bar.update,
+                    )
                 )
-                runs["concurrency"][count] = {
-                    "summary": summarize(records, time.perf_counter() - started),
-                    "records": records,
-                }
                 rss.append(worker.rss_mb())
             runs["one_at_a_time"] = {}
             for count in profile.one_at_a_time:
-                started = time.perf_counter()
-                records = driver.run_one_at_a_time(
-                    "one-at-a-time",
-                    workload,
-                    tokenizer.count_text,
-                    sessions=count,
-                    turns=profile.turns,
-                    progress=bar.update,
+                runs["one_at_a_time"][count] = timed(
+                    lambda count=count: driver.run_one_at_a_time(
+                        "one-at-a-time",
+                        workload,
+                        tokenizer.count_text,
+                        sessions=count,
+                        turns=profile.turns,
+                        progress=bar.update,
+                    )
                 )
-                runs["one_at_a_time"][count] = {
-                    "summary": summarize(records, time.perf_counter() - started),
-                    "records": records,
-                }
             decode = driver.run_concurrent(
                 "decode",
                 workload,
@@ -224,22 +226,21 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
     try:
         driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=profile.structured_sessions, turns=1)
         for name, extra in (("plain", None), ("json_schema", schema), ("plain_again", None)):
-            started = time.perf_counter()
             try:
-                records = driver.run_concurrent(
-                    f"structured-{name}",
-                    workload,
-                    tokenizer.count_text,
-                    sessions=profile.structured_sessions,
-                    turns=2,
-                    extra=extra,
-                    max_tokens=profile.max_tokens,
+                result[name] = timed(
+                    lambda name=name, extra=extra: driver.run_concurrent(
+                        f"structured-{name}",
+                        workload,
+                        tokenizer.count_text,
+                        sessions=profile.structured_sessions,
+                        turns=2,
+                        extra=extra,
+                        max_tokens=profile.max_tokens,
+                    )
                 )
             except RuntimeError as exc:  # an error reply: a result to report, not a crash
                 result[name] = {"error": str(exc)[:1000]}
                 driver.drain(5)
-                continue
-            result[name] = {"summary": summarize(records, time.perf_counter() - started), "records": records}
     finally:
         driver.close()
         worker.stop()
