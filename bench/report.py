@@ -118,10 +118,13 @@ def summarize_run(out: Path) -> dict[str, Any]:
 
 def _structured(runs: dict[str, Any]) -> dict[str, Any]:
     ok = {name: run["summary"] for name, run in runs.items() if "summary" in run}
-    out: dict[str, Any] = {f"{name}_{key}": ok[name][key] for name in ok for key in ("tokens_per_s", "p50_ms")}
+    steady = [name for name in ok if name != "first_use"]
+    out: dict[str, Any] = {f"{name}_{key}": ok[name][key] for name in steady for key in ("tokens_per_s", "p50_ms")}
     plain = [ok[name]["tokens_per_s"] for name in ("plain", "plain_again") if name in ok]
     if plain and "json_schema" in ok:
         out["schema_over_plain_throughput"] = _ratio(ok["json_schema"]["tokens_per_s"], sum(plain) / len(plain))
+    if "first_use" in ok:  # includes compiling the schema into a grammar
+        out["json_schema_first_request_ms"] = ok["first_use"]["p50_ms"]
     errors = {name: run["error"] for name, run in runs.items() if "error" in run}
     if errors:
         out["errors"] = errors
