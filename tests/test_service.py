@@ -105,6 +105,9 @@ class MemoryTransport:
     def ack(self, message: InboundMessage) -> None:
         self.acked.append(message.mid)
 
+    def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
+        return None  # no broker, no Maximum Packet Size
+
     def deliver(self, topic: str, payload: Any, mid: int | None = None) -> int:
         if mid is None:
             self._mid += 1

@@ -189,15 +189,26 @@ class LimitsConfig(Section):
     )
     max_pending_requests: int = opt(
         1024,
-        "Requests accepted and not yet answered, all sessions together; above it busy.",
+        "Requests accepted and not yet answered, all sessions together; above it busy. Also sent "
+        "to the broker as the MQTT 5 Receive Maximum (at most 65535), so the broker holds back "
+        "what would exceed it instead of sending it.",
         flag="--max-pending-requests",
         ge=1,
     )
     max_queued_per_session: int = opt(
-        16,
-        "Requests of one session waiting behind its running turn; above it busy.",
+        4,
+        "Requests of one session waiting behind its running turn; above it busy, so one chatty "
+        "session cannot fill the worker.",
         flag="--max-queued-per-session",
         ge=1,
+    )
+    request_deadline: float = opt(
+        300.0,
+        "Seconds a request may wait, from its arrival at the worker until its turn starts; past "
+        "it the request is answered with expired instead of generated. 0: no deadline (an MQTT "
+        "Message Expiry on the request still applies).",
+        flag="--request-deadline",
+        ge=0,
     )
     drain_timeout: float = opt(
         60.0,

@@ -109,6 +109,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             session_expiry=config.mqtt.session_expiry,
             subscriptions=tuple(topics.subscriptions()),
             status_topic=topics.status(worker_id),
+            receive_maximum=config.limits.max_pending_requests,
         ),
         loop,
     )

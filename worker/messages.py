@@ -53,9 +53,11 @@ class WireModel(BaseModel):
 
 
 class InboundModel(WireModel):
-    """Client payloads: camelCase names only, so a snake_case typo is an error, not ignored."""
+    """Client payloads: camelCase names only, so a snake_case typo is an error, not ignored.
+    Types are strict: ``"5"`` is not a number, ``2.0`` or ``true`` not an integer, ``1`` not a
+    boolean; a client that sends the wrong type has a bug it should hear about."""
 
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid")
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=False, extra="forbid", strict=True)
 
 
 class JsonSchemaFormat(InboundModel):
@@ -135,11 +137,29 @@ class StreamDelta(WireModel):
     delta: str
 
 
-def _payload_object(payload: bytes) -> dict[str, Any]:
+def _load_json(payload: bytes) -> Any:
+    """The payload's JSON value; RequestError(bad_json) unless it is UTF-8 JSON text whose
+    strings are all valid Unicode."""
     try:
-        data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise RequestError(ErrorCode.BAD_JSON, f"payload is not valid JSON: {exc}") from None
+        # Decoded here, not by json.loads: that would also take UTF-16 and UTF-32.
+        text = payload.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(ErrorCode.BAD_JSON, f"payload is not UTF-8: {exc}") from None
+    try:
+        data = json.loads(text)
+    except (ValueError, RecursionError) as exc:  # ValueError: also an int of over 4300 digits
+        raise RequestError(ErrorCode.BAD_JSON, f"payload is not valid JSON: {str(exc)[:200]}") from None
+    try:
+        # A "\ud800" escape decodes to a lone surrogate, which no reply echoing it (a requestId,
+        # an unknown field's name) could be encoded with.
+        json.dumps(data, ensure_ascii=False).encode("utf-8")
+    except (UnicodeEncodeError, RecursionError):
+        raise RequestError(ErrorCode.BAD_JSON, "payload has a string that is not valid Unicode") from None
+    return data
+
+
+def _payload_object(payload: bytes) -> dict[str, Any]:
+    data = _load_json(payload)
     if not isinstance(data, dict):
         raise RequestError(ErrorCode.BAD_JSON, "payload must be a JSON object")
     return data
@@ -228,8 +248,8 @@ def request_key(topic: str, payload: bytes, request_id: str | None) -> str:
 def best_effort_request_id(payload: bytes) -> str | None:
     """The requestId of a payload that failed validation, so its error can be correlated."""
     try:
-        data = json.loads(payload)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        data = _load_json(payload)
+    except RequestError:
         return None
     value = data.get("requestId") if isinstance(data, dict) else None
     return value if isinstance(value, str) and 0 < len(value) <= 128 else None

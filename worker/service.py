@@ -29,6 +29,7 @@ from .messages import (
     parse_control,
     request_key,
 )
+from .packets import fit_answer
 from .stats import StatsCollector
 from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from .transport import InboundMessage
@@ -176,7 +177,15 @@ class Service:
             return
         runtime.messages[key] = [message]
         runtime.waiting += 1
-        self._spawn(self._run_turn(PendingTurn(message, address, target, key, request, runtime)))
+        deadline = self._deadline(message)
+        self._spawn(self._run_turn(PendingTurn(message, address, target, key, request, runtime, deadline)))
+
+    def _deadline(self, message: InboundMessage) -> float | None:
+        """When the request's turn must have started: its MQTT Message Expiry, and
+        request_deadline after it arrived, whichever is first."""
+        limit = self.config.limits.request_deadline
+        ends = [message.expires_at, message.received_at + limit if limit > 0 else None]
+        return min((end for end in ends if end is not None), default=None)
 
     def _admit(self, request: ChatRequest, runtime: SessionRuntime) -> None:
         limits, generation = self.config.limits, self.config.generation
@@ -284,7 +293,14 @@ class Service:
         return ReplyTarget(wanted or own, message.correlation_data)
 
     def _publish(self, target: ReplyTarget, payload: bytes) -> None:
-        self.transport.publish(target.topic, payload, qos=1, correlation_data=target.correlation_data)
+        limit = self.transport.payload_limit(target.topic, qos=1, correlation_data=target.correlation_data)
+        fitted = fit_answer(payload, limit)
+        if fitted is None:
+            logger.error("An answer on {} does not fit the broker's maximum packet size: not sent", target.topic)
+            return
+        if fitted is not payload:
+            logger.warning("An answer on {} was cut to the broker's maximum packet size", target.topic)
+        self.transport.publish(target.topic, fitted, qos=1, correlation_data=target.correlation_data)
 
     def _answer_error(
         self,

@@ -35,6 +35,9 @@ class InboundMessage:
     response_topic: str | None
     correlation_data: bytes | None
     received_at: float  # time.monotonic() when paho handed it over
+    # time.monotonic() past which the sender no longer wants it: its MQTT 5 Message Expiry
+    # Interval is the remaining lifetime (the broker counts down the time it held it).
+    expires_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,28 @@ class MqttSettings:
     session_expiry: int
     subscriptions: tuple[str, ...]
     status_topic: str
+    # MQTT 5 Receive Maximum: the broker sends at most this many unacknowledged requests and
+    # holds back the rest (requests are acknowledged once answered: these are the pending ones).
+    receive_maximum: int = 65535
+
+
+def publish_packet_size(topic: str, payload_size: int, qos: int, properties_size: int) -> int:
+    """Bytes of an MQTT 5 PUBLISH packet, as paho builds it: fixed header (type byte and the
+    variable-length remaining length), topic with its length, packet id (QoS > 0), properties
+    (with their length prefix), payload."""
+    remaining = 2 + len(topic.encode()) + (2 if qos > 0 else 0) + properties_size + payload_size
+    length_bytes = 1
+    while remaining >= 128**length_bytes and length_bytes < 4:
+        length_bytes += 1
+    return 1 + length_bytes + remaining
+
+
+def _publish_properties(correlation_data: bytes | None) -> Properties | None:
+    if correlation_data is None:
+        return None
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    props.CorrelationData = correlation_data
+    return props
 
 
 def set_tcp_nodelay(client: mqtt.Client) -> None:
@@ -68,6 +93,14 @@ class MqttTransport:
         self.inbox: asyncio.Queue[InboundMessage] = asyncio.Queue()
         self._loop = loop
         self._connected = asyncio.Event()
+        # Set once the broker has acknowledged every subscription (SUBACK): only then is a
+        # published request delivered to us. Stays set: a resumed session keeps them.
+        self._subscribed = asyncio.Event()
+        self._subscribe_mid: int | None = None
+        # The broker's Maximum Packet Size from the last CONNACK (None: no limit). paho ignores
+        # it, and a larger packet makes the broker disconnect us; paho then reconnects and sends
+        # it again, forever. So publish() never hands paho a packet over it.
+        self.max_packet_size: int | None = None
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=settings.client_id,
@@ -96,8 +129,10 @@ class MqttTransport:
                 logger.error("MQTT connect refused: {}", reason)
                 return
             set_tcp_nodelay(client)
+            limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
+            self.max_packet_size = int(limit) if limit else None
             # Subscribing here (not in the loop) makes every reconnect resubscribe at once.
-            client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
+            _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
             resumed = bool(getattr(flags, "session_present", False))
             logger.info(
@@ -127,6 +162,8 @@ class MqttTransport:
             refused = [r for r in reasons if r.is_failure]
             if refused:
                 logger.error("MQTT subscription refused: {}", ", ".join(str(r) for r in refused))
+            elif mid == self._subscribe_mid:
+                self._loop.call_soon_threadsafe(self._subscribed.set)
         except Exception:
             logger.exception("error in MQTT subscribe callback")
 
@@ -135,6 +172,8 @@ class MqttTransport:
             props = message.properties
             response_topic = getattr(props, "ResponseTopic", None) if props else None
             correlation = getattr(props, "CorrelationData", None) if props else None
+            expiry = getattr(props, "MessageExpiryInterval", None) if props else None
+            received = time.monotonic()
             inbound = InboundMessage(
                 topic=message.topic,
                 payload=bytes(message.payload),
@@ -143,11 +182,19 @@ class MqttTransport:
                 retain=bool(message.retain),
                 response_topic=response_topic,
                 correlation_data=bytes(correlation) if correlation is not None else None,
-                received_at=time.monotonic(),
+                received_at=received,
+                expires_at=received + expiry if expiry is not None else None,
             )
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
-            logger.exception("error in MQTT message callback")
+            # Never answered, so acknowledge it: unacknowledged it would hold one of the
+            # Receive Maximum slots until the next reconnect, and then fail again.
+            logger.exception("error in MQTT message callback; message {} dropped", getattr(message, "mid", "?"))
+            try:
+                if message.qos > 0:
+                    client.ack(message.mid, message.qos)
+            except Exception:
+                logger.exception("could not acknowledge the dropped message")
 
     # -- event loop side ----------------------------------------------------------------
 
@@ -155,6 +202,7 @@ class MqttTransport:
         """Connect in the background; paho retries with backoff until the broker answers."""
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self.settings.session_expiry
+        props.ReceiveMaximum = max(1, min(self.settings.receive_maximum, 65535))
         self._client.connect_async(
             self.settings.host, self.settings.port, self.settings.keepalive, clean_start=False, properties=props
         )
@@ -163,18 +211,47 @@ class MqttTransport:
     async def wait_connected(self) -> None:
         await self._connected.wait()
 
+    async def wait_subscribed(self) -> None:
+        """Until the broker has acknowledged the subscriptions."""
+        await self._subscribed.wait()
+
+    @property
+    def loop_alive(self) -> bool:
+        """Whether paho's network thread runs: connected, or reconnecting by itself. It ends
+        only by close() or an exception that escaped a callback."""
+        thread = getattr(self._client, "_thread", None)  # paho keeps loop_start's thread here
+        return thread is not None and bool(thread.is_alive())
+
     @property
     def connected(self) -> bool:
         return self._connected.is_set()
 
+    def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
+        """The largest payload a publish to topic can carry under the broker's Maximum Packet
+        Size (possibly negative: nothing fits); None when the broker set no limit."""
+        limit = self.max_packet_size
+        if limit is None:
+            return None
+        props = _publish_properties(correlation_data)
+        properties_size = len(props.pack()) if props is not None else 1  # type: ignore[no-untyped-call]
+        return limit - publish_packet_size(topic, 0, qos, properties_size)
+
     def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
     ) -> None:
-        """Queue a publish; paho sends it now or after a reconnect (QoS 1 is kept in flight)."""
-        props = None
-        if correlation_data is not None:
-            props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-            props.CorrelationData = correlation_data
+        """Queue a publish; paho sends it now or after a reconnect (QoS 1 is kept in flight).
+        A payload over payload_limit() is dropped with an error log: callers that can make a
+        smaller one (replies, stream deltas) check the limit first."""
+        limit = self.payload_limit(topic, qos=qos, correlation_data=correlation_data)
+        if limit is not None and len(payload) > limit:
+            logger.error(
+                "Not publishing {} bytes to {}: over the broker's maximum packet size of {} bytes",
+                len(payload),
+                topic,
+                self.max_packet_size,
+            )
+            return
+        props = _publish_properties(correlation_data)
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             logger.warning("MQTT publish to {} failed: {}", topic, mqtt.error_string(info.rc))
