@@ -12,6 +12,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -182,3 +183,49 @@ class WorkerProcess:
         code = self.proc.wait(10)
         self._log.close()
         return code
+
+
+class NotifyListener:
+    """The systemd side of ``Type=notify``: a datagram socket for ``NOTIFY_SOCKET`` that
+    records each message (its ``KEY=value`` lines) with the time it arrived."""
+
+    def __init__(self, path: str) -> None:
+        self.address = path  # for NOTIFY_SOCKET: a file path, or "@name" (abstract namespace)
+        self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM)
+        self._sock.bind("\0" + path[1:] if path.startswith("@") else path)
+        self._sock.settimeout(0.1)
+        self.received: list[tuple[float, list[str]]] = []
+        self._closed = False
+        self._thread = threading.Thread(target=self._receive, daemon=True)
+        self._thread.start()
+
+    def _receive(self) -> None:
+        while not self._closed:
+            try:
+                data = self._sock.recv(4096)
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            self.received.append((time.monotonic(), data.decode().split("\n")))
+
+    def lines(self) -> list[str]:
+        return [line for _, message in list(self.received) for line in message]
+
+    def times(self, line: str) -> list[float]:
+        """When each message carrying ``line`` (or, for a key ending in "=", any value) arrived."""
+        return [t for t, message in list(self.received) if any(m == line or m.startswith(line) for m in message)]
+
+    def wait_for(self, line: str, timeout: float) -> float:
+        """The time the first message carrying ``line`` arrived (waiting up to ``timeout``)."""
+        deadline = time.monotonic() + timeout
+        while not self.times(line):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"no {line!r} within {timeout}s; received {self.lines()[-20:]}")
+            time.sleep(0.02)
+        return self.times(line)[0]
+
+    def close(self) -> None:
+        self._closed = True
+        self._thread.join(1)
+        self._sock.close()

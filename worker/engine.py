@@ -101,4 +101,9 @@ class Engine(Protocol):
         """The current statistics; resets the interval maximum."""
         ...
 
+    def is_alive(self) -> bool:
+        """Cheap (the systemd watchdog asks every few seconds): False once the engine can
+        serve nothing more, e.g. its engine process died."""
+        ...
+
     async def shutdown(self) -> None: ...

@@ -4,7 +4,9 @@ vLLM, paho and transformers log through the standard ``logging`` module; an inte
 handler routes their records into loguru so that one sink, one format and one level apply.
 vLLM's engine runs in child processes that configure their own logging from
 ``VLLM_LOGGING_CONFIG_PATH``: the worker points it at a config whose handler is
-``LoguruHandler``, so the children log in the same format too.
+``LoguruHandler``, so the children log in the same format too. Being the one piece of our
+code that runs in every process vLLM spawns, the handler also ties each such process's life
+to its parent's (children.py).
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ import tempfile
 from pathlib import Path
 
 from loguru import logger
+
+from .children import die_with_parent
 
 FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[name]}: {message}"
 _configured_in_process: int | None = None  # the pid that configured loguru
@@ -33,12 +37,14 @@ class InterceptHandler(logging.Handler):
 
 class LoguruHandler(InterceptHandler):
     """The handler of vLLM's logging config: configures loguru in a child process that
-    has not done so (vLLM's engine core), then intercepts like the parent's handler."""
+    has not done so (vLLM's engine core), then intercepts like the parent's handler. vLLM
+    builds it as a child process starts: the moment to make the child die with its parent."""
 
     def __init__(self, log_level: str = "INFO", json_logs: bool = False) -> None:
         super().__init__()
         if _configured_in_process != os.getpid():
             configure_logging(log_level, json_logs=json_logs, intercept_root=False)
+        die_with_parent()
 
 
 def configure_logging(level: str = "INFO", *, json_logs: bool = False, intercept_root: bool = True) -> None:

@@ -3,7 +3,8 @@
 Start order: tokenizer, engine, then MQTT, so that the retained ``online`` status means the
 worker can answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let
 running generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and
-shut the engine down. A second signal stops at once.
+shut the engine down. A second signal stops at once. Under systemd (``Type=notify``) each
+step is reported (notify.py), and the engine's processes die with the worker (children.py).
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from loguru import logger
 
 from . import __version__
+from .children import expect_children
 from .cli import ConfigError, load_config, render_toml
 from .config import WorkerConfig
 from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
+from .notify import Notifier
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -41,6 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
         )
     vllm_logging = use_loguru_in_vllm_processes(config.logging.level, json_logs=config.logging.json_logs)
+    expect_children()  # before vLLM is imported: its processes then die with this one
     try:
         return asyncio.run(serve(config))
     except KeyboardInterrupt:  # a second Ctrl-C
@@ -71,6 +75,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         trigger.add_done_callback(lambda _: request_stop())
 
     worker_id = config.effective_worker_id
+    notifier = Notifier.from_environment()
     logger.info(
         "Worker {} {} starting with config:\n{}",
         worker_id,
@@ -84,13 +89,18 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
 
     route_library_logging()
     assert config.engine.model is not None
-    renderer = await asyncio.to_thread(ChatTokenizer, config.engine.model)
-    engine = await VllmEngine.start(
-        config.engine,
-        stop_token_ids=renderer.stop_token_ids,
-        json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
-    )
+    notifier.status(f"Loading {config.engine.model}")
+    # The engine start holds this thread (and the event loop) until the model is loaded; it
+    # must stay on this thread: vLLM's processes die when the thread that started them ends.
+    with notifier.extending_timeout():
+        renderer = await asyncio.to_thread(ChatTokenizer, config.engine.model)
+        engine = await VllmEngine.start(
+            config.engine,
+            stop_token_ids=renderer.stop_token_ids,
+            json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+        )
     route_library_logging()
+    notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
 
     from .service import Service
     from .topics import Topics
@@ -116,10 +126,28 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     service = Service(config, engine, renderer, transport, request_stop)
     transport.start()
     logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
-    tasks = [asyncio.ensure_future(service.consume()), asyncio.ensure_future(service.publish_stats_forever())]
+
+    async def announce_ready() -> None:
+        await transport.wait_subscribed()  # a request published from now on is delivered
+        notifier.ready(f"Serving {config.engine.model} as {worker_id} via {config.mqtt.host}:{config.mqtt.port}")
+
+    def health() -> str | None:
+        if not transport.loop_alive:
+            return "the MQTT network loop has stopped"
+        if not engine.is_alive():
+            return "the engine is dead"
+        return None
+
+    tasks = [
+        asyncio.ensure_future(service.consume()),
+        asyncio.ensure_future(service.publish_stats_forever()),
+        asyncio.ensure_future(announce_ready()),
+        asyncio.ensure_future(notifier.watchdog_forever(health)),
+    ]
     try:
         await stop.wait()
         logger.info("Stopping")
+        notifier.stopping("Stopping: finishing running generations")
         await service.drain(config.limits.drain_timeout)
         if config.stats.interval > 0:
             service.publish_stats()

@@ -282,6 +282,11 @@ class VllmEngine:
         self._stats.max_running = self._stats.running
         return snapshot
 
+    def is_alive(self) -> bool:
+        # AsyncLLM.errored: set by vLLM's monitor thread as soon as an engine core process
+        # exits, or when its output handler task has ended; a flag read, nothing more.
+        return self._llm is not None and not self._llm.errored
+
     async def shutdown(self) -> None:
         await asyncio.to_thread(self._llm.shutdown)
         # Drop the engine now: its __del__ shuts down again and fails at interpreter exit.
