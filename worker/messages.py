@@ -245,8 +245,11 @@ def request_key(topic: str, payload: bytes, request_id: str | None) -> str:
     return f"h-{digest[:32]}"
 
 
-def best_effort_request_id(payload: bytes) -> str | None:
-    """The requestId of a payload that failed validation, so its error can be correlated."""
+def best_effort_request_id(payload: bytes, max_payload_bytes: int | None = None) -> str | None:
+    """The requestId of a payload that failed validation, so its error can be correlated.
+    None for a payload over max_payload_bytes: refusing it must not cost a parse of it."""
+    if max_payload_bytes is not None and len(payload) > max_payload_bytes:
+        return None
     try:
         data = _load_json(payload)
     except RequestError:

@@ -156,7 +156,8 @@ class Service:
                 logger.opt(exception=exc).error("Request task failed")
 
     def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
-        key = request_key(message.topic, message.payload, best_effort_request_id(message.payload))
+        request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
+        key = request_key(message.topic, message.payload, request_id)
         target = self._reply_target(message, address)
         history = self.sessions.peek(str(address))
         if history is not None and key in history.answered:
@@ -174,6 +175,7 @@ class Service:
             self._admit(request, runtime)
         except RequestError as exc:
             self._answer_error(message, address, target, key, exc)
+            self._forget_if_idle(address, runtime)  # else every refused session would stay
             return
         runtime.messages[key] = [message]
         runtime.waiting += 1
@@ -210,7 +212,8 @@ class Service:
         try:
             control = parse_control(message.payload, self.config.limits.max_payload_bytes)
         except RequestError as exc:
-            self._answer_error(message, address, target, best_effort_request_id(message.payload), exc)
+            request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
+            self._answer_error(message, address, target, request_id, exc)
             return
         runtime = self._runtime_for(address)
         if control.action == "cancel":
@@ -224,6 +227,7 @@ class Service:
                 ErrorCode.UNSUPPORTED_ACTION, f"unknown action {control.action[:40]!r}; use reset or cancel"
             )
             self._answer_error(message, address, target, control.request_id, unsupported)
+        self._forget_if_idle(address, runtime)
 
     def _cancel(self, address: SessionAddress, runtime: SessionRuntime, key: str | None) -> None:
         if key is None:

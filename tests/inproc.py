@@ -1,0 +1,124 @@
+"""An in-process worker on a real broker: the Service and the real MqttTransport on an asyncio
+loop in a thread of the test, generating with test_service's FakeEngine. For what the broker
+decides (delivery, acknowledgements, Receive Maximum, packet sizes, message expiry), where a
+vLLM engine would add only minutes of start-up."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from typing import Any, TypeVar
+
+from test_service import FakeEngine, WordRenderer
+
+from worker.config import WorkerConfig
+from worker.service import Service
+from worker.topics import Topics
+from worker.transport import InboundMessage, MqttSettings, MqttTransport
+
+T = TypeVar("T")
+_ids = itertools.count()
+
+
+class RecordingTransport(MqttTransport):
+    """The real transport, counting connects and recording which messages were acknowledged."""
+
+    def __init__(self, settings: MqttSettings, loop: asyncio.AbstractEventLoop) -> None:
+        super().__init__(settings, loop)
+        self.connects = 0
+        self.acked: list[InboundMessage] = []
+        self.subscribed = threading.Event()
+
+    def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        self.connects += 1
+        super()._on_connect(client, userdata, flags, reason, properties)
+
+    def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
+        super()._on_subscribe(client, userdata, mid, reasons, properties)
+        self.subscribed.set()
+
+    def ack(self, message: InboundMessage) -> None:
+        self.acked.append(message)
+        super().ack(message)
+
+
+class LiveWorker:
+    """``LiveWorker(port, limits={...})``: config sections as keyword arguments. Its topic
+    prefix is its own, so workers sharing a broker never see each other's requests."""
+
+    def __init__(self, port: int, *, engine: FakeEngine | None = None, **sections: dict[str, Any]) -> None:
+        n = next(_ids)
+        self.prefix = f"live{n}"
+        mqtt = {"port": port, "topic_prefix": self.prefix, "worker_id": f"live-worker-{n}", "session_expiry": 0}
+        self.config = WorkerConfig.model_validate(
+            {"engine": {"model": "fake"}, "stats": {"interval": 0}, **sections, "mqtt": mqtt | sections.get("mqtt", {})}
+        )
+        self.engine = engine or FakeEngine()
+        self.stop_codes: list[int] = []
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+        self.call(self._start())
+
+    async def _start(self) -> None:
+        topics = Topics(self.prefix)
+        mqtt = self.config.mqtt
+        settings = MqttSettings(
+            host=mqtt.host,
+            port=mqtt.port,
+            client_id=self.config.effective_worker_id,
+            username=None,
+            password=None,
+            keepalive=mqtt.keepalive,
+            reconnect_min_delay=mqtt.reconnect_min_delay,
+            reconnect_max_delay=mqtt.reconnect_max_delay,
+            session_expiry=mqtt.session_expiry,
+            subscriptions=tuple(topics.subscriptions()),
+            status_topic=topics.status(self.config.effective_worker_id),
+            receive_maximum=self.config.limits.max_pending_requests,
+        )
+        self.transport = RecordingTransport(settings, self.loop)
+        self.service = Service(self.config, self.engine, WordRenderer(), self.transport, self.stop_codes.append)
+        self.transport.start()
+        await asyncio.wait_for(self.transport.wait_connected(), 10)
+        await asyncio.to_thread(self.transport.subscribed.wait, 10)
+        self._consumer = asyncio.ensure_future(self.service.consume())
+
+    def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = 30) -> T:
+        """Run work (a coroutine, or a function) on the worker's loop; its result."""
+        if not asyncio.iscoroutine(work):
+            function = work
+
+            async def as_coroutine() -> Any:
+                return function()  # type: ignore[operator]
+
+            work = as_coroutine()
+        return asyncio.run_coroutine_threadsafe(work, self.loop).result(timeout)
+
+    def topic(self, user: str, session: str, kind: str = "request") -> str:
+        return f"{self.prefix}/{user}/{session}/{kind}"
+
+    def idle(self) -> bool:
+        """Nothing in flight: no task, no session runtime, nothing waiting in the inbox."""
+        return self.call(lambda: not self.service._tasks and not self.service._runtime and self.transport.inbox.empty())
+
+    def wait_idle(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while not self.idle():
+            assert time.monotonic() < deadline, "the worker did not become idle"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        async def stop() -> None:
+            self._consumer.cancel()
+            await self.service.drain(1)
+            await self.transport.close(2)
+
+        try:
+            self.call(stop())
+        finally:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+            self._thread.join(5)
