@@ -234,7 +234,11 @@ class MqttTransport:
             return None
         props = _publish_properties(correlation_data)
         properties_size = len(props.pack()) if props is not None else 1  # type: ignore[no-untyped-call]
-        return limit - publish_packet_size(topic, 0, qos, properties_size)
+        payload = limit - publish_packet_size(topic, 0, qos, properties_size)
+        # The remaining length's own size grows with the payload (1 to 4 bytes).
+        while payload > 0 and publish_packet_size(topic, payload, qos, properties_size) > limit:
+            payload -= 1
+        return payload
 
     def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
