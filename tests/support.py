@@ -55,6 +55,7 @@ class Mosquitto:
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
             f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
             "set_tcp_nodelay true\nmax_inflight_messages 0\n"  # docs/protocol.md, "Broker settings"
+            "max_queued_messages 100000\n"  # the default 1000 drops the rest of a flood of requests
             f"log_dest file {self.log}\nlog_type all\n{self.extra_config}"
         )
 
