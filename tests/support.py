@@ -196,6 +196,10 @@ class NotifyListener:
         self._sock.bind("\0" + path[1:] if path.startswith("@") else path)
         self._sock.settimeout(0.1)
         self.received: list[tuple[float, list[str]]] = []
+        # line -> a callable run on this thread the moment a message carrying it arrives, and
+        # what it returned (or raised).
+        self.on_arrival: dict[str, Callable[[], Any]] = {}
+        self.at_arrival: dict[str, Any] = {}
         self._closed = False
         self._thread = threading.Thread(target=self._receive, daemon=True)
         self._thread.start()
@@ -208,7 +212,14 @@ class NotifyListener:
                 continue
             except OSError:
                 return
-            self.received.append((time.monotonic(), data.decode().split("\n")))
+            lines = data.decode().split("\n")
+            for line in lines:
+                if line in self.on_arrival and line not in self.at_arrival:
+                    try:
+                        self.at_arrival[line] = self.on_arrival[line]()
+                    except Exception as exc:  # the test sees it; the recording goes on
+                        self.at_arrival[line] = exc
+            self.received.append((time.monotonic(), lines))
 
     def lines(self) -> list[str]:
         return [line for _, message in list(self.received) for line in message]

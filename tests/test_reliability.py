@@ -1,5 +1,7 @@
 """A worker's restarts and faults against a real mosquitto: requests sent while it is down are
-answered after it starts, and its retained status follows it (clean stop, freeze, kill).
+answered after it starts, and its retained status follows it (clean stop, freeze, kill). The
+first start also speaks systemd's notify protocol to a socket the test owns; the kill leaves
+none of the engine's processes behind.
 One worker id, two worker processes in sequence (each engine start costs ~40 s)."""
 
 from __future__ import annotations
@@ -9,16 +11,17 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 from conftest import engine_args
-from support import Client, Mosquitto, WorkerProcess
+from support import Client, Mosquitto, NotifyListener, WorkerProcess
 
 pytestmark = pytest.mark.e2e
 KEEPALIVE = 5
 STATUS = "chat/_worker/steady/status"
 
 
-def start_worker(model: Path, broker: Mosquitto, log: Path) -> WorkerProcess:
+def start_worker(model: Path, broker: Mosquitto, log: Path, env: dict[str, str] | None = None) -> WorkerProcess:
     worker = WorkerProcess(
         [
             *engine_args(model),
@@ -32,6 +35,7 @@ def start_worker(model: Path, broker: Mosquitto, log: Path) -> WorkerProcess:
             "2",
         ],
         log,
+        env,
     )
     return worker
 
@@ -67,14 +71,26 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
     tmp_path_factory: pytest.TempPathFactory,
 ) -> None:
     logs = tmp_path_factory.mktemp("steady")
-    first = start_worker(tiny_model, broker, logs / "first.log")
+    notify = NotifyListener(str(logs / "notify.sock"))
+    sender = Client(broker.port, [])
+    # Published the moment READY arrives: answered only if the broker already holds the
+    # subscription (this client id's first session has none before; the broker would drop it).
+    request = {"message": "hi", "maxTokens": 4, "requestId": "ready-0"}
+    notify.on_arrival["READY=1"] = lambda: sender.publish("chat/nina/ready/request", request)
+    # WATCHDOG_USEC as systemd sets it for WatchdogSec=2: a ping every second.
+    env = {"NOTIFY_SOCKET": notify.address, "WATCHDOG_USEC": "2000000"}
+    first = start_worker(tiny_model, broker, logs / "first.log", env)
     workers.append(first)
     try:
-        wait_status(watcher, b"online", timeout=300)
+        ready = notify.wait_for("READY=1", timeout=300)
+        check_notify_sequence(notify, ready, watcher)
+        wait_status(watcher, b"online", timeout=10)
     finally:
         assert first.stop() == 0
+        notify.close()
+    stopping = notify.times("STOPPING=1")
+    assert stopping and stopping[0] > ready, notify.lines()
     wait_status(watcher, b"offline", timeout=10)  # a clean stop publishes it itself
-    sender = Client(broker.port, [])
     for session in ("down-a", "down-b"):
         for turn in range(2):
             sender.publish(
@@ -96,6 +112,19 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
     assert "session resumed" in second.log()
 
 
+def check_notify_sequence(notify: NotifyListener, ready: float, watcher: Client) -> None:
+    """systemd's view of the start: the start timeout extended while the model loaded, READY
+    once the broker has acknowledged the subscriptions, then a watchdog ping every second."""
+    extended = notify.times("EXTEND_TIMEOUT_USEC=")
+    assert extended and extended[0] < ready, notify.lines()
+    assert notify.at_arrival["READY=1"] is None  # published
+    reply = watcher.wait_for(lambda m: m.topic == "chat/nina/ready/reply", timeout=120).json()
+    assert reply.get("requestId") == "ready-0" and "error" not in reply, reply
+    time.sleep(max(0.0, ready + 3.5 - time.monotonic()))
+    pings = [t for t in notify.times("WATCHDOG=1") if t > ready]
+    assert len(pings) >= 3, notify.lines()
+
+
 def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerProcess]) -> None:
     assert len(workers) == 2, "needs the worker the previous test started"
     worker = workers[1]
@@ -111,5 +140,11 @@ def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerPro
     finally:
         worker.proc.send_signal(signal.SIGCONT)
     wait_status(watcher, b"online", timeout=30)  # reconnects by itself
-    worker.signal_group(signal.SIGKILL)
+    engine_processes = psutil.Process(worker.proc.pid).children(recursive=True)
+    assert engine_processes, "vLLM's engine runs in child processes"
+    # The worker's own pid only: its children must follow by themselves (outside systemd
+    # nothing else kills them; the workers fixture kills the whole group, but only later).
+    worker.proc.send_signal(signal.SIGKILL)
     wait_status(watcher, b"offline", timeout=KEEPALIVE * 3)  # the Will, on the broken connection
+    _, left = psutil.wait_procs(engine_processes, timeout=10)
+    assert not left, f"outlived the worker: {[(p.pid, p.name()) for p in left]}"
