@@ -30,6 +30,10 @@ def test_unit_has_what_a_long_running_gpu_worker_needs() -> None:
         assert re.search(rf"{var}=/var/cache/mqtt-vllm-worker/", env), var
     assert s["CacheDirectory"] == ["mqtt-vllm-worker"]
     assert "python -m worker" in s["ExecStart"][0]
+    # The worker speaks the notify protocol (notify.py): READY, start-timeout extensions, watchdog.
+    assert s["Type"] == ["notify"] and s["NotifyAccess"] == ["main"]
+    assert 0 < int(s["WatchdogSec"][0]) <= 120
+    assert s["KillMode"] == ["control-group"]  # vLLM's engine processes go too
     for hardening in ("NoNewPrivileges", "ProtectSystem", "ProtectHome", "PrivateTmp", "DevicePolicy", "UMask"):
         assert hardening in s
 
