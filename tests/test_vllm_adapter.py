@@ -96,3 +96,13 @@ def test_structured_outputs_engine_arguments(tiny_model: Path) -> None:
     args = make_engine_args({"model": str(tiny_model), **default})
     assert args.structured_outputs_config.backend == "xgrammar"
     assert args.structured_outputs_config.disable_any_whitespace is True
+
+
+def test_is_alive_follows_vllms_engine_dead_flag() -> None:
+    # AsyncLLM.errored turns true when vLLM's monitor sees the engine core process exit.
+    llm = StandInLLM()
+    llm.errored = False  # type: ignore[attr-defined]
+    engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7], EngineStats())
+    assert engine.is_alive()
+    llm.errored = True  # type: ignore[attr-defined]
+    assert not engine.is_alive()
