@@ -14,7 +14,7 @@ MODEL=.cache/demo-model  # replies that end by themselves, like a real model's
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
-printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\n' "$PORT" > "$RUN/mosquitto.conf"
+printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n' "$PORT" > "$RUN/mosquitto.conf"
 "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &
 BROKER=$!
 setsid .venv/bin/python -m worker --model "$MODEL" --mqtt-port "$PORT" --worker-id demo \
