@@ -63,6 +63,10 @@ def summarize_run(out: Path) -> dict[str, Any]:
             "client_minus_worker_p50": round(percentile(hop, 50), 3),
             "client_minus_worker_p99": round(percentile(hop, 99), 3),
         }
+        for c, run in worker["concurrency"].items():  # the hop grows with the clients' traffic
+            hop_c = [r["client_ms"] - r["worker_total_ms"] for r in run["records"]]
+            result["mqtt_hop_ms"][f"c{c}_p50"] = round(percentile(hop_c, 50), 3)
+            result["mqtt_hop_ms"][f"c{c}_p99"] = round(percentile(hop_c, 99), 3)
         result["decode_batch1"] = {"worker_tok_per_s": worker["decode_batch1"]["decode_tok_per_s"]}
         result["start_to_ready_s"] = worker["start_to_ready_s"]
         result["rss_mb_max"] = max((r["total_rss_mb"] for r in worker["rss"]), default=None)
@@ -119,7 +123,17 @@ def summarize_run(out: Path) -> dict[str, Any]:
 def _structured(runs: dict[str, Any]) -> dict[str, Any]:
     ok = {name: run["summary"] for name, run in runs.items() if "summary" in run}
     steady = [name for name in ok if name != "first_use"]
-    out: dict[str, Any] = {f"{name}_{key}": ok[name][key] for name in steady for key in ("tokens_per_s", "p50_ms")}
+    keys = ("tokens_per_s", "p50_ms", "completion_tokens")
+    out: dict[str, Any] = {f"{name}_{key}": ok[name][key] for name in steady for key in keys}
+    # Per-request time per generated token (worker's clock, first token to reply): unlike
+    # tokens/s it does not depend on how long the replies run.
+    for name in steady:
+        out[f"{name}_ms_per_token_p50"] = _ms_per_token(runs[name]["records"])
+    plain_token_ms = [out[f"{n}_ms_per_token_p50"] for n in ("plain", "plain_again") if n in ok]
+    if plain_token_ms and "json_schema" in ok and all(plain_token_ms):
+        out["schema_over_plain_ms_per_token"] = _ratio(
+            out["json_schema_ms_per_token_p50"], sum(plain_token_ms) / len(plain_token_ms)
+        )
     plain = [ok[name]["tokens_per_s"] for name in ("plain", "plain_again") if name in ok]
     if plain and "json_schema" in ok:
         out["schema_over_plain_throughput"] = _ratio(ok["json_schema"]["tokens_per_s"], sum(plain) / len(plain))
@@ -129,6 +143,15 @@ def _structured(runs: dict[str, Any]) -> dict[str, Any]:
     if errors:
         out["errors"] = errors
     return out
+
+
+def _ms_per_token(records: list[dict[str, Any]]) -> float | None:
+    per_token = [
+        (r["worker_total_ms"] - r["worker_ttft_ms"]) / (r["completion_tokens"] - 1)
+        for r in records
+        if r.get("worker_total_ms") and r.get("worker_ttft_ms") is not None and r["completion_tokens"] > 1
+    ]
+    return round(percentile(per_token, 50), 3) if per_token else None
 
 
 def _ratio(a: float | None, b: float | None) -> float | None:
