@@ -59,7 +59,8 @@ def shared_worker(
     tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[WorkerProcess]:
     """One worker for every end-to-end test that can share it (an engine start costs ~50 s)."""
-    log = tmp_path_factory.mktemp("worker") / "worker.log"
+    workdir = tmp_path_factory.mktemp("worker")
+    log = workdir / "worker.log"
     worker = WorkerProcess(
         [
             *engine_args(tiny_model),
@@ -71,6 +72,8 @@ def shared_worker(
             "1",
             "--max-history-turns",
             "6",
+            "--state-dir",
+            str(workdir / "state"),
         ],
         log,
     )

@@ -111,6 +111,15 @@ class LiveWorker:
             assert time.monotonic() < deadline, "the worker did not become idle"
             time.sleep(0.05)
 
+    def wait_acked(self, count: int, timeout: float = 15) -> list[InboundMessage]:
+        """The acknowledged messages once there are count of them (a request is acknowledged
+        after its answer's PUBACK, so slightly after the client has the answer)."""
+        deadline = time.monotonic() + timeout
+        while len(acked := self.call(lambda: list(self.transport.acked))) < count:
+            assert time.monotonic() < deadline, f"{len(acked)} of {count} acknowledged"
+            time.sleep(0.02)
+        return acked
+
     def close(self) -> None:
         async def stop() -> None:
             self._consumer.cancel()

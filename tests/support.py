@@ -17,7 +17,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
@@ -41,22 +41,43 @@ def mosquitto_binary() -> str:
 
 
 class Mosquitto:
-    """A broker on a free loopback port with a generated config; the test owns its PID."""
+    """A broker on a free loopback port with a generated config; the test owns its PID.
 
-    def __init__(self, workdir: Path, extra_config: str = "") -> None:
+    Started as root, mosquitto drops to the user ``mosquitto``, which cannot write into
+    pytest's 0700 temporary directories: its log and its persistence file are then never
+    written (it keeps running). ``keep_root=True`` adds ``user root`` so that both are (no
+    effect when not run as root). Only brokers that restart need it: a broker that saves its
+    database after every change doubles the time of the flood test.
+    ``autosave``: "changes" saves after every change (``autosave_on_changes true``,
+    ``autosave_interval 1``), "default" leaves mosquitto's default (every 1800 s, and on a
+    clean exit)."""
+
+    def __init__(
+        self,
+        workdir: Path,
+        extra_config: str = "",
+        *,
+        keep_root: bool = False,
+        autosave: Literal["changes", "default"] = "changes",
+    ) -> None:
         self.workdir = workdir
         self.port = free_port()
         self.extra_config = extra_config
+        self.keep_root = keep_root
+        self.autosave = autosave
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = workdir / "mosquitto.log"
 
     def config_text(self) -> str:
+        autosave = "autosave_on_changes true\nautosave_interval 1\n" if self.autosave == "changes" else ""
         return (
             f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
-            f"persistence_location {self.workdir}/\nautosave_on_changes true\nautosave_interval 1\n"
+            f"persistence_location {self.workdir}/\n{autosave}"
             "set_tcp_nodelay true\nmax_inflight_messages 0\n"  # docs/protocol.md, "Broker settings"
             "max_queued_messages 100000\n"  # the default 1000 drops the rest of a flood of requests
-            f"log_dest file {self.log}\nlog_type all\n{self.extra_config}"
+            f"log_dest file {self.log}\nlog_type all\n"
+            + ("user root\n" if self.keep_root else "")
+            + self.extra_config
         )
 
     def start(self) -> None:
@@ -78,9 +99,33 @@ class Mosquitto:
         raise RuntimeError("mosquitto did not start listening")
 
     def stop(self) -> None:
+        """SIGTERM (a paused broker is resumed first): mosquitto saves its database and exits."""
         if self.proc and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGCONT)
             self.proc.terminate()
             self.proc.wait(10)
+
+    def kill(self) -> None:
+        """SIGKILL: whatever it had not saved yet is lost."""
+        if self.proc and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+
+    def restart(self) -> None:
+        """Start again on the same port with the same config and persistence file (after
+        stop() or kill())."""
+        assert self.proc is None or self.proc.poll() is not None, "the broker is still running"
+        self.start()
+
+    def pause(self) -> None:
+        """SIGSTOP: the broker freezes; its sockets stay open, so clients notice only by
+        their keepalive."""
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
 
 
 @dataclass

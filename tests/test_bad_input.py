@@ -214,7 +214,7 @@ def test_an_exception_while_dispatching_does_not_stop_the_worker(broker: Mosquit
         client.publish(live.topic("eve", "s1"), {"message": "boom"})
         client.publish(live.topic("eve", "s1"), {"message": "still there?", "requestId": "r1"})
         assert client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()["requestId"] == "r1"
-        assert len(live.call(lambda: list(live.transport.acked))) == 2
+        assert len(live.wait_acked(2)) == 2
     finally:
         client.close()
         live.close()

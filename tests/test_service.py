@@ -99,8 +99,11 @@ class MemoryTransport:
 
     def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> None:
+    ) -> asyncio.Future[None]:
         self.published.append((topic, json.loads(payload)))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # no broker: taken at once
+        return done
 
     def ack(self, message: InboundMessage) -> None:
         self.acked.append(message.mid)

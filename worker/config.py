@@ -142,7 +142,29 @@ class HistoryConfig(Section):
         flag="--system-prompt",
     )
     max_sessions: int = opt(
-        10000, "Most sessions kept; the least recently used is forgotten.", flag="--max-sessions", ge=1
+        10000,
+        "Most sessions held in memory; beyond it the least recently used is dropped from memory "
+        "(it stays in the store and is loaded again when it is used).",
+        flag="--max-sessions",
+        ge=1,
+    )
+    store: Literal["sqlite", "memory"] = opt(
+        "sqlite",
+        "Where sessions and answers live: sqlite (in state_dir; survives restarts and crashes) or "
+        "memory (lost when the worker stops; for tests and throwaway runs).",
+        flag="--store",
+    )
+    state_dir: Path = opt(
+        Path("state"),
+        "Directory of the SQLite store (relative: to the working directory, which the systemd "
+        "unit sets to its StateDirectory).",
+        flag="--state-dir",
+    )
+    session_ttl: float = opt(
+        7 * 24 * 3600.0,
+        "Seconds after its last turn that a session, its answers and request keys are deleted; 0: never.",
+        flag="--session-ttl",
+        ge=0,
     )
 
 
@@ -209,6 +231,13 @@ class LimitsConfig(Section):
         "Message Expiry on the request still applies).",
         flag="--request-deadline",
         ge=0,
+    )
+    max_deliveries: int = opt(
+        3,
+        "Deliveries of one request that ended without an answer (the worker crashed or the engine "
+        "died on it) before it is answered with a final engine_error instead of generated again.",
+        flag="--max-deliveries",
+        ge=1,
     )
     drain_timeout: float = opt(
         60.0,

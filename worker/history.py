@@ -50,8 +50,9 @@ class HistoryLimits:
 class SessionHistory:
     system_prompt: str | None = None
     turns: list[Turn] = field(default_factory=list)
-    # request key -> the reply payload it got; a redelivery is answered from here.
-    answered: OrderedDict[str, bytes] = field(default_factory=OrderedDict)
+    # request key -> the reply payload it got; a redelivery is answered from here. None: a
+    # tombstone (answered before a reset, which deleted the text).
+    answered: OrderedDict[str, bytes | None] = field(default_factory=OrderedDict)
 
     def messages(self, turns: Sequence[Turn] | None = None) -> list[ChatMessage]:
         out: list[ChatMessage] = []
@@ -69,10 +70,12 @@ class SessionHistory:
             self.answered.popitem(last=False)
 
     def reset(self) -> None:
-        """Forget the conversation; keep the answered keys so an old redelivery is still
-        recognised and never generates again."""
+        """Forget the conversation and the answers' text; keep the answered keys so an old
+        redelivery is still recognised and never generates again."""
         self.turns.clear()
         self.system_prompt = None
+        for key in self.answered:
+            self.answered[key] = None
 
 
 @dataclass(frozen=True)
@@ -170,27 +173,3 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
         reasoning = stripped[len(THINK_OPEN) :] if stripped.startswith(THINK_OPEN) else stripped
         return "", reasoning.strip()
     return text, None
-
-
-class SessionStore:
-    """All live sessions, least recently used first; the oldest is forgotten beyond capacity."""
-
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._sessions: OrderedDict[str, SessionHistory] = OrderedDict()
-
-    def get(self, name: str) -> SessionHistory:
-        history = self._sessions.get(name)
-        if history is None:
-            history = self._sessions[name] = SessionHistory()
-        self._sessions.move_to_end(name)
-        while len(self._sessions) > self.capacity:
-            self._sessions.popitem(last=False)
-        return history
-
-    def peek(self, name: str) -> SessionHistory | None:
-        """The session if it exists; neither creates nor refreshes it."""
-        return self._sessions.get(name)
-
-    def __len__(self) -> int:
-        return len(self._sessions)

@@ -83,9 +83,12 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         render_toml(config.masked(), comments=False).rstrip(),
     )
 
+    from .store import open_store
     from .tokenizer import ChatTokenizer
     from .transport import MqttSettings, MqttTransport
     from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+
+    store = open_store(config.history)  # before the model load: a bad state_dir fails fast
 
     route_library_logging()
     assert config.engine.model is not None
@@ -123,7 +126,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         ),
         loop,
     )
-    service = Service(config, engine, renderer, transport, request_stop)
+    service = Service(config, engine, renderer, transport, request_stop, store)
     transport.start()
     logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
 
@@ -141,6 +144,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     tasks = [
         asyncio.ensure_future(service.consume()),
         asyncio.ensure_future(service.publish_stats_forever()),
+        asyncio.ensure_future(service.expire_sessions_forever()),
         asyncio.ensure_future(announce_ready()),
         asyncio.ensure_future(notifier.watchdog_forever(health)),
     ]
@@ -155,6 +159,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         for task in tasks:
             task.cancel()
         await transport.close()
+        store.close()  # after the drain: every stored turn is committed
         await engine.shutdown()
         logger.info("Stopped (exit code {})", exit_code)
     return exit_code

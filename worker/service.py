@@ -16,7 +16,7 @@ from loguru import logger
 
 from .config import WorkerConfig
 from .engine import Engine, EngineDead
-from .history import HistoryLimits, PromptRenderer, SessionStore
+from .history import HistoryLimits, PromptRenderer
 from .messages import (
     ChatRequest,
     ControlReply,
@@ -31,6 +31,7 @@ from .messages import (
 )
 from .packets import fit_answer
 from .stats import StatsCollector
+from .store import HistoryStore, MemoryStore, SessionCache
 from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from .transport import InboundMessage
 from .turns import PendingTurn, Publisher, ReplyTarget, SessionRuntime, TurnRunner
@@ -50,6 +51,7 @@ class Service:
         renderer: PromptRenderer,
         transport: Transport,
         stop_requested: Callable[[int], None],
+        store: HistoryStore | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -57,10 +59,11 @@ class Service:
         self.transport = transport
         self.topics = Topics(config.mqtt.topic_prefix)
         self.worker_id = config.effective_worker_id
-        self.sessions = SessionStore(config.history.max_sessions)
+        self.sessions = SessionCache(store or MemoryStore(), config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
         self._runtime: dict[str, SessionRuntime] = {}
         self._tasks: set[asyncio.Task[None]] = set()
+        self._requests: set[asyncio.Task[None]] = set()  # of _tasks: requests in flight
         self._stop_requested = stop_requested
         self._draining = False
         self.turns = TurnRunner(
@@ -77,7 +80,7 @@ class Service:
 
     @property
     def pending(self) -> int:
-        return len(self._tasks)
+        return len(self._requests)
 
     # -- main loops ---------------------------------------------------------------------
 
@@ -99,6 +102,18 @@ class Service:
         while True:
             await asyncio.sleep(interval)
             self.publish_stats()
+
+    async def expire_sessions_forever(self) -> None:
+        """Delete sessions idle for longer than session_ttl, checking every tenth of it (at
+        most every 10 minutes)."""
+        ttl = self.config.history.session_ttl
+        if ttl <= 0:
+            return
+        while True:
+            expired = self.sessions.expire(ttl)
+            if expired:
+                logger.info("Expired {} session(s) idle for over {:.0f}s", expired, ttl)
+            await asyncio.sleep(min(ttl / 10, 600))
 
     def publish_stats(self) -> None:
         report = self.stats.report(self.engine.take_stats(), sessions=len(self.sessions), pending=self.pending)
@@ -143,13 +158,17 @@ class Service:
     def _runtime_for(self, address: SessionAddress) -> SessionRuntime:
         return self._runtime.setdefault(str(address), SessionRuntime())
 
-    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, None], *, request: bool = False) -> None:
+        """Run coro as a task the drain waits for; a request's task also counts as pending."""
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
+        if request:
+            self._requests.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
+        self._requests.discard(task)
         if not task.cancelled():
             exc = task.exception()
             if exc is not None and not isinstance(exc, EngineDead):
@@ -159,11 +178,15 @@ class Service:
         request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
         key = request_key(message.topic, message.payload, request_id)
         target = self._reply_target(message, address)
-        history = self.sessions.peek(str(address))
-        if history is not None and key in history.answered:
-            logger.info("Request {} of {} already answered: publishing the stored reply", key, address)
-            self._publish(target, history.answered[key])
-            self.transport.ack(message)
+        history = self.sessions.get(str(address))
+        if key in history.answered:
+            stored = history.answered[key]
+            if stored is None:  # answered before a reset deleted the text: nothing to resend
+                logger.info("Request {} of {} was answered before the session's reset: acknowledged", key, address)
+                self.transport.ack(message)
+            else:
+                logger.info("Request {} of {} already answered: publishing the stored reply", key, address)
+                self._answer([message], target, stored)
             return
         runtime = self._runtime_for(address)
         if key in runtime.messages:
@@ -177,10 +200,24 @@ class Service:
             self._answer_error(message, address, target, key, exc)
             self._forget_if_idle(address, runtime)  # else every refused session would stay
             return
+        deliveries = self.sessions.store.count_delivery(str(address), key)
+        if deliveries > self.config.limits.max_deliveries:
+            # Delivered again and again without an answer: it crashed the worker (or its
+            # engine) each time. A final error ends the loop.
+            logger.error("Request {} of {} is poison ({} deliveries without an answer)", key, address, deliveries - 1)
+            poison = RequestError(
+                ErrorCode.ENGINE_ERROR,
+                f"the request was tried {deliveries - 1} times and never completed; it is not tried again",
+            )
+            self._answer_error(message, address, target, key, poison, store=True)
+            self._forget_if_idle(address, runtime)
+            return
         runtime.messages[key] = [message]
         runtime.waiting += 1
         deadline = self._deadline(message)
-        self._spawn(self._run_turn(PendingTurn(message, address, target, key, request, runtime, deadline)))
+        self._spawn(
+            self._run_turn(PendingTurn(message, address, target, key, request, runtime, deadline)), request=True
+        )
 
     def _deadline(self, message: InboundMessage) -> float | None:
         """When the request's turn must have started: its MQTT Message Expiry, and
@@ -221,7 +258,7 @@ class Service:
             self.transport.ack(message)
         elif control.action == "reset":
             runtime.waiting += 1
-            self._spawn(self._reset(message, address, target, runtime))
+            self._spawn(self._reset(message, address, target, runtime), request=True)
         else:
             unsupported = RequestError(
                 ErrorCode.UNSUPPORTED_ACTION, f"unknown action {control.action[:40]!r}; use reset or cancel"
@@ -244,41 +281,55 @@ class Service:
     async def _reset(
         self, message: InboundMessage, address: SessionAddress, target: ReplyTarget, runtime: SessionRuntime
     ) -> None:
-        async with runtime.lock:  # in order with the session's turns
-            runtime.waiting -= 1
-            self.sessions.get(str(address)).reset()
-            logger.info("Session {} reset", address)
-            self._publish(target, ControlReply(session_id=address.session, action="reset").to_json())
-            self.transport.ack(message)
-        self._forget_if_idle(address, runtime)
+        try:
+            async with runtime.lock:  # in order with the session's turns
+                runtime.waiting -= 1
+                self.sessions.reset(str(address))
+                logger.info("Session {} reset", address)
+            await self._confirmed_answer(
+                [message], target, ControlReply(session_id=address.session, action="reset").to_json()
+            )
+        finally:
+            self._forget_if_idle(address, runtime)
 
     # -- one turn -----------------------------------------------------------------------
 
     async def _run_turn(self, turn: PendingTurn) -> None:
+        """Generate, store the turn with its answer (one transaction), publish the answer,
+        and acknowledge the request only once the broker has the answer (its PUBACK)."""
         message, address, target, key, runtime = turn.message, turn.address, turn.target, turn.key, turn.runtime
+        name = str(address)
+        stored = False
         try:
             async with runtime.lock:
                 runtime.waiting -= 1
-                payload = await self.turns.run(turn, self.sessions.get(str(address)))
-            history = self.sessions.get(str(address))
-            history.remember_answer(key, payload)
-            self._publish(target, payload)
-            for copy in runtime.messages.pop(key, []):
-                self.transport.ack(copy)
-        except (asyncio.CancelledError, EngineDead):
-            # Shutting down, or the engine died: the work was interrupted and has no answer
-            # yet. Left unacknowledged, the broker redelivers it after the restart.
-            runtime.messages.pop(key, None)
+                history = self.sessions.get(name)
+                try:
+                    payload = await self.turns.run(turn, history)
+                except RequestError as exc:
+                    payload = self._error_payload(address, key, exc)
+                    self.sessions.save(name, history, key, None)  # an error is not a stored answer
+                else:
+                    self.sessions.save(name, history, key, payload)
+                stored = True
+            await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
+        except asyncio.CancelledError:
+            # Shutting down: the work was interrupted and has no answer yet (or its answer is
+            # stored but not confirmed). Left unacknowledged, the broker redelivers it after
+            # the restart; a stop is not the request's fault, so it does not count as a try.
+            if not stored:
+                self.sessions.store.uncount_delivery(name, key)
             raise
-        except Exception as exc:
-            error = exc if isinstance(exc, RequestError) else None
-            if error is None:  # a bug of ours: answer rather than leave the client waiting
-                logger.exception("Unexpected error on request {} of {}", key, address)
-                error = RequestError(ErrorCode.ENGINE_ERROR, "internal error")
-            self._answer_error(message, address, target, key, error, ack=False)
-            for copy in runtime.messages.pop(key, []):
-                self.transport.ack(copy)
+        except EngineDead:
+            raise  # left unacknowledged and counted: the request may be what killed the engine
+        except Exception:  # a bug of ours: answer rather than leave the client waiting
+            logger.exception("Unexpected error on request {} of {}", key, address)
+            error = RequestError(ErrorCode.ENGINE_ERROR, "internal error")
+            await self._confirmed_answer(
+                runtime.messages.get(key, [message]), target, self._error_payload(address, key, error)
+            )
         finally:
+            runtime.messages.pop(key, None)
             runtime.cancelled.discard(key)
             self._forget_if_idle(address, runtime)
 
@@ -296,15 +347,36 @@ class Service:
                 wanted = None
         return ReplyTarget(wanted or own, message.correlation_data)
 
-    def _publish(self, target: ReplyTarget, payload: bytes) -> None:
+    def _publish(self, target: ReplyTarget, payload: bytes) -> asyncio.Future[None]:
         limit = self.transport.payload_limit(target.topic, qos=1, correlation_data=target.correlation_data)
         fitted = fit_answer(payload, limit)
         if fitted is None:
             logger.error("An answer on {} does not fit the broker's maximum packet size: not sent", target.topic)
-            return
+            nothing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            nothing.set_result(None)
+            return nothing
         if fitted is not payload:
             logger.warning("An answer on {} was cut to the broker's maximum packet size", target.topic)
-        self.transport.publish(target.topic, fitted, qos=1, correlation_data=target.correlation_data)
+        return self.transport.publish(target.topic, fitted, qos=1, correlation_data=target.correlation_data)
+
+    async def _confirmed_answer(self, messages: list[InboundMessage], target: ReplyTarget, payload: bytes) -> None:
+        """Publish an answer; acknowledge the request (and its redelivered copies) once the
+        broker has taken the answer. Until then a crash leaves the request to be delivered
+        again, and it is answered from the store."""
+        await self._publish(target, payload)
+        for copy in messages:
+            self.transport.ack(copy)
+
+    def _answer(self, messages: list[InboundMessage], target: ReplyTarget, payload: bytes) -> None:
+        self._spawn(self._confirmed_answer(messages, target, payload))
+
+    def _error_payload(self, address: SessionAddress, key: str | None, exc: RequestError) -> bytes:
+        logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
+        self.stats.record_error(exc.code.value)
+        reply = ErrorReply(
+            session_id=address.session, request_id=key, error=ErrorBody(code=exc.code, message=exc.message)
+        )
+        return reply.to_json()
 
     def _answer_error(
         self,
@@ -314,16 +386,15 @@ class Service:
         key: str | None,
         exc: RequestError,
         *,
-        ack: bool = True,
+        store: bool = False,
     ) -> None:
-        logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
-        self.stats.record_error(exc.code.value)
-        reply = ErrorReply(
-            session_id=address.session, request_id=key, error=ErrorBody(code=exc.code, message=exc.message)
-        )
-        self._publish(target, reply.to_json())
-        if ack:
-            self.transport.ack(message)
+        """Answer a request with an error at once (nothing generated). With store, the error
+        is its final answer: a redelivery gets it again."""
+        payload = self._error_payload(address, key, exc)
+        if store and key is not None:
+            name = str(address)
+            self.sessions.save(name, self.sessions.get(name), key, payload)
+        self._answer([message], target, payload)
 
     def _forget_if_idle(self, address: SessionAddress, runtime: SessionRuntime) -> None:
         idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.waiting == 0

@@ -101,6 +101,8 @@ class MqttTransport:
         # it, and a larger packet makes the broker disconnect us; paho then reconnects and sends
         # it again, forever. So publish() never hands paho a packet over it.
         self.max_packet_size: int | None = None
+        # QoS 1 publishes not yet acknowledged by the broker, by packet id: their futures.
+        self._unconfirmed: dict[int, asyncio.Future[None]] = {}
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=settings.client_id,
@@ -117,6 +119,7 @@ class MqttTransport:
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
+        client.on_publish = self._on_publish
         self._client = client
 
     # -- paho network thread: hand over and return --------------------------------------
@@ -154,6 +157,16 @@ class MqttTransport:
                 logger.warning("MQTT disconnected ({}); reconnecting", reason)
         except Exception:
             logger.exception("error in MQTT disconnect callback")
+
+    def _on_publish(
+        self, client: mqtt.Client, userdata: Any, mid: int, reason: ReasonCode, properties: Properties | None
+    ) -> None:
+        try:
+            if reason.is_failure:  # e.g. not authorized: the broker took it and will not deliver it
+                logger.warning("MQTT publish {} refused by the broker: {}", mid, reason)
+            self._loop.call_soon_threadsafe(self._confirmed, mid)
+        except Exception:
+            logger.exception("error in MQTT publish callback")
 
     def _on_subscribe(
         self, client: mqtt.Client, userdata: Any, mid: int, reasons: list[ReasonCode], properties: Properties | None
@@ -242,10 +255,13 @@ class MqttTransport:
 
     def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> None:
+    ) -> asyncio.Future[None]:
         """Queue a publish; paho sends it now or after a reconnect (QoS 1 is kept in flight).
-        A payload over payload_limit() is dropped with an error log: callers that can make a
-        smaller one (replies, stream deltas) check the limit first."""
+        The future completes when the broker has taken it (its PUBACK, for QoS 1), or at
+        once when it was not sent: QoS 0, refused by paho, or a payload over payload_limit(),
+        which is dropped with an error log (callers that can make a smaller one, replies and
+        stream deltas, check the limit first)."""
+        done: asyncio.Future[None] = self._loop.create_future()
         limit = self.payload_limit(topic, qos=qos, correlation_data=correlation_data)
         if limit is not None and len(payload) > limit:
             logger.error(
@@ -254,11 +270,25 @@ class MqttTransport:
                 topic,
                 self.max_packet_size,
             )
-            return
+            done.set_result(None)
+            return done
         props = _publish_properties(correlation_data)
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             logger.warning("MQTT publish to {} failed: {}", topic, mqtt.error_string(info.rc))
+            done.set_result(None)
+        elif qos == 0:
+            done.set_result(None)
+        else:
+            # Registered before on_publish can report it: that report is handed to this loop,
+            # which runs it only after this method has returned.
+            self._unconfirmed[info.mid] = done
+        return done
+
+    def _confirmed(self, mid: int) -> None:
+        done = self._unconfirmed.pop(mid, None)
+        if done is not None and not done.done():
+            done.set_result(None)
 
     def ack(self, message: InboundMessage) -> None:
         if message.qos > 0:

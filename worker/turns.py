@@ -47,7 +47,8 @@ from .transport import InboundMessage
 class Publisher(Protocol):
     def publish(
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> None: ...
+    ) -> asyncio.Future[None]:
+        """Queue a publish; the future completes when the broker has taken it."""
 
     def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
         """The largest payload the broker accepts on topic (None: no limit)."""
