@@ -75,9 +75,7 @@ class Mosquitto:
             f"persistence_location {self.workdir}/\n{autosave}"
             "set_tcp_nodelay true\nmax_inflight_messages 0\n"  # docs/protocol.md, "Broker settings"
             "max_queued_messages 100000\n"  # the default 1000 drops the rest of a flood of requests
-            f"log_dest file {self.log}\nlog_type all\n"
-            + ("user root\n" if self.keep_root else "")
-            + self.extra_config
+            f"log_dest file {self.log}\nlog_type all\n" + ("user root\n" if self.keep_root else "") + self.extra_config
         )
 
     def start(self) -> None:

@@ -24,6 +24,7 @@ from worker.engine import (
 )
 from worker.history import ChatMessage
 from worker.service import Service
+from worker.store import HistoryStore
 from worker.transport import InboundMessage
 
 
@@ -124,14 +125,16 @@ class MemoryTransport:
 
 
 class Harness:
-    def __init__(self, generation: dict[str, Any] | None = None, **limits: Any) -> None:
+    def __init__(
+        self, generation: dict[str, Any] | None = None, *, store: HistoryStore | None = None, **limits: Any
+    ) -> None:
         config = WorkerConfig.model_validate(
             {"engine": {"model": "fake"}, "limits": limits, "mqtt": {"worker_id": "t"}, "generation": generation or {}}
         )
         self.engine = FakeEngine()
         self.transport = MemoryTransport()
         self.stop_codes: list[int] = []
-        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append)
+        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store)
 
     async def run_until(self, condition: Any, timeout: float = 10) -> None:
         consumer = asyncio.ensure_future(self.service.consume())

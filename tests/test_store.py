@@ -1,0 +1,130 @@
+"""The session stores: SQLite (the default) and memory, one contract; the in-memory cache
+of live sessions over them."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from worker.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from worker.store import DATABASE_NAME, HistoryStore, MemoryStore, SessionCache, SqliteStore
+
+Factory = Callable[[Path], HistoryStore]
+STORES: dict[str, Factory] = {"sqlite": SqliteStore, "memory": lambda _: MemoryStore()}
+
+
+@pytest.fixture(params=sorted(STORES))
+def make_store(request: pytest.FixtureRequest) -> Factory:
+    return STORES[request.param]
+
+
+def two_turns() -> SessionHistory:
+    return SessionHistory("be brief", [Turn("k1", "hi", "hello"), Turn("k2", "and?", "that's all")])
+
+
+def test_a_session_round_trips_with_its_answers(make_store: Factory, tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    assert store.load("u/s") is None
+    cache = SessionCache(store, capacity=10)
+    history = cache.get("u/s")
+    history.system_prompt = "be brief"
+    history.turns.extend(two_turns().turns)
+    cache.save("u/s", history, "k2", b'{"reply": "that\'s all"}')
+    loaded = store.load("u/s")
+    assert loaded is not None
+    assert loaded.system_prompt == "be brief" and loaded.turns == two_turns().turns
+    assert loaded.answered == {"k2": b'{"reply": "that\'s all"}'}
+
+
+def test_sqlite_keeps_what_was_committed_across_a_reopen(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    store.save("u/s", two_turns(), "k2", b"{}")
+    # No close(): a crashed worker never closes; a committed transaction is in the WAL.
+    reopened = SqliteStore(tmp_path)
+    loaded = reopened.load("u/s")
+    assert loaded is not None and loaded.turns == two_turns().turns and "k2" in loaded.answered
+    assert (tmp_path / f"{DATABASE_NAME}-wal").exists()  # WAL mode
+
+
+def test_reset_deletes_the_text_and_keeps_the_keys(make_store: Factory, tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    cache = SessionCache(store, capacity=10)
+    history = cache.get("u/s")
+    history.turns.extend(two_turns().turns)
+    cache.save("u/s", history, "k2", b'{"reply": "secret"}')
+    cache.reset("u/s")
+    for loaded in (cache.get("u/s"), store.load("u/s")):
+        assert loaded is not None and loaded.turns == [] and loaded.system_prompt is None
+        assert loaded.answered == {"k2": None}  # a tombstone: recognised, nothing to resend
+
+
+def test_only_the_newest_answers_are_kept(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    history = SessionHistory()
+    for i in range(ANSWERED_KEYS_PER_SESSION + 5):
+        store.save("u/s", history, f"k{i}", b"{}")
+    loaded = store.load("u/s")
+    assert loaded is not None and len(loaded.answered) == ANSWERED_KEYS_PER_SESSION
+    assert "k0" not in loaded.answered and f"k{ANSWERED_KEYS_PER_SESSION + 4}" in loaded.answered
+
+
+def test_deliveries_are_counted_until_answered(make_store: Factory, tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    assert [store.count_delivery("u/s", "k") for _ in range(3)] == [1, 2, 3]
+    store.uncount_delivery("u/s", "k")  # a graceful stop is not the request's fault
+    assert store.count_delivery("u/s", "k") == 3
+    assert store.count_delivery("u/other", "k") == 1  # per session
+    store.save("u/s", SessionHistory(), "k", b"{}")  # answered: the count starts over
+    assert store.count_delivery("u/s", "k") == 1
+
+
+def test_idle_sessions_expire(make_store: Factory, tmp_path: Path) -> None:
+    store = make_store(tmp_path)
+    cache = SessionCache(store, capacity=10)
+    cache.save("u/old", two_turns(), "k1", b"{}")
+    time.sleep(0.3)
+    cache.save("u/new", two_turns(), "k1", b"{}")
+    assert cache.expire(0.2) == 1
+    assert store.load("u/old") is None and store.load("u/new") is not None
+    assert cache.get("u/old").turns == []  # gone from memory too
+
+
+def test_the_cache_drops_the_least_recently_used_and_reloads_it_from_the_store(tmp_path: Path) -> None:
+    cache = SessionCache(SqliteStore(tmp_path), capacity=2)
+    a = cache.get("a")
+    a.turns.append(Turn("k", "hi", "hello"))
+    cache.save("a", a, "k", b"{}")
+    cache.get("b")
+    cache.get("c")  # a is dropped from memory
+    assert len(cache) == 2
+    again = cache.get("a")
+    assert again is not a and again.turns == a.turns
+
+
+def test_a_turn_finished_after_its_session_left_memory_is_not_lost(tmp_path: Path) -> None:
+    cache = SessionCache(SqliteStore(tmp_path), capacity=1)
+    history = cache.get("a")
+    cache.get("b")  # "a" is dropped from memory while its turn runs
+    history.turns.append(Turn("k", "hi", "hello"))
+    cache.save("a", history, "k", b"{}")
+    assert cache.get("a").turns == [Turn("k", "hi", "hello")]
+
+
+@pytest.mark.parametrize("damage", ["garbage", "newer schema"])
+def test_an_unreadable_database_is_moved_aside(tmp_path: Path, damage: str) -> None:
+    path = tmp_path / DATABASE_NAME
+    if damage == "garbage":
+        path.write_bytes(b"this is not a database" * 100)
+    else:
+        db = sqlite3.connect(path)
+        db.execute("PRAGMA user_version=99")
+        db.close()
+    store = SqliteStore(tmp_path)  # no exception: a worker that cannot start would loop
+    store.save("u/s", two_turns(), "k", b"{}")
+    assert store.load("u/s") is not None
+    aside = [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+    assert aside and aside[0].startswith(f"{DATABASE_NAME}.corrupt-")
