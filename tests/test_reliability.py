@@ -1,8 +1,12 @@
-"""A worker's restarts and faults against a real mosquitto: requests sent while it is down are
-answered after it starts, and its retained status follows it (clean stop, freeze, kill). The
-first start also speaks systemd's notify protocol to a socket the test owns; the kill leaves
-none of the engine's processes behind.
-One worker id, two worker processes in sequence (each engine start costs ~40 s)."""
+"""A worker's restarts and faults against a real mosquitto and the vLLM CPU engine: requests
+sent while it is down are answered after it starts, and its retained status follows it (clean
+stop, freeze, kill). The first start also speaks systemd's notify protocol to a socket the
+test owns; the kill leaves none of the engine's processes behind, and the request it
+interrupted is answered once by the next start, which also finds the sessions' history in
+its store; a killed engine core makes the worker exit non-zero, and its request is answered
+once after the restart.
+One worker id and state directory, four worker processes in sequence (each engine start
+costs ~40 s)."""
 
 from __future__ import annotations
 
@@ -25,6 +29,8 @@ def start_worker(model: Path, broker: Mosquitto, log: Path, env: dict[str, str] 
     worker = WorkerProcess(
         [
             *engine_args(model),
+            "--state-dir",
+            str(log.parent / "state"),  # every start of the module: one directory
             "--mqtt-port",
             str(broker.port),
             "--worker-id",
@@ -55,6 +61,11 @@ def watcher(broker: Mosquitto) -> Iterator[Client]:
 
 
 @pytest.fixture(scope="module")
+def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("steady")
+
+
+@pytest.fixture(scope="module")
 def workers() -> Iterator[list[WorkerProcess]]:
     """The workers this module starts; whatever a failing test leaves running is killed."""
     started: list[WorkerProcess] = []
@@ -68,9 +79,8 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
     broker: Mosquitto,
     watcher: Client,
     workers: list[WorkerProcess],
-    tmp_path_factory: pytest.TempPathFactory,
+    logs: Path,
 ) -> None:
-    logs = tmp_path_factory.mktemp("steady")
     notify = NotifyListener(str(logs / "notify.sock"))
     sender = Client(broker.port, [])
     # Published the moment READY arrives: answered only if the broker already holds the
@@ -125,7 +135,7 @@ def check_notify_sequence(notify: NotifyListener, ready: float, watcher: Client)
     assert len(pings) >= 3, notify.lines()
 
 
-def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerProcess]) -> None:
+def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerProcess], broker: Mosquitto) -> None:
     assert len(workers) == 2, "needs the worker the previous test started"
     worker = workers[1]
     assert worker.alive()
@@ -142,9 +152,83 @@ def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerPro
     wait_status(watcher, b"online", timeout=30)  # reconnects by itself
     engine_processes = psutil.Process(worker.proc.pid).children(recursive=True)
     assert engine_processes, "vLLM's engine runs in child processes"
+    # Killed in the middle of a generation: the next test checks it is answered once.
+    start_long_generation(broker, KILLED)
     # The worker's own pid only: its children must follow by themselves (outside systemd
     # nothing else kills them; the workers fixture kills the whole group, but only later).
     worker.proc.send_signal(signal.SIGKILL)
     wait_status(watcher, b"offline", timeout=KEEPALIVE * 3)  # the Will, on the broken connection
     _, left = psutil.wait_procs(engine_processes, timeout=10)
     assert not left, f"outlived the worker: {[(p.pid, p.name()) for p in left]}"
+
+
+KILLED = ("kim", "killed", "killed-0")
+ENGINE_DEATH = ("kim", "engine", "engine-0")
+
+
+def start_long_generation(broker: Mosquitto, where: tuple[str, str, str]) -> None:
+    """Publish a long streamed request and return once its first tokens are out."""
+    user, session, request_id = where
+    client = Client(broker.port, [f"chat/{user}/{session}/stream"])
+    try:
+        request = {"message": "tell me everything", "maxTokens": 1000, "stream": True, "requestId": request_id}
+        client.publish(f"chat/{user}/{session}/request", request)
+        client.wait_topic(f"chat/{user}/{session}/stream", timeout=60)
+    finally:
+        client.close()
+
+
+def replies_to(watcher: Client, where: tuple[str, str, str], settle: float) -> list[dict[str, object]]:
+    """Every reply to the request within settle seconds after the first (which must come)."""
+    user, session, request_id = where
+    topic = f"chat/{user}/{session}/reply"
+    found = [watcher.wait_for(lambda m: m.topic == topic, timeout=180).json()]
+    deadline = time.monotonic() + settle
+    while (left := deadline - time.monotonic()) > 0:
+        try:
+            found.append(watcher.wait_for(lambda m: m.topic == topic, timeout=left).json())
+        except TimeoutError:
+            break
+    assert all(r.get("requestId") == request_id for r in found), found
+    return found
+
+
+def test_work_interrupted_by_a_kill_or_a_dead_engine_is_answered_once_after_a_restart(
+    tiny_model: Path, broker: Mosquitto, watcher: Client, workers: list[WorkerProcess], logs: Path
+) -> None:
+    assert len(workers) == 2 and not workers[1].alive(), "needs the worker the previous test killed"
+    third = start_worker(tiny_model, broker, logs / "third.log")
+    workers.append(third)
+    # The request the SIGKILL interrupted: stored nowhere as answered, left unacknowledged,
+    # so the broker delivers it again; generated and answered exactly once.
+    (reply,) = replies_to(watcher, KILLED, settle=3)
+    assert "error" not in reply, reply
+    # The history the killed worker stored: down-a had two turns, a new session none.
+    sender = Client(broker.port, [])
+    for session in ("down-a", "fresh"):
+        request = {"message": "and now?", "maxTokens": 4, "requestId": f"{session}-later"}
+        sender.publish(f"chat/carl/{session}/request", request)
+    prompts = {}
+    for _ in range(2):
+        answer = watcher.wait_for(
+            lambda m: m.topic.startswith("chat/carl/") and m.json().get("requestId", "").endswith("-later"),
+            timeout=120,
+        ).json()
+        prompts[answer["sessionId"]] = answer["usage"]["promptTokens"]
+    assert prompts["down-a"] > prompts["fresh"] + 10, prompts  # two turns came back from the store
+
+    # The engine core dies in the middle of a generation (killed, as the OOM killer would):
+    # the worker answers nothing, exits non-zero for systemd to restart it.
+    engine_core = [p for p in psutil.Process(third.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert engine_core, [p.name() for p in psutil.Process(third.proc.pid).children(recursive=True)]
+    start_long_generation(broker, ENGINE_DEATH)
+    engine_core[0].kill()
+    code = third.proc.wait(60)
+    assert code != 0, third.log()[-3000:]
+    assert "engine" in third.log().lower()
+    fourth = start_worker(tiny_model, broker, logs / "fourth.log")
+    workers.append(fourth)
+    (reply,) = replies_to(watcher, ENGINE_DEATH, settle=3)
+    assert "error" not in reply, reply
+    sender.close()
+    assert fourth.stop() == 0
