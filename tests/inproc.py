@@ -56,6 +56,7 @@ class LiveWorker:
         self.config = WorkerConfig.model_validate(
             {"engine": {"model": "fake"}, "stats": {"interval": 0}, **sections, "mqtt": mqtt | sections.get("mqtt", {})}
         )
+        self.prefix = self.config.mqtt.topic_prefix  # the service's, where a test gives its own
         self.engine = engine or FakeEngine()
         self.stop_codes: list[int] = []
         self.loop = asyncio.new_event_loop()

@@ -15,6 +15,7 @@ the broker keeping the worker's."""
 from __future__ import annotations
 
 import json
+import queue
 import socket
 import threading
 import time
@@ -60,7 +61,7 @@ class Worker(LiveWorker):
     one request at a time, reconnects after 1 s then 2 s, and a keepalive below the config's
     minimum of 5 s where a test needs one."""
 
-    def __init__(self, port: int, *, keepalive: int = 5, **sections: dict[str, Any]) -> None:
+    def __init__(self, port: int, *, keepalive: int = 5, **sections: Any) -> None:
         self._keepalive = keepalive
         mqtt_section = {"session_expiry": 300, "reconnect_min_delay": 1, "reconnect_max_delay": 2}
         sections["mqtt"] = mqtt_section | sections.get("mqtt", {})
@@ -90,11 +91,14 @@ class SessionClient:
         self.received: list[tuple[float, dict[str, Any]]] = []
         self._lock = threading.Lock()
         self._subscribed = threading.Event()
+        self._connected = threading.Event()
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
         self._client.reconnect_delay_set(1, 1)
         self._client.on_message = self._on_message
         self._client.on_subscribe = lambda *args: self._subscribed.set()
-        props = Properties(PacketTypes.CONNECT)
+        self._client.on_connect = lambda *args: self._connected.set()
+        self._client.on_disconnect = lambda *args: self._connected.clear()
+        props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = 300
         self._client.connect("127.0.0.1", port, keepalive=30, clean_start=False, properties=props)
         self._client.loop_start()
@@ -107,6 +111,7 @@ class SessionClient:
 
     def publish(self, topic: str, payload: dict[str, Any]) -> None:
         """QoS 1, returning once the broker has acknowledged it."""
+        assert self._connected.wait(10), "not connected"
         info = self._client.publish(topic, json.dumps(payload).encode(), qos=1)
         info.wait_for_publish(5)
         assert info.is_published()
@@ -147,19 +152,38 @@ def start_two_requests(live: Worker, client: SessionClient) -> None:
     assert live.generations("queued") == 0  # Receive Maximum 1: held in the broker
 
 
+def retained(port: int, topic: str) -> bytes | None:
+    """The retained message on topic, as a new subscriber gets it."""
+    got: queue.Queue[bytes] = queue.Queue()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.on_message = lambda c, u, m: got.put(bytes(m.payload))
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    client.subscribe(topic, qos=1)
+    try:
+        return got.get(timeout=3)
+    except queue.Empty:
+        return None
+    finally:
+        client.disconnect()
+        client.loop_stop()
+
+
 def check_answered_once(live: Worker, client: SessionClient, back_at: float) -> None:
-    """Both requests answered after the broker came back, each generated once, and a new
-    request is served."""
+    """Both requests answered after the broker came back, each generated once, a new request
+    is served, and the worker's retained status says online."""
     for request_id in ("running", "queued"):
         arrived, answer = client.wait_answer(request_id)
         assert "error" not in answer and answer["reply"], answer
         assert arrived >= back_at  # the broker was down (or frozen) when the generation ended
         # A QoS 1 redelivery may bring an answer twice, always the same one.
-        assert all(other == answer for _, other in client.answers(request_id))
+        copies = [other for _, other in client.answers(request_id)]
+        assert copies == [answer] * len(copies)
     client.publish(live.topic("bob", "s1"), request("after", SHORT))
     client.wait_answer("after")
     assert client.request_ids() == {"running", "queued", "after"}
     assert [live.generations(r) for r in ("running", "queued", "after")] == [1, 1, 1]
+    assert retained(live.config.mqtt.port, live.transport.settings.status_topic) == b"online"
 
 
 @pytest.mark.parametrize("fault", ["sigterm", "sigkill"])
@@ -262,6 +286,7 @@ def test_reconnects_with_backoff_within_the_configured_bounds(make_broker: MakeB
     broker = make_broker()
     live = Worker(broker.port)
     client = SessionClient(broker.port, f"{live.prefix}/+/+/reply", "frontend-backoff")
+    worker_id = live.config.effective_worker_id.encode()
     try:
         with socket.socket() as listener:
             listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -270,11 +295,14 @@ def test_reconnects_with_backoff_within_the_configured_bounds(make_broker: MakeB
             listener.bind(("127.0.0.1", broker.port))
             listener.listen()
             listener.settimeout(10)
-            attempts = []
-            for _ in range(3):
+            attempts: list[float] = []
+            while len(attempts) < 3:
                 conn, _ = listener.accept()
-                attempts.append(time.monotonic())
-                conn.close()
+                with conn:  # the worker's CONNECT (the frontend reconnects too)
+                    at = time.monotonic()
+                    conn.settimeout(2)
+                    if worker_id in conn.recv(4096):
+                        attempts.append(at)
         gaps = [b - a for a, b in zip([lost, *attempts], attempts, strict=False)]
         assert 0.8 < gaps[0] < 1.6 and all(1.8 < gap < 2.6 for gap in gaps[1:]), gaps
         broker.restart()
