@@ -314,11 +314,6 @@ def test_reconnects_with_backoff_within_the_configured_bounds(make_broker: MakeB
         live.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the transport acknowledges by packet id across sessions: after a broker restart that lost the "
-    "worker's session, the ack of a request from before acknowledges the new request that got the same id",
-)
 def test_the_ack_of_a_request_from_a_lost_session_does_not_acknowledge_a_new_request(make_broker: MakeBroker) -> None:
     """The broker is SIGKILLed with the default autosave, so it comes back without the worker's
     session (and restarts its packet ids at 1). The request the worker was generating is

@@ -64,8 +64,8 @@ class MqttConfig(Section):
         "requests) while it is disconnected, so requests sent during a restart are not lost.",
         ge=0,
     )
-    reconnect_min_delay: float = opt(1.0, "First delay in seconds before reconnecting.", gt=0)
-    reconnect_max_delay: float = opt(30.0, "Largest delay in seconds between reconnects.", gt=0)
+    reconnect_min_delay: int = opt(1, "First delay in whole seconds before reconnecting (doubles each try).", ge=1)
+    reconnect_max_delay: int = opt(30, "Largest delay in whole seconds between reconnects.", ge=1)
     allowed_response_topics: list[str] = opt(
         [],
         "MQTT topic filters (+ and # allowed) that a request's MQTT 5 ResponseTopic may name. "
@@ -86,6 +86,15 @@ class MqttConfig(Section):
         if value is not None and not TOPIC_PART.match(value):
             raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_reconnect_delays(self) -> MqttConfig:
+        if self.reconnect_min_delay > self.reconnect_max_delay:
+            raise ValueError(
+                f"reconnect_min_delay ({self.reconnect_min_delay}) exceeds reconnect_max_delay "
+                f"({self.reconnect_max_delay})"
+            )
+        return self
 
 
 class EngineConfig(Section):

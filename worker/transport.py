@@ -38,6 +38,9 @@ class InboundMessage:
     # time.monotonic() past which the sender no longer wants it: its MQTT 5 Message Expiry
     # Interval is the remaining lifetime (the broker counts down the time it held it).
     expires_at: float | None = None
+    # Which broker session delivered it (see MqttTransport._session): packet ids are only
+    # meaningful within one.
+    session: int = 0
 
 
 @dataclass(frozen=True)
@@ -48,8 +51,8 @@ class MqttSettings:
     username: str | None
     password: str | None
     keepalive: int
-    reconnect_min_delay: float
-    reconnect_max_delay: float
+    reconnect_min_delay: int
+    reconnect_max_delay: int
     session_expiry: int
     subscriptions: tuple[str, ...]
     status_topic: str
@@ -101,6 +104,8 @@ class MqttTransport:
         # it, and a larger packet makes the broker disconnect us; paho then reconnects and sends
         # it again, forever. So publish() never hands paho a packet over it.
         self.max_packet_size: int | None = None
+        # Counts the broker sessions: one more each time a CONNACK says ours was not resumed.
+        self._session = 0
         # QoS 1 publishes not yet acknowledged by the broker, by packet id: their futures.
         self._unconfirmed: dict[int, asyncio.Future[None]] = {}
         client = mqtt.Client(
@@ -113,7 +118,7 @@ class MqttTransport:
         if settings.username is not None:
             client.username_pw_set(settings.username, settings.password)
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
-        client.reconnect_delay_set(int(max(1, settings.reconnect_min_delay)), int(max(1, settings.reconnect_max_delay)))
+        client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
         client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
         client.on_connect = self._on_connect
         client.on_disconnect = self._on_disconnect
@@ -132,12 +137,19 @@ class MqttTransport:
                 logger.error("MQTT connect refused: {}", reason)
                 return
             set_tcp_nodelay(client)
+            resumed = bool(getattr(flags, "session_present", False))
+            if not resumed:
+                # The broker lost our session (restarted without persisting it, or it
+                # expired): it numbers its messages from scratch, so a packet id of a message
+                # from before now names another message. Acknowledging the old one would
+                # acknowledge the new one, unanswered. Messages of this connection carry the
+                # new number, and ack() drops acknowledgements of earlier sessions.
+                self._session += 1
             limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
             self.max_packet_size = int(limit) if limit else None
             # Subscribing here (not in the loop) makes every reconnect resubscribe at once.
             _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
-            resumed = bool(getattr(flags, "session_present", False))
             logger.info(
                 "MQTT connected to {}:{} (session {})",
                 self.settings.host,
@@ -197,6 +209,7 @@ class MqttTransport:
                 correlation_data=bytes(correlation) if correlation is not None else None,
                 received_at=received,
                 expires_at=received + expiry if expiry is not None else None,
+                session=self._session,
             )
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
@@ -291,8 +304,13 @@ class MqttTransport:
             done.set_result(None)
 
     def ack(self, message: InboundMessage) -> None:
-        if message.qos > 0:
-            self._client.ack(message.mid, message.qos)
+        if message.qos == 0:
+            return
+        if message.session != self._session:
+            # Its session is gone, and with it the broker's copy: nothing to acknowledge.
+            logger.debug("Not acknowledging message {} of a lost broker session", message.mid)
+            return
+        self._client.ack(message.mid, message.qos)
 
     async def close(self, timeout: float = 5.0) -> None:
         """Publish the retained offline status, wait for it, and disconnect."""
