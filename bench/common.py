@@ -131,7 +131,7 @@ def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]
         "vocab_size",
         "tie_word_embeddings",
     )
-    commit = os.environ.get("BENCH_GIT_COMMIT") or _git_commit()  # the GPU machine gets no .git
+    commit = current_commit()
     gpu = "none"
     with contextlib.suppress(OSError, subprocess.TimeoutExpired):
         gpu = (
@@ -164,6 +164,10 @@ def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]
         "geometry": {k: geometry.get(k) for k in keys},
         "engine_args": engine_args,
     }
+
+
+def current_commit() -> str:
+    return os.environ.get("BENCH_GIT_COMMIT") or _git_commit()  # the GPU machine gets no .git
 
 
 def _git_commit() -> str:

@@ -32,7 +32,7 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .common import REPO, Record, load, make_workload, run_metadata, save, summarize
+from .common import REPO, Record, current_commit, load, make_workload, run_metadata, save, summarize
 from .profiles import PROFILES, Profile
 
 # A typical structured-output schema: a few fields, no length bounds. Bounds are costly in
@@ -327,6 +327,11 @@ async def ablation_phase(profile: Profile, model: Path, out: Path) -> None:
         save(path, result)
 
 
+def stamped(result: dict[str, Any]) -> dict[str, Any]:
+    """A phase's result with the commit it ran (phases of one directory may run apart)."""
+    return {**result, "commit": current_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu")
@@ -365,13 +370,13 @@ def main(argv: list[str] | None = None) -> int:
             continue
         started = time.perf_counter()
         if phase == "worker":
-            save(path, worker_phase(profile, model, out, args.mosquitto, think_s=args.think_time))
+            save(path, stamped(worker_phase(profile, model, out, args.mosquitto, think_s=args.think_time)))
         elif phase == "structured":
-            save(path, structured_phase(profile, model, out, args.mosquitto))
+            save(path, stamped(structured_phase(profile, model, out, args.mosquitto)))
         elif phase == "inprocess":
-            save(path, asyncio.run(inprocess_phase(profile, model)))
+            save(path, stamped(asyncio.run(inprocess_phase(profile, model))))
         elif phase == "restart":
-            save(path, restart_phase(profile, model, out, args.mosquitto))
+            save(path, stamped(restart_phase(profile, model, out, args.mosquitto)))
         elif phase == "ablation" and profile.ablation:
             asyncio.run(ablation_phase(profile, model, out))
         print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)

@@ -45,6 +45,11 @@ def summarize_run(out: Path) -> dict[str, Any]:
     inproc = load(out / "inprocess.json") if (out / "inprocess.json").exists() else {}
     block = inproc.get("block_size") or meta["engine_args"].get("block_size") or 16
     result: dict[str, Any] = {"meta": meta}
+    result["phase_commits"] = {
+        p.stem: load(p)["commit"]
+        for p in sorted(out.glob("*.json"))
+        if p.stem not in ("meta", "results") and "commit" in load(p)
+    }
     if worker:
         turns = _by_turn(worker["multi_turn"])
         lat = [r["client_ms"] for r in turns]
@@ -198,6 +203,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"Model geometry: {meta['geometry']} · engine: {meta['engine_args']}",
         "",
     ]
+    if result.get("phase_commits"):
+        phases = ", ".join(f"{name} `{commit[:7]}`" for name, commit in result["phase_commits"].items())
+        lines += [f"Commit per phase: {phases}", ""]
     turns = result.get("multi_turn", {})
     if turns:
         lines += [
