@@ -101,7 +101,9 @@ class WorkerRun:
         time.sleep(0.3)
         started = time.perf_counter()
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", "bench", *args]
+        # One user (bench) sends everything: the per-user rate limit is off.
+        limit_off = ["--max-requests-per-user-per-minute", "0"]
+        cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", "bench", *limit_off, *args]
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
         while not online:
             if self.proc.poll() is not None:

@@ -141,7 +141,9 @@ class FloodClient:
 
 def test_a_flood_gets_one_answer_per_request_and_memory_stays_bounded(broker: Mosquitto) -> None:
     sessions, per_session = 300, 10
-    live = LiveWorker(broker.port, generation={"max_tokens": 2})
+    # One user floods: the per-user rate limit (tests/test_ratelimit.py) is off, so that what is
+    # measured is the backpressure.
+    live = LiveWorker(broker.port, generation={"max_tokens": 2}, limits={"max_requests_per_user_per_minute": 0})
     flood = FloodClient(broker.port, f"{live.prefix}/+/+/reply")
     process = psutil.Process()
     try:

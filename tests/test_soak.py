@@ -97,6 +97,8 @@ def start_worker(model: Path, broker: Mosquitto, workdir: Path, name: str) -> Wo
         str(MAX_HISTORY_TURNS),
         "--mqtt-reconnect-max-delay",
         "1",
+        "--max-requests-per-user-per-minute",  # one user sends every session's turns
+        "0",
     ]
     return WorkerProcess(args, workdir / f"{name}.log")
 

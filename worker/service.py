@@ -30,6 +30,7 @@ from .messages import (
     request_key,
 )
 from .packets import fit_answer
+from .ratelimit import RateLimiter
 from .stats import StatsCollector
 from .store import HistoryStore, MemoryStore, SessionCache
 from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
@@ -62,6 +63,7 @@ class Service:
         self.sessions = SessionCache(store or MemoryStore(), config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
         self._runtime: dict[str, SessionRuntime] = {}
+        self.rate_limiter = RateLimiter(config.limits.max_requests_per_user_per_minute)
         self._tasks: set[asyncio.Task[None]] = set()
         self._requests: set[asyncio.Task[None]] = set()  # of _tasks: requests in flight
         self._stop_requested = stop_requested
@@ -194,6 +196,7 @@ class Service:
             runtime.messages[key].append(message)
             return
         try:
+            self._check_rate(address)
             request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
             self._admit(request, runtime)
         except RequestError as exc:
@@ -225,6 +228,15 @@ class Service:
         limit = self.config.limits.request_deadline
         ends = [message.expires_at, message.received_at + limit if limit > 0 else None]
         return min((end for end in ends if end is not None), default=None)
+
+    def _check_rate(self, address: SessionAddress) -> None:
+        """Per user namespace, not per session: new sessions do not get around it."""
+        if not self.rate_limiter.allow(address.user):
+            raise RequestError(
+                ErrorCode.RATE_LIMITED,
+                f"more than {self.rate_limiter.per_minute} requests a minute from {address.user!r}; "
+                f"retry in {self.rate_limiter.retry_after(address.user):.1f} s",
+            )
 
     def _admit(self, request: ChatRequest, runtime: SessionRuntime) -> None:
         limits, generation = self.config.limits, self.config.generation
