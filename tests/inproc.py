@@ -71,8 +71,8 @@ class LiveWorker:
             host=mqtt.host,
             port=mqtt.port,
             client_id=self.config.effective_worker_id,
-            username=None,
-            password=None,
+            username=mqtt.username,
+            password=self.config.mqtt_password(),
             keepalive=mqtt.keepalive,
             reconnect_min_delay=mqtt.reconnect_min_delay,
             reconnect_max_delay=mqtt.reconnect_max_delay,
@@ -80,6 +80,10 @@ class LiveWorker:
             subscriptions=tuple(topics.subscriptions()),
             status_topic=topics.status(self.config.effective_worker_id),
             receive_maximum=self.config.limits.max_pending_requests,
+            tls_ca_file=mqtt.tls_ca_file,
+            tls_cert_file=mqtt.tls_cert_file,
+            tls_key_file=mqtt.tls_key_file,
+            tls_insecure_skip_hostname_check=mqtt.tls_insecure_skip_hostname_check,
         )
         self.transport = RecordingTransport(settings, self.loop)
         self.service = Service(self.config, self.engine, WordRenderer(), self.transport, self.stop_codes.append)

@@ -165,3 +165,45 @@ def test_configuration_reference_is_current() -> None:
 
     text = (REPO / "docs" / "configuration.md").read_text()
     assert text == reference_markdown(), "regenerate: python -m worker.cli --reference > docs/configuration.md"
+
+
+def test_command_line_password_warns(tmp_path: Path, model_dir: str) -> None:
+    """The flag works but logs a warning (ps shows it); the environment and a file do not."""
+    from loguru import logger
+
+    from worker.main import warn_about_command_line_secrets
+
+    secret = tmp_path / "pw"
+    secret.write_text("file-secret\n")
+    cases = [
+        (["--mqtt-password", "cli-secret"], {}, True),
+        ([], {"WORKER_MQTT_PASSWORD": "env-secret"}, False),
+        (["--mqtt-password-file", str(secret)], {}, False),
+    ]
+    for argv, environ, warns in cases:
+        lines: list[str] = []
+        sink = logger.add(lines.append, level="WARNING", format="{message}")
+        try:
+            config, args = load_config(["--model", model_dir, *argv], environ=environ)
+            warn_about_command_line_secrets(args)
+        finally:
+            logger.remove(sink)
+        assert config.mqtt_password() in ("cli-secret", "env-secret", "file-secret")
+        assert any("command line" in line for line in lines) == warns, (argv, lines)
+        assert not any("secret" in line for line in lines)
+
+
+def test_tls_options_are_validated(tmp_path: Path, model_dir: str) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("not checked here")
+    with pytest.raises(ConfigError, match="tls_cert_file and tls_key_file go together"):
+        load_config(["--model", model_dir, "--mqtt-tls-ca-file", str(pem), "--mqtt-tls-cert-file", str(pem)], {})
+    with pytest.raises(ConfigError, match="need tls_ca_file"):
+        load_config(["--model", model_dir, "--mqtt-tls-insecure-skip-hostname-check"], environ={})
+    with pytest.raises(ConfigError, match=r"mqtt\.tls_ca_file: cannot read"):
+        load_config(["--model", model_dir, "--mqtt-tls-ca-file", str(tmp_path / "missing.pem")], environ={})
+    config, _ = load_config(
+        ["--model", model_dir, "--mqtt-tls-ca-file", str(pem), "--mqtt-tls-cert-file", str(pem)],
+        environ={"WORKER_MQTT_TLS_KEY_FILE": str(pem)},
+    )
+    assert config.mqtt.tls_key_file == pem and not config.mqtt.tls_insecure_skip_hostname_check

@@ -159,7 +159,7 @@ def _describe(exc: ValidationError, origin: dict[tuple[str, str], str]) -> str:
 
 
 def _check_usable(config: WorkerConfig) -> None:
-    """Problems no single field can see: missing model, unreadable password file."""
+    """Problems no single field can see: missing model, unreadable password or TLS files."""
     if not config.engine.model:
         raise ConfigError("no model: set --model, WORKER_MODEL or [engine] model")
     model = config.engine.model
@@ -172,6 +172,13 @@ def _check_usable(config: WorkerConfig) -> None:
             raise ConfigError(f"mqtt.password_file: cannot read {config.mqtt.password_file}: {exc.strerror}") from None
     if config.mqtt.password is not None and config.mqtt.password_file is not None:
         raise ConfigError("mqtt.password and mqtt.password_file are both set: keep one")
+    for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):
+        path = getattr(config.mqtt, key)
+        if path is not None:
+            try:
+                path.read_bytes()
+            except OSError as exc:
+                raise ConfigError(f"mqtt.{key}: cannot read {path}: {exc.strerror}") from None
 
 
 def _toml_value(value: Any) -> str:

@@ -45,6 +45,20 @@ class MqttConfig(Section):
         secret=True,
     )
     password_file: Path | None = opt(None, "File whose first line is the MQTT password.")
+    tls_ca_file: Path | None = opt(
+        None,
+        "CA certificate(s) (PEM) that the broker's certificate must chain to. When set, the "
+        "connection uses TLS and the broker's name is checked against its certificate.",
+    )
+    tls_cert_file: Path | None = opt(
+        None, "Client certificate (PEM) for brokers that authenticate by certificate; needs tls_key_file."
+    )
+    tls_key_file: Path | None = opt(None, "Private key (PEM) of tls_cert_file.")
+    tls_insecure_skip_hostname_check: bool = opt(
+        False,
+        "For tests only: accept a broker certificate that chains to tls_ca_file but names "
+        "another host. Logs a warning when on.",
+    )
     topic_prefix: str = opt("chat", "First topic level(s) of every topic.", flag="--topic-prefix")
     worker_id: str | None = opt(
         None,
@@ -86,6 +100,14 @@ class MqttConfig(Section):
         if value is not None and not TOPIC_PART.match(value):
             raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
         return value
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> MqttConfig:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file go together: set both or neither")
+        if self.tls_ca_file is None and (self.tls_cert_file is not None or self.tls_insecure_skip_hostname_check):
+            raise ValueError("tls_cert_file, tls_key_file and tls_insecure_skip_hostname_check need tls_ca_file")
+        return self
 
     @model_validator(mode="after")
     def _check_reconnect_delays(self) -> MqttConfig:
@@ -252,13 +274,6 @@ class LimitsConfig(Section):
         60.0,
         "Seconds a stop waits for running generations before aborting them.",
         flag="--drain-timeout",
-        ge=0,
-    )
-    max_requests_per_user_per_minute: int = opt(
-        600,
-        "Requests one user namespace (the topic level after the prefix) may send per minute, all "
-        "its sessions together, in bursts of up to this many; above it rate_limited. 0: no limit.",
-        flag="--max-requests-per-user-per-minute",
         ge=0,
     )
 

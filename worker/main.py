@@ -9,6 +9,7 @@ step is reported (notify.py), and the engine's processes die with the worker (ch
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import os
 import signal
@@ -38,11 +39,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Must happen before torch or vLLM is imported: CUDA reads it once, at init.
         os.environ["CUDA_VISIBLE_DEVICES"] = config.engine.visible_devices
     configure_logging(config.logging.level, json_logs=config.logging.json_logs)
-    if getattr(args, "mqtt.password", None) is not None:
-        logger.warning(
-            "The MQTT password was given on the command line, where ps shows it: "
-            "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
-        )
+    warn_about_command_line_secrets(args)
     vllm_logging = use_loguru_in_vllm_processes(config.logging.level, json_logs=config.logging.json_logs)
     expect_children()  # before vLLM is imported: its processes then die with this one
     try:
@@ -52,6 +49,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if vllm_logging is not None:
             vllm_logging.unlink(missing_ok=True)
+
+
+def warn_about_command_line_secrets(args: argparse.Namespace) -> None:
+    """A password given as a flag works, but every user of the host sees it in ps."""
+    if getattr(args, "mqtt.password", None) is not None:
+        logger.warning(
+            "The MQTT password was given on the command line, where ps shows it: "
+            "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
+        )
 
 
 async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
@@ -123,6 +129,10 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             subscriptions=tuple(topics.subscriptions()),
             status_topic=topics.status(worker_id),
             receive_maximum=config.limits.max_pending_requests,
+            tls_ca_file=config.mqtt.tls_ca_file,
+            tls_cert_file=config.mqtt.tls_cert_file,
+            tls_key_file=config.mqtt.tls_key_file,
+            tls_insecure_skip_hostname_check=config.mqtt.tls_insecure_skip_hostname_check,
         ),
         loop,
     )

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
+import sys
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import paho.mqtt.client as mqtt
@@ -59,6 +62,12 @@ class MqttSettings:
     # MQTT 5 Receive Maximum: the broker sends at most this many unacknowledged requests and
     # holds back the rest (requests are acknowledged once answered: these are the pending ones).
     receive_maximum: int = 65535
+    # TLS: on when tls_ca_file is set (the broker's certificate must chain to it and name
+    # the host); a client certificate and key when the broker authenticates by certificate.
+    tls_ca_file: Path | None = None
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_insecure_skip_hostname_check: bool = False  # tests only
 
 
 def publish_packet_size(topic: str, payload_size: int, qos: int, properties_size: int) -> int:
@@ -117,10 +126,22 @@ class MqttTransport:
         client.suppress_exceptions = True
         if settings.username is not None:
             client.username_pw_set(settings.username, settings.password)
+        if settings.tls_ca_file is not None:
+            client.tls_set(
+                ca_certs=str(settings.tls_ca_file),
+                certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
+                keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
+                cert_reqs=ssl.CERT_REQUIRED,
+                tls_version=ssl.PROTOCOL_TLS_CLIENT,
+            )
+            if settings.tls_insecure_skip_hostname_check:
+                logger.warning("MQTT TLS: the broker's host name is not checked (tls_insecure_skip_hostname_check)")
+                client.tls_insecure_set(True)
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
         client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
         client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
@@ -159,6 +180,21 @@ class MqttTransport:
             self._loop.call_soon_threadsafe(self._connected.set)
         except Exception:  # never let a callback kill paho's network loop
             logger.exception("error in MQTT connect callback")
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # paho calls this inside its ``except OSError`` around the connection attempt and
+        # passes no error: the one being handled is why (refused, unreachable, TLS failures
+        # such as "certificate verify failed"). paho retries with backoff.
+        try:
+            error = sys.exc_info()[1]
+            logger.warning(
+                "MQTT connection to {}:{} failed: {}; retrying",
+                self.settings.host,
+                self.settings.port,
+                error if error is not None else "unknown error",
+            )
+        except Exception:
+            logger.exception("error in MQTT connect-fail callback")
 
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
