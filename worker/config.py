@@ -276,6 +276,13 @@ class LimitsConfig(Section):
         flag="--drain-timeout",
         ge=0,
     )
+    max_requests_per_user_per_minute: int = opt(
+        600,
+        "Requests one user namespace (the topic level after the prefix) may send per minute, all "
+        "its sessions together, in bursts of up to this many; above it rate_limited. 0: no limit.",
+        flag="--max-requests-per-user-per-minute",
+        ge=0,
+    )
 
 
 class StatsConfig(Section):
