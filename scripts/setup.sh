@@ -4,11 +4,11 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; then
-  echo "==> installing mosquitto (Debian packages)"
+if { ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; } || ! command -v openssl >/dev/null; then
+  echo "==> installing mosquitto and openssl (Debian packages; the TLS tests make certificates)"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients >/dev/null
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients openssl >/dev/null
   # The package starts a system broker on 1883; the tests and the demo run their own.
   $SUDO systemctl disable --now mosquitto >/dev/null 2>&1 || true
 fi
