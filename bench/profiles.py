@@ -22,6 +22,7 @@ class Profile:
     before_max_tokens: int = 512  # the "before" script's maxTokens
     decode_tokens: int = 512
     ablation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    worker_flags: tuple[str, ...] = ()  # worker settings beyond the engine's (comparisons)
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -41,7 +42,7 @@ class Profile:
                 args += [flag, json.dumps(value)]
             else:
                 args += [flag, str(value)]
-        return args
+        return [*args, *self.worker_flags]
 
 
 _CPU_ENGINE = {"enforce_eager": True, "block_size": 32, "gpu_memory_utilization": 0.3, "max_model_len": 4096}
@@ -88,6 +89,9 @@ PROFILES: dict[str, Profile] = {
         },
     ),
 }
+# The GPU profile at Python's default GIL switch interval (5 ms): what the worker's 0.5 ms
+# default does to the MQTT hop when the event loop is busy (docs/performance.md).
+PROFILES["gpu-gil5"] = Profile(PROFILES["gpu"].engine_overrides, worker_flags=("--gil-switch-interval-ms", "5"))
 # The GPU profile with vLLM's async scheduling (CPU work of step n+1 overlaps the GPU's step n).
 PROFILES["gpu-async"] = Profile(
     {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", "async_scheduling": True}}
