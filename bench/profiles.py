@@ -92,6 +92,14 @@ PROFILES: dict[str, Profile] = {
 # The GPU profile at Python's default GIL switch interval (5 ms): what the worker's 0.5 ms
 # default does to the MQTT hop when the event loop is busy (docs/performance.md).
 PROFILES["gpu-gil5"] = Profile(PROFILES["gpu"].engine_overrides, worker_flags=("--gil-switch-interval-ms", "5"))
+# The GPU profile with llguidance instead of xgrammar for structured output (its masks are
+# computed lazily per token: compared where xgrammar's per-step work shows, the 0.5B).
+PROFILES["gpu-guidance"] = Profile(
+    {
+        **PROFILES["gpu"].engine_overrides,
+        "extra": {"load_format": "dummy", "structured_outputs_config": {"backend": "guidance"}},
+    }
+)
 # The GPU profile with vLLM's async scheduling (CPU work of step n+1 overlaps the GPU's step n).
 PROFILES["gpu-async"] = Profile(
     {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", "async_scheduling": True}}
