@@ -7,7 +7,6 @@ from __future__ import annotations
 import heapq
 import json
 import queue
-import sys
 import time
 import uuid
 from collections.abc import Callable
@@ -25,9 +24,6 @@ Progress = Callable[[int], None]
 
 class MqttDriver:
     def __init__(self, host: str, port: int, prefix: str = "chat", user: str = "bench") -> None:
-        # Receive times are taken on paho's thread, which waits for the GIL while this thread
-        # parses deltas: Python's 5 ms switch interval would add to every measured latency.
-        sys.setswitchinterval(0.0005)
         self.prefix, self.user = prefix, user
         self.events: queue.Queue[tuple[float, str, bytes]] = queue.Queue()
         self.stats: list[dict[str, Any]] = []

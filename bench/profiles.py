@@ -22,7 +22,6 @@ class Profile:
     before_max_tokens: int = 512  # the "before" script's maxTokens
     decode_tokens: int = 512
     ablation: dict[str, dict[str, Any]] = field(default_factory=dict)
-    worker_flags: tuple[str, ...] = ()  # worker settings beyond the engine's (comparisons)
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -42,7 +41,7 @@ class Profile:
                 args += [flag, json.dumps(value)]
             else:
                 args += [flag, str(value)]
-        return [*args, *self.worker_flags]
+        return args
 
 
 _CPU_ENGINE = {"enforce_eager": True, "block_size": 32, "gpu_memory_utilization": 0.3, "max_model_len": 4096}
@@ -89,9 +88,6 @@ PROFILES: dict[str, Profile] = {
         },
     ),
 }
-# The GPU profile at Python's default GIL switch interval (5 ms): what the worker's 0.5 ms
-# default does to the MQTT hop when the event loop is busy (docs/performance.md).
-PROFILES["gpu-gil5"] = Profile(PROFILES["gpu"].engine_overrides, worker_flags=("--gil-switch-interval-ms", "5"))
 # The GPU profile with llguidance instead of xgrammar for structured output (its masks are
 # computed lazily per token: compared where xgrammar's per-step work shows, the 0.5B).
 PROFILES["gpu-guidance"] = Profile(

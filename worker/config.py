@@ -80,15 +80,6 @@ class MqttConfig(Section):
     )
     reconnect_min_delay: int = opt(1, "First delay in whole seconds before reconnecting (doubles each try).", ge=1)
     reconnect_max_delay: int = opt(30, "Largest delay in whole seconds between reconnects.", ge=1)
-    gil_switch_interval_ms: float = opt(
-        0.5,
-        "How long a busy event loop may hold Python's GIL before paho's network thread gets it "
-        "(sys.setswitchinterval). At Python's default of 5 ms a reply waited up to that long to "
-        "reach the socket while the loop processed other sessions' tokens.",
-        flag="--gil-switch-interval-ms",
-        gt=0,
-        le=100,
-    )
     allowed_response_topics: list[str] = opt(
         [],
         "MQTT topic filters (+ and # allowed) that a request's MQTT 5 ResponseTopic may name. "

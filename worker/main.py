@@ -80,9 +80,6 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         trigger = asyncio.ensure_future(shutdown_trigger())
         trigger.add_done_callback(lambda _: request_stop())
 
-    # paho's network thread sends replies and reads requests; it needs the GIL, which the
-    # event loop holds while it processes engine output (docs/performance.md, "MQTT hop").
-    sys.setswitchinterval(config.mqtt.gil_switch_interval_ms / 1000)
     worker_id = config.effective_worker_id
     notifier = Notifier.from_environment()
     logger.info(
