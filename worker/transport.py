@@ -1,26 +1,18 @@
-"""MQTT transport on paho-mqtt 2.x (MQTT v5), driven by the worker's asyncio loop.
+"""MQTT transport on paho-mqtt 2.x (MQTT v5), handing messages to one asyncio loop.
 
-paho runs in its external-loop mode, as aiomqtt runs it: the event loop watches paho's
-socket and calls paho to read and write, a task sends keepalives and reconnects with
-backoff, and only the blocking connect (TCP and TLS handshakes) runs on a thread. With
-paho's own network thread every publish woke that thread, which then had to take the GIL
-from the busy event loop and give it back: with 100 sessions streaming, the loop spent a
-third of its time waiting to get the GIL back (docs/performance.md, "One loop, no network
-thread"). Callbacks do no work: they put what arrived on the loop's queue and return;
-anything they raise is logged and swallowed. Requests are acknowledged manually, by the
+paho runs its own network thread. Its callbacks do no work: they put what arrived on the
+event loop's queue with ``call_soon_threadsafe`` and return; anything they raise is logged
+and swallowed so the network loop never dies. Requests are acknowledged manually, by the
 service, once they are answered (the broker redelivers what was never acknowledged).
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import select
 import socket
 import ssl
-import threading
+import sys
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,7 +25,6 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 
 ONLINE = b"online"
-READ_BURST = 256  # packets read in one go before the event loop runs other work
 OFFLINE = b"offline"
 
 
@@ -147,125 +138,17 @@ class MqttTransport:
                 logger.warning("MQTT TLS: the broker's host name is not checked (tls_insecure_skip_hostname_check)")
                 client.tls_insecure_set(True)
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
+        client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
         client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
         client.on_connect = self._on_connect
+        client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
-        client.on_socket_open = self._on_socket_open
-        client.on_socket_close = self._on_socket_close
-        client.on_socket_register_write = self._on_socket_register_write
-        client.on_socket_unregister_write = self._on_socket_unregister_write
         client.on_message = self._on_message
         client.on_subscribe = self._on_subscribe
         client.on_publish = self._on_publish
         self._client = client
-        self._loop_thread = threading.get_ident()  # the event loop's; the connect thread is another
-        self._fd: int | None = None  # paho's socket, while the loop watches it
-        self._socket_closed = asyncio.Event()
-        self._runner: asyncio.Task[None] | None = None
-        self._reconnect_delay: int | None = None  # None: the last connection was accepted
 
-    def _on_loop(self, callback: Callable[..., Any], *args: Any) -> None:
-        """Run callback on the event loop: now when called there, else soon (a paho call
-        made on the connect thread)."""
-        if threading.get_ident() == self._loop_thread:
-            callback(*args)
-        else:
-            self._loop.call_soon_threadsafe(callback, *args)
-
-    # -- paho's socket, watched by the event loop ---------------------------------------
-
-    def _on_socket_open(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._watch, sock.fileno())
-
-    def _watch(self, fd: int) -> None:
-        self._fd = fd
-        self._loop.add_reader(fd, self._read)
-
-    def _on_socket_close(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._unwatch)
-
-    def _unwatch(self) -> None:
-        if self._fd is not None:
-            self._loop.remove_reader(self._fd)
-            self._loop.remove_writer(self._fd)
-            self._fd = None
-        self._socket_closed.set()
-
-    def _on_socket_register_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._want_write)
-
-    def _want_write(self) -> None:
-        if self._fd is not None:
-            self._loop.add_writer(self._fd, self._write)
-            if threading.get_ident() == self._loop_thread:
-                self._loop.call_soon(self._write)
-
-    def _on_socket_unregister_write(self, client: mqtt.Client, userdata: Any, sock: Any) -> None:
-        self._on_loop(self._done_writing)
-
-    def _done_writing(self) -> None:
-        if self._fd is not None:
-            self._loop.remove_writer(self._fd)
-
-    def _read(self) -> None:
-        """Read what has arrived. paho's loop_read reads one packet when nothing of ours is in
-        flight: a burst of 100 requests would take 100 turns of the event loop. So read on
-        while the socket has more (bounded, so that the loop's other work goes on)."""
-        try:
-            for _ in range(READ_BURST):
-                self._client.loop_read()
-                sock = self._client.socket()
-                if sock is None:
-                    return
-                # TLS: a record already decrypted into the SSL buffer leaves the socket unreadable.
-                if isinstance(sock, ssl.SSLSocket) and sock.pending():
-                    continue
-                if not select.select([sock], [], [], 0)[0]:
-                    return
-        except Exception:
-            logger.exception("error reading from the MQTT socket")
-
-    def _write(self) -> None:
-        try:
-            self._client.loop_write()
-        except Exception:
-            logger.exception("error writing to the MQTT socket")
-
-    async def _run(self) -> None:
-        """Keep the connection: connect, send keepalives, and reconnect with backoff (as
-        paho's loop_forever would: the delay doubles from reconnect_min_delay up to
-        reconnect_max_delay and starts over once the broker accepts a connection)."""
-        first = True
-        while True:
-            if self._client.socket() is None:
-                if not first:
-                    await asyncio.sleep(self._next_reconnect_delay())
-                first = False
-                self._socket_closed.clear()
-                try:
-                    # The TCP connect and the TLS handshake block: on a thread.
-                    await asyncio.to_thread(self._client.reconnect)
-                except Exception as exc:  # refused, unreachable, certificate verify failed, ...
-                    logger.warning(
-                        "MQTT connection to {}:{} failed: {}; retrying",
-                        self.settings.host,
-                        self.settings.port,
-                        exc,
-                    )
-                    continue
-            # paho's keepalive: a PINGREQ when idle, and a dead connection closed.
-            self._client.loop_misc()
-            with contextlib.suppress(asyncio.TimeoutError):
-                await asyncio.wait_for(self._socket_closed.wait(), timeout=1.0)
-
-    def _next_reconnect_delay(self) -> int:
-        if self._reconnect_delay is None:
-            self._reconnect_delay = self.settings.reconnect_min_delay
-        else:
-            self._reconnect_delay = min(self._reconnect_delay * 2, self.settings.reconnect_max_delay)
-        return self._reconnect_delay
-
-    # -- paho's callbacks (on the event loop): hand over and return ---------------------
+    # -- paho network thread: hand over and return --------------------------------------
 
     def _on_connect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
@@ -275,7 +158,6 @@ class MqttTransport:
                 logger.error("MQTT connect refused: {}", reason)
                 return
             set_tcp_nodelay(client)
-            self._reconnect_delay = None
             resumed = bool(getattr(flags, "session_present", False))
             if not resumed:
                 # The broker lost our session (restarted without persisting it, or it
@@ -295,15 +177,30 @@ class MqttTransport:
                 self.settings.port,
                 "resumed" if resumed else "new",
             )
-            self._connected.set()
-        except Exception:  # never let a callback break paho's reading
+            self._loop.call_soon_threadsafe(self._connected.set)
+        except Exception:  # never let a callback kill paho's network loop
             logger.exception("error in MQTT connect callback")
+
+    def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
+        # paho calls this inside its ``except OSError`` around the connection attempt and
+        # passes no error: the one being handled is why (refused, unreachable, TLS failures
+        # such as "certificate verify failed"). paho retries with backoff.
+        try:
+            error = sys.exc_info()[1]
+            logger.warning(
+                "MQTT connection to {}:{} failed: {}; retrying",
+                self.settings.host,
+                self.settings.port,
+                error if error is not None else "unknown error",
+            )
+        except Exception:
+            logger.exception("error in MQTT connect-fail callback")
 
     def _on_disconnect(
         self, client: mqtt.Client, userdata: Any, flags: Any, reason: ReasonCode, properties: Properties | None
     ) -> None:
         try:
-            self._connected.clear()
+            self._loop.call_soon_threadsafe(self._connected.clear)
             if reason.value != 0:
                 logger.warning("MQTT disconnected ({}); reconnecting", reason)
         except Exception:
@@ -315,7 +212,7 @@ class MqttTransport:
         try:
             if reason.is_failure:  # e.g. not authorized: the broker took it and will not deliver it
                 logger.warning("MQTT publish {} refused by the broker: {}", mid, reason)
-            self._confirmed(mid)
+            self._loop.call_soon_threadsafe(self._confirmed, mid)
         except Exception:
             logger.exception("error in MQTT publish callback")
 
@@ -327,7 +224,7 @@ class MqttTransport:
             if refused:
                 logger.error("MQTT subscription refused: {}", ", ".join(str(r) for r in refused))
             elif mid == self._subscribe_mid:
-                self._subscribed.set()
+                self._loop.call_soon_threadsafe(self._subscribed.set)
         except Exception:
             logger.exception("error in MQTT subscribe callback")
 
@@ -350,7 +247,7 @@ class MqttTransport:
                 expires_at=received + expiry if expiry is not None else None,
                 session=self._session,
             )
-            self.inbox.put_nowait(inbound)
+            self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
             # Never answered, so acknowledge it: unacknowledged it would hold one of the
             # Receive Maximum slots until the next reconnect, and then fail again.
@@ -364,14 +261,14 @@ class MqttTransport:
     # -- event loop side ----------------------------------------------------------------
 
     def start(self) -> None:
-        """Connect in the background, retrying with backoff until the broker answers."""
+        """Connect in the background; paho retries with backoff until the broker answers."""
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
         props.SessionExpiryInterval = self.settings.session_expiry
         props.ReceiveMaximum = max(1, min(self.settings.receive_maximum, 65535))
         self._client.connect_async(
             self.settings.host, self.settings.port, self.settings.keepalive, clean_start=False, properties=props
         )
-        self._runner = self._loop.create_task(self._run())
+        self._client.loop_start()
 
     async def wait_connected(self) -> None:
         await self._connected.wait()
@@ -382,9 +279,10 @@ class MqttTransport:
 
     @property
     def loop_alive(self) -> bool:
-        """Whether the task that keeps the connection runs: connected, or reconnecting. It
-        ends only by close() or a bug (an exception that escaped it)."""
-        return self._runner is not None and not self._runner.done()
+        """Whether paho's network thread runs: connected, or reconnecting by itself. It ends
+        only by close() or an exception that escaped a callback."""
+        thread = getattr(self._client, "_thread", None)  # paho keeps loop_start's thread here
+        return thread is not None and bool(thread.is_alive())
 
     @property
     def connected(self) -> bool:
@@ -457,12 +355,7 @@ class MqttTransport:
             deadline = time.monotonic() + timeout
             while not info.is_published() and time.monotonic() < deadline and self.connected:
                 await asyncio.sleep(0.02)
-        if self._runner is not None:
-            self._runner.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._runner
-        self._client.disable_logger()  # a closed socket is no error worth logging now
-        self._client.disconnect()  # queues DISCONNECT: write it and close the socket
-        with contextlib.suppress(Exception):
-            self._client.loop_write()
-        self._unwatch()
+        # paho's network thread logs an ERROR for the closed socket on its way out: not one.
+        self._client.disable_logger()
+        self._client.disconnect()
+        await asyncio.to_thread(self._client.loop_stop)
