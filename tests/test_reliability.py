@@ -209,10 +209,6 @@ def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerPro
     assert len(workers) == 2, "needs the worker the previous test started"
     worker = workers[1]
     assert worker.alive()
-    # Frozen, its TCP connection stays open: only the keepalive can tell the broker, which
-    # then publishes the Will. MQTT says after 1.5 x keepalive without a packet; Debian's
-    # mosquitto 2.0.11 took 6-10.6 s here with a keepalive of 5 s (the bound below allows
-    # for that; the 1.5 x target is the reliability issue's to pin down).
     # Frozen right after the broker got a packet from it (the error reply to a bad request),
     # its TCP connection stays open: only the keepalive can tell the broker, which then
     # publishes the Will. MQTT says after 1.5 x keepalive without a packet; mosquitto 2.0.11
