@@ -36,8 +36,8 @@ STATS = "chat/_worker/steady/stats"
 # When mosquitto 2.0.11 (Debian 12's) publishes the Will of a client that went silent, in
 # seconds after the last packet it got from it (docs/reliability.md, "Presence"): it times a
 # client out once now - last > keepalive * 3 / 2 in whole seconds, but checks only every 6 s
-# (keepalive.c: when last_check + 5 < now). Measured with raw clients, keepalive 2/5/10:
-# 4.3-9.1, 7.1-12.9, 15.2-21.0 s.
+# (keepalive.c: when last_check + 5 < now). Measured (scripts/will_timing.py), keepalive
+# 2/5/10: 4.3-9.1, 7.1-12.9, 15.2-21.0 s.
 WILL_AFTER_SILENCE = (KEEPALIVE * 3 // 2, KEEPALIVE * 3 // 2 + 6)
 
 
