@@ -1,7 +1,7 @@
 """At-least-once delivery with idempotency, at the service: a request is acknowledged only
 once the broker has its answer; an answered request is answered again from the store and
 never generated twice (also after a restart, also after a reset); a request that keeps
-killing the worker gets a final error."""
+killing the worker gets a final error; idle sessions expire while the worker runs."""
 
 from __future__ import annotations
 
@@ -120,5 +120,28 @@ def test_a_stop_does_not_count_as_a_try() -> None:
         last.transport.deliver(TOPIC, REQUEST)
         await last.run_until(lambda: last.transport.acked)
         assert "error" not in last.transport.replies("s1")[0]
+
+    asyncio.run(scenario())
+
+
+def test_idle_sessions_expire_while_the_worker_runs(tmp_path: Path) -> None:
+    """session_ttl: the running service deletes a session idle for longer, from memory and
+    from the store (checking every tenth of the TTL)."""
+
+    async def scenario() -> None:
+        store = SqliteStore(tmp_path)
+        h = Harness(store=store, history={"session_ttl": 0.5})
+        expiry = asyncio.ensure_future(h.service.expire_sessions_forever())
+        try:
+            h.transport.deliver(TOPIC, REQUEST)
+            await h.run_until(lambda: h.transport.acked)
+            assert store.load("u/s1") is not None
+            await asyncio.sleep(0.3)
+            assert store.load("u/s1") is not None  # not idle long enough yet
+            await asyncio.sleep(0.5)
+            assert store.load("u/s1") is None
+            assert h.service.sessions.get("u/s1").turns == []  # gone from memory too
+        finally:
+            expiry.cancel()
 
     asyncio.run(scenario())

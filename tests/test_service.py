@@ -126,10 +126,21 @@ class MemoryTransport:
 
 class Harness:
     def __init__(
-        self, generation: dict[str, Any] | None = None, *, store: HistoryStore | None = None, **limits: Any
+        self,
+        generation: dict[str, Any] | None = None,
+        *,
+        store: HistoryStore | None = None,
+        history: dict[str, Any] | None = None,
+        **limits: Any,
     ) -> None:
         config = WorkerConfig.model_validate(
-            {"engine": {"model": "fake"}, "limits": limits, "mqtt": {"worker_id": "t"}, "generation": generation or {}}
+            {
+                "engine": {"model": "fake"},
+                "limits": limits,
+                "mqtt": {"worker_id": "t"},
+                "generation": generation or {},
+                "history": history or {},
+            }
         )
         self.engine = FakeEngine()
         self.transport = MemoryTransport()

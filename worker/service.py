@@ -90,7 +90,9 @@ class Service:
         while True:
             message = await self.transport.inbox.get()
             if self._draining:
-                continue  # left unacknowledged: the broker delivers it again after the restart
+                # Left unacknowledged: the broker delivers it again after the restart.
+                logger.info("Stopping: {} left unacknowledged for the next start", message.topic)
+                continue
             try:
                 self.dispatch(message)
             except Exception:  # one bad message must not stop the worker
