@@ -40,6 +40,14 @@ def mosquitto_binary() -> str:
     return found
 
 
+def password_file(path: Path, passwords: dict[str, str]) -> Path:
+    """A mosquitto password file (salted hashes, made by mosquitto_passwd) for these users."""
+    for i, (user, password) in enumerate(passwords.items()):
+        create = ["-c"] if i == 0 else []
+        subprocess.run(["mosquitto_passwd", "-b", *create, str(path), user, password], check=True, capture_output=True)
+    return path
+
+
 class Mosquitto:
     """A broker on a free loopback port with a generated config; the test owns its PID.
 
