@@ -140,6 +140,7 @@ def test_a_turn_finished_after_its_session_left_memory_is_not_lost(tmp_path: Pat
     cache.get("b")  # "a" is dropped from memory while its turn runs
     history.turns.append(Turn("k", "hi", "hello"))
     cache.save("a", history, "k", b"{}")
+    assert len(cache) == 1  # back in memory, "b" out: never more than capacity
     assert cache.get("a").turns == [Turn("k", "hi", "hello")]
 
 

@@ -284,9 +284,12 @@ class SessionCache:
         if history is None:
             history = self._sessions[name] = self.store.load(name) or SessionHistory()
         self._sessions.move_to_end(name)
+        self._evict()
+        return history
+
+    def _evict(self) -> None:
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
-        return history
 
     def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
         """Store the session as it is now, with the answer to key (one transaction). The
@@ -294,6 +297,7 @@ class SessionCache:
         meanwhile, loading it again would lose that turn."""
         self._sessions[name] = history
         self._sessions.move_to_end(name)
+        self._evict()  # it may have been dropped meanwhile: putting it back must not exceed capacity
         if payload is not None:
             history.remember_answer(key, payload)
         self.store.save(name, history, key, payload)
