@@ -36,6 +36,7 @@ from loguru import logger
 from pki import Pki, make_pki, tls_listener
 from support import REPO, Client, Mosquitto, Received, WorkerProcess, free_port, password_file
 from test_acl import documented_acl
+from test_response_topic import asking
 from test_systemd import unit_settings
 
 USERS = ["alice", "bob", "carol", "dave", "erin", "frank", "grace"]
@@ -206,6 +207,26 @@ def test_it_serves_over_tls_under_a_read_only_root_writing_only_where_the_unit_a
     assert (deployment.state / "state" / "sessions.sqlite3").exists()
     written = sorted(str(p) for where in deployment.writable for p in where.rglob("*") if p.is_file())
     print("written:", "\n  ".join(written))
+
+
+def test_a_reply_is_not_redirected_to_another_users_topic(deployment: Deployment) -> None:
+    """The worker's user may write every user's reply topic (the ACL), so only the worker's
+    allow-list keeps bob's ResponseTopic from delivering into alice's session."""
+    alice, bob = deployment.client("alice"), deployment.client("bob")
+    try:
+        bob.publish(
+            "chat/bob/x1/request",
+            {"message": "hi", "maxTokens": 2, "requestId": "x1"},
+            properties=asking("chat/alice/s1/reply", b"c1"),
+        )
+        answer = bob.wait_topic("chat/bob/x1/reply", 120)
+        assert answer.json()["requestId"] == "x1" and answer.properties.CorrelationData == b"c1"
+        with pytest.raises(TimeoutError):
+            alice.wait_for(lambda m: True, timeout=1)
+    finally:
+        alice.close()
+        bob.close()
+    assert "ResponseTopic 'chat/alice/s1/reply' of bob/x1 is not allowed" in deployment.worker.log()
 
 
 def test_payload_message_and_max_tokens_limits(deployment: Deployment) -> None:
