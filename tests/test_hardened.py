@@ -351,7 +351,8 @@ def test_reset_deletes_the_session_from_the_disk(deployment: Deployment) -> None
         frank.publish("chat/frank/p2/control", {"action": "reset"})
         assert frank.wait_topic("chat/frank/p2/reply", 60).json() == {"sessionId": "p2", "action": "reset", "ok": True}
         data = deployment.state_bytes()
-        assert marker.encode() not in data and first["reply"].encode() not in data
+        assert marker.encode() not in data
+        assert len(first["reply"]) < 8 or first["reply"].encode() not in data  # shorter could be anywhere
         # the session starts over
         after = ask(frank, "frank", "p2", {"message": f"remember {marker}", "maxTokens": 8, "requestId": "f2"})
         assert after["usage"]["promptTokens"] == first["usage"]["promptTokens"]
@@ -369,7 +370,8 @@ def test_an_idle_session_expires_after_the_ttl(deployment: Deployment) -> None:
         while marker.encode() in deployment.state_bytes():
             assert time.monotonic() < deadline, "the session did not expire"
             time.sleep(1)
-        assert "Expired 1 session(s) idle for over 30s" in deployment.worker.log()
+        # the earlier tests' sessions expire too, in the same sweeps or others
+        assert re.search(r"Expired \d+ session\(s\) idle for over 30s", deployment.worker.log())
         after = ask(grace, "grace", "t1", {"message": f"note {marker}", "maxTokens": 8, "requestId": "g2"})
         assert after["usage"]["promptTokens"] == first["usage"]["promptTokens"]  # it starts over
     finally:
