@@ -200,10 +200,12 @@ def test_it_serves_over_tls_under_a_read_only_root_writing_only_where_the_unit_a
     mounts = {line.split()[4]: line.split()[5] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}
     assert mounts["/"].split(",")[0] == "ro" and mounts[str(deployment.state)].split(",")[0] == "rw", mounts
     assert mounts["/root"].split(",")[0] == "ro"
-    # Nothing it does needed to write elsewhere (a write refused there would say so), and the
-    # sessions are in the state directory.
+    # Nothing it does needed to write elsewhere. A refused write is logged: without the unit's
+    # VLLM_CACHE_ROOT, vLLM logs the ERROR "Error saving model info cache" ("Read-only file
+    # system: '/.cache'") and goes on serving, so serving alone would prove nothing.
     log = deployment.worker.log()
     assert "Read-only file system" not in log and "Permission denied" not in log, log[-5000:]
+    assert not [line for line in log.splitlines() if "| ERROR" in line], log[-5000:]
     assert (deployment.state / "state" / "sessions.sqlite3").exists()
     written = sorted(str(p) for where in deployment.writable for p in where.rglob("*") if p.is_file())
     print("written:", "\n  ".join(written))
