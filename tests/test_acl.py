@@ -9,7 +9,6 @@ import dataclasses
 import json
 import queue
 import re
-import subprocess
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -20,7 +19,7 @@ import paho.mqtt.client as mqtt
 import pytest
 from inproc import LiveWorker
 from paho.mqtt.enums import CallbackAPIVersion
-from support import REPO, Mosquitto, Received
+from support import REPO, Mosquitto, Received, password_file
 
 from worker.transport import MqttSettings
 
@@ -83,10 +82,7 @@ class UserClient:
 
 @pytest.fixture
 def acl_broker(tmp_path: Path) -> Iterator[Mosquitto]:
-    passwd = tmp_path / "passwd"
-    for i, (user, password) in enumerate(PASSWORDS.items()):
-        create = ["-c"] if i == 0 else []
-        subprocess.run(["mosquitto_passwd", "-b", *create, str(passwd), user, password], check=True)
+    passwd = password_file(tmp_path / "passwd", PASSWORDS)
     acl = tmp_path / "acl"
     acl.write_text(documented_acl())
     broker = Mosquitto(

@@ -277,6 +277,29 @@ def test_admission_errors(message: str, code: str) -> None:
     asyncio.run(scenario())
 
 
+def test_message_and_reply_text_are_logged_at_debug_only() -> None:
+    from loguru import logger
+
+    lines: dict[str, list[str]] = {"DEBUG": [], "INFO": []}
+    sinks = [logger.add(lambda m, k=k: lines[k].append(str(m)), level=k, format="{message}") for k in lines]
+
+    async def scenario() -> None:
+        h = Harness()
+        h.engine.script["s1"] = ["a-private-", "reply"]
+        h.transport.deliver("chat/u/s1/request", {"message": "a-private-sentence"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        assert h.transport.replies("s1")[0]["reply"] == "a-private-reply"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for sink in sinks:
+            logger.remove(sink)
+    assert any("a-private-sentence" in line for line in lines["DEBUG"])
+    assert any("a-private-reply" in line for line in lines["DEBUG"])
+    assert not any("a-private" in line for line in lines["INFO"]), lines["INFO"]
+
+
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 

@@ -93,6 +93,35 @@ def test_idle_sessions_expire(make_store: Factory, tmp_path: Path) -> None:
     assert cache.get("u/old").turns == []  # gone from memory too
 
 
+def file_bytes(directory: Path) -> bytes:
+    """Everything in the store's files (database, WAL, shared memory), as bytes."""
+    return b"".join(path.read_bytes() for path in sorted(directory.iterdir()) if path.is_file())
+
+
+@pytest.mark.parametrize("deletion", ["reset", "expiry"])
+def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str) -> None:
+    """Not only from the tables: SQLite leaves deleted rows in free pages and the WAL keeps
+    the pages as they were, so a copy of the files would still hold the conversation."""
+    store = SqliteStore(tmp_path)
+    cache = SessionCache(store, capacity=10)
+    markers = [b"system-marker", b"user-marker", b"assistant-marker", b"answer-marker"]
+    history = SessionHistory("system-marker", [Turn("k1", "user-marker", "assistant-marker")])
+    cache.save("u/s", history, "k1", b'{"reply": "answer-marker"}')
+    history.turns.append(Turn("k2", "user-marker 2", "assistant-marker 2"))  # an older state to delete too
+    cache.save("u/s", history, "k2", b'{"reply": "answer-marker 2"}')
+    assert all(marker in file_bytes(tmp_path) for marker in markers)
+    if deletion == "reset":
+        cache.reset("u/s")
+    else:
+        time.sleep(0.3)
+    cache.save("u/other", SessionHistory(None, [Turn("k", "kept-marker", "x")]), "k", b"{}")
+    if deletion == "expiry":
+        assert cache.expire(0.2) == 1
+    data = file_bytes(tmp_path)
+    assert [marker for marker in markers if marker in data] == []
+    assert b"kept-marker" in data  # the other session is untouched
+
+
 def test_the_cache_drops_the_least_recently_used_and_reloads_it_from_the_store(tmp_path: Path) -> None:
     cache = SessionCache(SqliteStore(tmp_path), capacity=2)
     a = cache.get("a")
@@ -111,6 +140,7 @@ def test_a_turn_finished_after_its_session_left_memory_is_not_lost(tmp_path: Pat
     cache.get("b")  # "a" is dropped from memory while its turn runs
     history.turns.append(Turn("k", "hi", "hello"))
     cache.save("a", history, "k", b"{}")
+    assert len(cache) == 1  # back in memory, "b" out: never more than capacity
     assert cache.get("a").turns == [Turn("k", "hi", "hello")]
 
 

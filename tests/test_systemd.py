@@ -6,8 +6,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 UNIT = Path(__file__).resolve().parent.parent / "systemd" / "mqtt-vllm-worker.service"
 
 
@@ -38,15 +36,45 @@ def test_unit_has_what_a_long_running_gpu_worker_needs() -> None:
         assert hardening in s
 
 
-@pytest.mark.skipif(shutil.which("systemd-analyze") is None, reason="systemd-analyze not installed")
+def systemd_analyze() -> str:
+    """scripts/setup.sh installs it: CI must never skip the unit's checks."""
+    found = shutil.which("systemd-analyze")
+    assert found, "systemd-analyze is missing: run scripts/setup.sh (Debian package systemd)"
+    return found
+
+
 def test_systemd_analyze_verify(tmp_path: Path) -> None:
     # verify checks that ExecStart exists: point it at this interpreter.
     unit = tmp_path / UNIT.name
     unit.write_text(re.sub(r"^ExecStart=\S+", f"ExecStart={sys.executable}", UNIT.read_text(), flags=re.M))
-    result = subprocess.run(["systemd-analyze", "verify", str(unit)], capture_output=True, text=True)
+    result = subprocess.run([systemd_analyze(), "verify", str(unit)], capture_output=True, text=True)
     problems = [line for line in result.stderr.splitlines() if UNIT.name in line]
     assert result.returncode == 0 and not problems, result.stderr
+
+
+def test_the_units_exposure_is_at_most_4(tmp_path: Path) -> None:
+    """systemd-analyze security rates the sandboxing from 0 (locked down) to 10; the issue
+    asks for 4.0 or less (measured with systemd 252: 2.0; the settings the issue lists alone: 6.4)."""
+    unit = tmp_path / UNIT.name
+    unit.write_text(UNIT.read_text())
     security = subprocess.run(
-        ["systemd-analyze", "security", "--offline=true", "--threshold=40", str(unit)], capture_output=True, text=True
+        [systemd_analyze(), "security", "--offline=true", "--threshold=40", str(unit)], capture_output=True, text=True
     )
-    assert security.returncode == 0, security.stdout[-2000:]
+    assert security.returncode == 0, security.stdout[-3000:] + security.stderr
+    match = re.search(r"Overall exposure level for \S+: (\d+\.\d)", security.stdout)
+    assert match, security.stdout[-2000:]
+    assert float(match.group(1)) <= 4.0, security.stdout[-3000:]
+    # The settings the issue names are among what it saw.
+    s = unit_settings()
+    assert s["DynamicUser"] == ["yes"] and s["StateDirectory"] and s["CacheDirectory"]
+    for key, value in [
+        ("NoNewPrivileges", "yes"),
+        ("ProtectSystem", "strict"),
+        ("ProtectHome", "yes"),
+        ("PrivateTmp", "yes"),
+        ("DevicePolicy", "closed"),
+        ("UMask", "0077"),
+    ]:
+        assert s[key] == [value], key
+    assert s["RestrictAddressFamilies"] and s["SystemCallFilter"]
+    assert any(device.startswith(("/dev/nvidia", "char-nvidia")) for device in s["DeviceAllow"])

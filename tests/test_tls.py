@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import subprocess
 import threading
 import time
 from collections.abc import Iterator
@@ -24,67 +23,15 @@ import pytest
 from inproc import LiveWorker
 from loguru import logger
 from paho.mqtt.enums import CallbackAPIVersion
-from support import Client, Mosquitto, free_port
+from pki import Pki, make_pki, tls_listener
+from support import Client, Mosquitto, free_port, password_file
 
 from worker.transport import MqttSettings, MqttTransport
 
 
-def _openssl(*args: str | Path) -> None:
-    subprocess.run(["openssl", *map(str, args)], check=True, capture_output=True)
-
-
-def _ca(directory: Path, name: str) -> tuple[Path, Path]:
-    key, cert = directory / f"{name}.key", directory / f"{name}.crt"
-    _openssl(
-        "req", "-x509", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", key, "-out", cert, "-days", "2", "-subj", f"/CN={name}",
-        "-addext", "basicConstraints=critical,CA:TRUE",
-        "-addext", "keyUsage=critical,keyCertSign,cRLSign",
-    )  # fmt: skip
-    return key, cert
-
-
-def _signed(directory: Path, name: str, ca: tuple[Path, Path], extensions: str) -> tuple[Path, Path]:
-    key, csr, cert = directory / f"{name}.key", directory / f"{name}.csr", directory / f"{name}.crt"
-    ext = directory / f"{name}.ext"
-    ext.write_text(extensions + "\nauthorityKeyIdentifier=keyid\nsubjectKeyIdentifier=hash\n")
-    _openssl(
-        "req", "-new", "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes",
-        "-keyout", key, "-out", csr, "-subj", f"/CN={name}",
-    )  # fmt: skip
-    _openssl(
-        "x509", "-req", "-in", csr, "-CA", ca[1], "-CAkey", ca[0], "-CAcreateserial",
-        "-out", cert, "-days", "2", "-extfile", ext,
-    )  # fmt: skip
-    return key, cert
-
-
-@dataclass
-class Pki:
-    ca: Path
-    other_ca: Path
-    server_cert: Path
-    server_key: Path
-    client_cert: Path  # CN "tls-worker", signed by ca
-    client_key: Path
-    misnamed_cert: Path  # signed by ca, for broker.example only
-    misnamed_key: Path
-
-
 @pytest.fixture(scope="module")
 def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
-    directory = tmp_path_factory.mktemp("pki")
-    ca = _ca(directory, "test-ca")
-    other = _ca(directory, "other-ca")
-    server = _signed(
-        directory,
-        "localhost",
-        ca,
-        "subjectAltName=IP:127.0.0.1,DNS:localhost\nkeyUsage=critical,digitalSignature\nextendedKeyUsage=serverAuth",
-    )
-    client = _signed(directory, "tls-worker", ca, "keyUsage=critical,digitalSignature\nextendedKeyUsage=clientAuth")
-    misnamed = _signed(directory, "misnamed", ca, "subjectAltName=DNS:broker.example\nextendedKeyUsage=serverAuth")
-    return Pki(ca[1], other[1], server[1], server[0], client[1], client[0], misnamed[1], misnamed[0])
+    return make_pki(tmp_path_factory.mktemp("pki"))
 
 
 @dataclass
@@ -98,12 +45,12 @@ class TlsBroker:
 @pytest.fixture(scope="module")
 def tls_broker(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[TlsBroker]:
     tls_port, mtls_port, misnamed_port = free_port(), free_port(), free_port()
-    files = f"cafile {pki.ca}\ncertfile {pki.server_cert}\nkeyfile {pki.server_key}\n"
     extra = (
-        f"listener {tls_port} 127.0.0.1\n{files}"
-        f"listener {mtls_port} 127.0.0.1\n{files}require_certificate true\nuse_identity_as_username true\n"
-        f"listener {misnamed_port} 127.0.0.1\ncafile {pki.ca}\n"
-        f"certfile {pki.misnamed_cert}\nkeyfile {pki.misnamed_key}\n"
+        tls_listener(tls_port, pki)
+        + tls_listener(mtls_port, pki)
+        + "require_certificate true\nuse_identity_as_username true\n"
+        + f"listener {misnamed_port} 127.0.0.1\ncafile {pki.ca}\n"
+        + f"certfile {pki.misnamed_cert}\nkeyfile {pki.misnamed_key}\n"
     )
     # keep_root: the broker (root here) reads the 0600 keys in pytest's 0700 directories.
     broker = Mosquitto(tmp_path_factory.mktemp("tls-broker"), extra, keep_root=True, autosave="default")
@@ -213,13 +160,7 @@ def test_the_hostname_override_warns(tls_broker: TlsBroker, pki: Pki) -> None:
 
 @pytest.fixture
 def password_broker(tmp_path: Path) -> Iterator[Mosquitto]:
-    passwords = tmp_path / "passwd"
-    for i, (user, password) in enumerate([("worker", "right-pass"), ("frontend", "front-pass")]):
-        subprocess.run(
-            ["mosquitto_passwd", "-b", *(["-c"] if i == 0 else []), str(passwords), user, password],
-            check=True,
-            capture_output=True,
-        )
+    passwords = password_file(tmp_path / "passwd", {"worker": "right-pass", "frontend": "front-pass"})
     # The later allow_anonymous overrides the helper's "allow_anonymous true".
     broker = Mosquitto(tmp_path, f"password_file {passwords}\nallow_anonymous false\n", keep_root=True)
     broker.start()

@@ -12,6 +12,10 @@ committed transaction survives the worker's crash or SIGKILL (it is in the OS's 
 and the WAL); only a power loss can take the last transactions since a checkpoint. A
 database that cannot be opened or read is moved aside with an error log and a new one is
 started: losing history beats a worker that cannot start (systemd would restart it forever).
+
+Deleting means the text is gone from the files, not only from the tables: ``secure_delete``
+overwrites deleted rows with zeros, and a reset or an expiry checkpoints and truncates the
+WAL, which still holds the pages as they were before.
 """
 
 from __future__ import annotations
@@ -110,6 +114,7 @@ class SqliteStore:
         try:
             db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA secure_delete=ON")
             check = db.execute("PRAGMA quick_check").fetchone()
             if check is None or check[0] != "ok":
                 raise sqlite3.DatabaseError(f"integrity check failed: {check}")
@@ -165,6 +170,7 @@ class SqliteStore:
         with self._transaction():
             self._db.execute("DELETE FROM sessions WHERE name = ?", (session,))
             self._db.execute("UPDATE answers SET payload = NULL WHERE session = ?", (session,))
+        self._purge_wal()
 
     def count_delivery(self, session: str, key: str) -> int:
         row = self._db.execute(
@@ -198,7 +204,14 @@ class SqliteStore:
                 (cutoff,),
             )
             self._db.execute("DELETE FROM deliveries WHERE updated < ?", (cutoff,))
+        if names:
+            self._purge_wal()
         return names
+
+    def _purge_wal(self) -> None:
+        """Copy the WAL into the database and empty it: its older frames still hold what was
+        just deleted. A few milliseconds, on resets and expiries only."""
+        self._db.execute("PRAGMA wal_checkpoint(TRUNCATE)")
 
     def _transaction(self) -> _Transaction:
         return _Transaction(self._db)
@@ -271,9 +284,12 @@ class SessionCache:
         if history is None:
             history = self._sessions[name] = self.store.load(name) or SessionHistory()
         self._sessions.move_to_end(name)
+        self._evict()
+        return history
+
+    def _evict(self) -> None:
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
-        return history
 
     def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
         """Store the session as it is now, with the answer to key (one transaction). The
@@ -281,6 +297,7 @@ class SessionCache:
         meanwhile, loading it again would lose that turn."""
         self._sessions[name] = history
         self._sessions.move_to_end(name)
+        self._evict()  # it may have been dropped meanwhile: putting it back must not exceed capacity
         if payload is not None:
             history.remember_answer(key, payload)
         self.store.save(name, history, key, payload)
