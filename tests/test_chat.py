@@ -197,9 +197,18 @@ def test_stats_command_prints_the_workers_stats(
     assert chat.quit() == 0
 
 
-def run_chat(port: int, *args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
+def run_chat(
+    port: int, *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        chat_command(port, *args), cwd=REPO, input=stdin, capture_output=True, text=True, timeout=300, check=False
+        chat_command(port, *args),
+        cwd=REPO,
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
     )
 
 
@@ -251,24 +260,33 @@ def test_one_shot_without_worker_or_broker_exits_3(broker: Mosquitto) -> None:
     assert result.returncode == 3 and "no connection to the broker" in result.stderr
 
 
-def test_credentials_come_from_chat_variables_not_the_workers(tmp_path: Path) -> None:
-    """A broker that wants a password: CHAT_MQTT_USERNAME/CHAT_MQTT_PASSWORD log the client
-    in; the worker's WORKER_MQTT_* are never read."""
+def test_user_and_credentials_come_from_the_clients_own_settings(tmp_path: Path) -> None:
+    """A broker that checks passwords (and lets anonymous clients in): CHAT_MQTT_* log the
+    client in and name its namespace; the worker's WORKER_MQTT_* are never read."""
     passwords = tmp_path / "passwd"
     subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwords), "carl", "s3cret"], check=True)
-    # The later allow_anonymous overrides the helper's "allow_anonymous true".
-    own = Mosquitto(tmp_path, f"password_file {passwords}\nallow_anonymous false\n", keep_root=True)
+    (tmp_path / "carl-password").write_text("s3cret\n")
+    own = Mosquitto(tmp_path, f"password_file {passwords}\n", keep_root=True)  # root reads the file
     own.start()
+    watch = Client(own.port, ["chat/+/+/request"])
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CHAT_", "WORKER_"))}
+
+    def namespace_of(env: dict[str, str], *args: str) -> str:
+        """Where a one-shot request went (nobody answers here: it gives up after 2 s)."""
+        result = run_chat(own.port, *args, "--session", "s1", "--message", "hi", "--timeout", "2", env=env)
+        assert result.returncode == 3 and "no answer within 2 s" in result.stderr, result.stderr
+        return watch.wait_for(lambda m: m.topic.endswith("/s1/request"), timeout=10).topic.split("/")[1]
+
     try:
-        env = {**os.environ, "WORKER_MQTT_USERNAME": "carl", "WORKER_MQTT_PASSWORD": "s3cret"}
-        command = chat_command(own.port, "--topic-prefix", "nobody", "--message", "hi", "--timeout", "3")
-        refused = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
-        assert refused.returncode == 3 and "refused" in refused.stderr.lower(), refused.stderr
-        env = {**os.environ, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD": "s3cret"}
-        answered = subprocess.run(command, env=env, capture_output=True, text=True, timeout=60, check=False)
-        # Logged in (and subscribed): it got as far as waiting for a worker.
-        assert answered.returncode == 3 and "no answer within 3 s" in answered.stderr, answered.stderr
+        assert namespace_of({**base, "WORKER_MQTT_USERNAME": "carl", "WORKER_MQTT_PASSWORD": "s3cret"}) == "anon"
+        assert namespace_of({**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD": "s3cret"}) == "carl"
+        with_file = {**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD_FILE": str(tmp_path / "carl-password")}
+        assert namespace_of(with_file, "--user", "dora") == "dora"
+        wrong = {**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD": "wrong"}
+        refused = run_chat(own.port, "--message", "hi", "--timeout", "5", env=wrong)
+        assert refused.returncode == 3 and "connection refused" in refused.stderr, refused.stderr
     finally:
+        watch.close()
         own.stop()
 
 
