@@ -117,7 +117,6 @@ def test_two_turns_stream_and_show_cached_tokens(
     shown2, usage2 = chat.turn("Tell me more about the mountains in winter.")
     prompt1, prompt2 = int(usage1[1]), int(usage2[1])
     assert prompt2 > prompt1 >= BLOCK_SIZE  # the second turn carries the first
-    assert int(usage1[2]) == 0 or int(usage1[2]) < prompt1
     assert int(usage2[2]) >= prompt1 // BLOCK_SIZE * BLOCK_SIZE > 0  # the first prompt, from the prefix cache
     assert chat.quit() == 0
 
@@ -157,10 +156,13 @@ def test_ctrl_c_and_cancel_stop_a_long_reply(
     watch = observer(broker.port, "canceller", session)
     chat = Chat(broker.port, "--user", "canceller", "--session", session, "--max-tokens", "1000")
     chats.append(chat)
+    stream = f"chat/canceller/{session}/stream"
+    done: set[str] = set()
     for stop in ("ctrl-c", "/cancel"):
         chat.send("tell me a very long story")
         chat.child.expect_exact(REPLY)
-        watch.wait_topic(f"chat/canceller/{session}/stream")  # generating now
+        # Generating now: a delta of this request (not a late one of the one cancelled before).
+        watch.wait_for(lambda m: m.topic == stream and m.json()["requestId"] not in done)
         if stop == "ctrl-c":
             chat.child.sendintr()
         else:
@@ -170,6 +172,7 @@ def test_ctrl_c_and_cancel_stop_a_long_reply(
         chat.child.expect_exact(PROMPT)
         reply = watch.wait_topic(f"chat/canceller/{session}/reply").json()
         assert reply["finishReason"] == "cancelled" and reply["usage"]["completionTokens"] == tokens < 1000
+        done.add(reply["requestId"])
     controls = messages(watch, "canceller", session, "control")
     assert [c["action"] for c in controls] == ["cancel", "cancel"]
     # Still usable: Ctrl-C at the prompt does not quit, commands and turns go on.

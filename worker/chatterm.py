@@ -137,7 +137,7 @@ class Terminal:
         while not isinstance(event := self.client.next_event(3600), Ready):
             if isinstance(event, Refused):
                 self.write(f"[{event.reason}]\n")
-                return 3
+                return 3  # as chat.py's EXIT_NO_ANSWER
             if isinstance(event, ConnectFailed) and not self.failing:
                 self.failing = True
                 self.write(f"[cannot reach the broker at {where} ({event.error}); retrying, Ctrl-C to give up]\n")
