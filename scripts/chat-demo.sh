@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# Chat with the worker in this terminal, no GPU needed: sets up like scripts/demo.sh, starts a
+# private mosquitto and the worker on the generated tiny random model (its replies are
+# gibberish), then runs the chat client (python -m worker.chat) with per-turn stats on.
+# Arguments go to the client (e.g. --session ID). Everything stops when the client exits.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+bash scripts/setup.sh
+export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+
+MODEL=.cache/demo-model  # replies that end by themselves, like a real model's
+[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL" --natural-stops
+
+RUN=$(mktemp -d)
+PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
+printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\n' "$PORT" \
+  > "$RUN/mosquitto.conf"
+setsid "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &  # setsid: Ctrl-C is for the client
+BROKER=$!
+setsid .venv/bin/python -m worker --model "$MODEL" --mqtt-port "$PORT" --worker-id demo --store memory \
+  --enforce-eager --block-size 32 --gpu-memory-utilization 0.3 --max-model-len 2048 --stats-interval 5 \
+  >"$RUN/worker.log" 2>&1 &
+WORKER=$!
+cleanup() {
+  kill -TERM "$WORKER" 2>/dev/null && { timeout 60 tail --pid="$WORKER" -f /dev/null || true; }
+  kill -KILL -- "-$WORKER" 2>/dev/null || true
+  kill "$BROKER" 2>/dev/null || true
+}
+trap cleanup EXIT
+
+echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
+for _ in $(seq 300); do  # the retained status says when the worker is ready
+  status=$(mosquitto_sub -p "$PORT" -t chat/_worker/demo/status -C 1 -W 1 2>/dev/null || true)
+  [ "$status" = online ] && break
+  kill -0 "$WORKER" 2>/dev/null || { echo "the worker exited:"; tail -40 "$RUN/worker.log"; exit 1; }
+done
+[ "$status" = online ] || { echo "the worker did not come online:"; tail -40 "$RUN/worker.log"; exit 1; }
+
+.venv/bin/python -m worker.chat --mqtt-port "$PORT" --show-stats --max-tokens 64 "$@"

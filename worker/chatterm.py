@@ -1,0 +1,335 @@
+"""The interactive terminal of the chat client: one loop on the main thread over the client's
+event queue, fed by paho's thread (replies, deltas, connection changes), a thread reading
+typed lines, and the SIGINT handler (Ctrl-C cancels the running reply)."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from types import FrameType
+from typing import TextIO
+
+from .chatclient import (
+    Answer,
+    ChatClient,
+    Connected,
+    ConnectFailed,
+    Delta,
+    Disconnected,
+    Event,
+    Failed,
+    Ready,
+    Refused,
+    ResetDone,
+    Stats,
+    Unreadable,
+    WorkerStatus,
+)
+from .messages import ChatReply
+from .stats import StatsReport
+
+PROMPT = "you> "
+REPLY = "bot> "
+HELP = """\
+Type a message and press Enter; the reply streams as it is generated.
+  /reset           start the conversation over (clears its history and system prompt)
+  /cancel          stop the running reply (Ctrl-C does the same)
+  /stats           the worker's latest statistics
+  /verbose [on|off] after each reply: tokens (cached), TTFT and latency
+  /help            this text
+  /quit            leave (Ctrl-D too)"""
+
+
+@dataclass(frozen=True)
+class InputLine(Event):
+    text: str
+
+
+@dataclass(frozen=True)
+class InputEnd(Event):
+    """stdin is closed (Ctrl-D)."""
+
+
+@dataclass(frozen=True)
+class Interrupt(Event):
+    """Ctrl-C."""
+
+
+@dataclass
+class Pending:
+    """What the terminal waits for: a turn's reply (request_id) or a reset's answer."""
+
+    request_id: str | None
+    sent_at: float
+    last_heard: float
+    streamed: list[str] = field(default_factory=list)
+    cancelling: bool = False
+
+
+def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:
+    usage, latency = reply.usage, reply.latency
+    text = (
+        f"prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached), reply {usage.completion_tokens} "
+        f"tokens, ttft {latency.ttft_ms:.0f} ms, total {latency.total_ms:.0f} ms"
+    )
+    if round_trip_ms is not None:
+        text += f", round trip {round_trip_ms:.0f} ms"
+    return text + f", {reply.finish_reason}"
+
+
+def stats_lines(reports: dict[str, StatsReport]) -> list[str]:
+    if not reports:
+        return ["no stats received yet (workers publish them on <prefix>/_worker/<id>/stats)"]
+    lines = []
+    for worker_id, report in sorted(reports.items()):
+        age = max(0.0, time.time() - report.timestamp)
+        lines.append(
+            f"worker {worker_id} ({age:.0f} s ago): {report.log_line().removeprefix('Stats: ')}, "
+            f"PromptTokens={report.prompt_tokens_total} ({report.cached_tokens_total} cached), "
+            f"PrefixHitTotal={report.prefix_cache_hit_rate_total * 100:.1f}%, Cancelled={report.cancelled}"
+        )
+    return lines
+
+
+class Terminal:
+    def __init__(self, client: ChatClient, args: argparse.Namespace, out: TextIO | None = None) -> None:
+        self.client = client
+        self.args = args
+        self.out = out or sys.stdout
+        self.verbose: bool = bool(args.show_stats)
+        self.pending: Pending | None = None
+        self.deferred: deque[str] = deque()
+        self.running = True
+        self.line_start = True  # the cursor is at the start of a line
+        self.at_prompt = False  # the cursor is right after the prompt
+        self.failing = False  # a connection failure was reported and no connection came since
+        self.started = False  # the prompt is shown once the banner is out
+
+    # -- output -------------------------------------------------------------------------
+
+    def write(self, text: str) -> None:
+        if text:
+            self.out.write(text)
+            self.out.flush()
+            self.line_start = text.endswith("\n")
+            self.at_prompt = text == PROMPT
+
+    def note(self, text: str) -> None:
+        """A line of its own, in brackets; the prompt again when idle."""
+        self.write(("" if self.line_start else "\n") + f"[{text}]\n")
+        self.prompt()
+
+    def prompt(self) -> None:
+        if self.started and self.pending is None and self.running and self.line_start:
+            self.write(PROMPT)
+
+    # -- the loop ---------------------------------------------------------------------
+
+    def run(self) -> int:
+        where = f"{self.client.settings.host}:{self.client.settings.port}"
+        address = self.client.address
+        self.write(f"Connecting to {where} as user {address.user}, session {address.session} ...\n")
+        while not isinstance(event := self.client.next_event(3600), Ready):
+            if isinstance(event, Refused):
+                self.write(f"[{event.reason}]\n")
+                return 3  # as chat.py's EXIT_NO_ANSWER
+            if isinstance(event, ConnectFailed) and not self.failing:
+                self.failing = True
+                self.write(f"[cannot reach the broker at {where} ({event.error}); retrying, Ctrl-C to give up]\n")
+        self.failing = False
+        # The retained status and stats messages follow the subscription acknowledgement.
+        while (event := self.client.next_event(0.3)) is not None:
+            self.handle(event)
+        online = sorted(w for w, up in self.client.workers_online.items() if up)
+        workers = f"worker online: {', '.join(online)}" if online else "no worker online yet: requests wait for one"
+        self.write(f"[connected; {workers}. /help lists the commands; resume with --session {address.session}]\n")
+        threading.Thread(target=self._read_lines, name="chat-stdin", daemon=True).start()
+        previous = signal.signal(signal.SIGINT, self._on_sigint)
+        try:
+            self.started = True
+            self.prompt()
+            while self.running:
+                event = self.client.next_event(0.25)
+                if event is not None:
+                    self.handle(event)
+                self._check_timeout()
+        finally:
+            signal.signal(signal.SIGINT, previous)
+        self.write(("" if self.line_start else "\n") + "bye\n")
+        return 0
+
+    def _read_lines(self) -> None:  # its own thread: blocks in readline
+        while line := sys.stdin.readline():
+            self.client.post(InputLine(line.rstrip("\n")))
+        self.client.post(InputEnd())
+
+    def _on_sigint(self, signum: int, frame: FrameType | None) -> None:
+        self.client.post(Interrupt())  # SimpleQueue.put is safe here
+
+    def _check_timeout(self) -> None:
+        pending = self.pending
+        if pending is None or time.monotonic() - pending.last_heard < self.args.timeout:
+            return
+        if pending.request_id is not None and not pending.cancelling:
+            self.client.cancel(pending.request_id)
+        online = "" if self.client.any_worker_online() else ": no worker is online"
+        self.pending = None
+        self.note(f"no answer from the worker for {self.args.timeout:g} s{online}; stopped waiting")
+
+    # -- events -----------------------------------------------------------------------
+
+    def handle(self, event: Event) -> None:
+        pending = self.pending
+        if isinstance(event, InputLine):
+            self.line_start, self.at_prompt = True, False  # the terminal echoed the line and its newline
+            self.on_line(event.text)
+        elif isinstance(event, InputEnd):
+            if pending is not None and pending.request_id is not None:
+                self.client.cancel(pending.request_id)
+            self.running = False
+        elif isinstance(event, Interrupt):
+            self.on_interrupt()
+        elif isinstance(event, Delta):
+            if pending is not None and event.delta.request_id == pending.request_id:
+                pending.last_heard = time.monotonic()
+                if not pending.cancelling:
+                    pending.streamed.append(event.delta.delta)
+                    self.write(event.delta.delta)
+        elif isinstance(event, Answer):
+            if pending is not None and event.reply.request_id == pending.request_id:
+                self.finish(pending, event.reply)
+        elif isinstance(event, Failed):
+            if pending is not None and event.error.request_id in (pending.request_id, None):
+                self.pending = None
+                self.note(f"error {event.error.error.code.value}: {event.error.error.message}")
+        elif isinstance(event, ResetDone):
+            if pending is not None and pending.request_id is None:
+                self.pending = None
+                self.note("session reset: history and system prompt cleared")
+        elif isinstance(event, WorkerStatus):
+            if event.changed and self.started:
+                self.note(f"worker {event.worker_id} is {'online' if event.online else 'offline'}")
+        elif isinstance(event, Connected):
+            self.failing = False
+            if not event.first:
+                resumed = "session resumed" if event.resumed else "new session: replies sent meanwhile are lost"
+                self.note(f"reconnected to the broker ({resumed})")
+        elif isinstance(event, Disconnected):
+            self.note(f"connection to the broker lost ({event.reason}); reconnecting")
+        elif isinstance(event, ConnectFailed):
+            if not self.failing:
+                self.failing = True
+                self.note(f"cannot reach the broker ({event.error}); retrying")
+        elif isinstance(event, Refused):
+            self.note(event.reason)
+        elif isinstance(event, Unreadable) and event.topic in (self.client.reply_topic, self.client.stream_topic):
+            self.note(f"unreadable message on {event.topic}: {event.text[:300]}")
+        elif isinstance(event, (Stats, Ready)):
+            pass  # the client keeps the latest stats; Ready again after each reconnect
+        if self.pending is None:
+            while self.deferred and self.pending is None and self.running:
+                text = self.deferred.popleft()
+                self.write((text if self.at_prompt else ("" if self.line_start else "\n") + PROMPT + text) + "\n")
+                self.on_line(text)
+            self.prompt()
+
+    def finish(self, pending: Pending, reply: ChatReply) -> None:
+        streamed = "".join(pending.streamed)
+        if reply.finish_reason == "cancelled":
+            self.note(f"cancelled after {reply.usage.completion_tokens} tokens")
+        else:
+            if pending.cancelling:
+                self.note("the reply was complete before the cancel reached the worker")
+            if not streamed:
+                self.write(reply.reply)
+            elif streamed.strip() != reply.reply.strip():
+                if reply.reply.startswith(streamed):
+                    self.write(reply.reply[len(streamed) :])  # the deltas lost at the end
+                else:
+                    self.write(f"\n[some streamed text was lost; the whole reply:]\n{reply.reply}")
+            self.write("\n")
+            if reply.finish_reason == "truncated":
+                self.note("the reply was cut to fit the broker's maximum packet size")
+        if self.verbose:
+            self.note(usage_line(reply, (time.monotonic() - pending.sent_at) * 1000))
+        self.pending = None
+
+    def on_interrupt(self) -> None:
+        pending = self.pending
+        if pending is None:
+            self.note("/quit or Ctrl-D to leave")
+        elif pending.request_id is None or pending.cancelling:
+            self.pending = None
+            self.note("stopped waiting")
+        else:
+            self.cancel(pending)
+
+    def cancel(self, pending: Pending) -> None:
+        assert pending.request_id is not None
+        self.client.cancel(pending.request_id)
+        pending.cancelling = True
+        pending.last_heard = time.monotonic()
+        self.note("cancelling (Ctrl-C again to stop waiting)")
+
+    def on_line(self, text: str) -> None:
+        stripped = text.strip()
+        command = stripped.split()[0].lower() if stripped.startswith("/") else ""
+        if self.pending is not None:
+            if command == "/cancel" and self.pending.request_id is not None:
+                if not self.pending.cancelling:
+                    self.cancel(self.pending)
+            elif command in ("/quit", "/exit"):
+                self.handle(InputEnd())
+            elif command in ("/stats", "/verbose", "/help"):
+                self.command(stripped)
+            elif stripped:
+                self.deferred.append(text)
+                self.note("queued until this reply is done (/cancel or Ctrl-C stops it)")
+            return
+        if command:
+            self.command(stripped)
+        elif stripped:
+            self.send(text)
+        self.prompt()
+
+    def send(self, text: str) -> None:
+        try:
+            request_id = self.client.send(
+                text,
+                max_tokens=self.args.max_tokens,
+                temperature=self.args.temperature,
+                system_prompt=self.args.system_prompt,
+            )
+        except ValueError as exc:
+            self.note(f"not sent: {exc}")
+            return
+        now = time.monotonic()
+        self.pending = Pending(request_id, now, now)
+        self.write(REPLY)
+
+    def command(self, text: str) -> None:
+        name, _, rest = text.partition(" ")
+        name, rest = name.lower(), rest.strip().lower()
+        if name in ("/quit", "/exit"):
+            self.running = False
+        elif name == "/help":
+            self.write(HELP + "\n")
+        elif name == "/reset":
+            self.client.reset()
+            now = time.monotonic()
+            self.pending = Pending(None, now, now)
+        elif name == "/cancel":
+            self.note("nothing to cancel")
+        elif name == "/stats":
+            for line in stats_lines(self.client.latest_stats):
+                self.note(line)
+        elif name == "/verbose":
+            self.verbose = {"on": True, "off": False}.get(rest, not self.verbose)
+            self.note(f"stats after each reply: {'on' if self.verbose else 'off'}")
+        else:
+            self.note(f"unknown command {name}; /help lists them")
