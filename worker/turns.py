@@ -276,7 +276,7 @@ class TurnRunner:
             completion_tokens=outcome.completion_tokens,
             cached_tokens=outcome.cached_tokens,
         )
-        self.stats.record_reply(usage, latency, cancelled=outcome.finish_reason == "cancelled")
+        self.stats.record_reply(usage, latency, finish_reason=outcome.finish_reason)
         logger.info(
             "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
             turn.key,
