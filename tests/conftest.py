@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import REPO, Client, Mosquitto, WorkerProcess
+from support import REPO, Client, Mosquitto, WorkerProcess, free_port
 
 # One compile cache for every engine the tests start (and for reruns on this machine).
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
@@ -54,9 +54,20 @@ def engine_args(model: Path) -> list[str]:
     ]
 
 
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests that stop the shared worker run last, whichever files come after theirs."""
+    items.sort(key=lambda item: item.get_closest_marker("stops_shared_worker") is not None)
+
+
+@pytest.fixture(scope="session")
+def shared_metrics_port() -> int:
+    """The shared worker's Prometheus endpoint (tests/test_metrics.py scrapes it)."""
+    return free_port()
+
+
 @pytest.fixture(scope="session")
 def shared_worker(
-    tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
+    tiny_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory, shared_metrics_port: int
 ) -> Iterator[WorkerProcess]:
     """One worker for every end-to-end test that can share it (an engine start costs ~50 s)."""
     workdir = tmp_path_factory.mktemp("worker")
@@ -70,6 +81,8 @@ def shared_worker(
             "shared",
             "--stats-interval",
             "1",
+            "--metrics-port",
+            str(shared_metrics_port),
             "--max-history-turns",
             "6",
             "--state-dir",

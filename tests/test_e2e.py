@@ -311,10 +311,11 @@ def test_unusable_schema_is_invalid_schema(
     assert reply_of(client, "kate", session)["finishReason"] == "length"
 
 
+@pytest.mark.stops_shared_worker
 def test_clean_stop_finishes_running_work_and_publishes_offline(
     shared_worker: WorkerProcess, broker: Mosquitto, client: Client
 ) -> None:
-    """Last in this module: stops the shared worker with SIGTERM while it generates."""
+    """Last of all (conftest sorts it there): stops the shared worker with SIGTERM while it generates."""
     watcher = Client(broker.port, ["chat/_worker/shared/status"])
     watcher.wait_for(lambda m: m.payload == b"online", timeout=10)
     session = new_session()

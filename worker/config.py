@@ -298,6 +298,20 @@ class StatsConfig(Section):
     interval: float = opt(
         30.0, "Seconds between stats log lines and stats messages; 0 disables.", flag="--stats-interval", ge=0
     )
+    metrics_port: int | None = opt(
+        None,
+        "TCP port of a Prometheus /metrics endpoint (see README, Metrics). Default: none, no endpoint.",
+        flag="--metrics-port",
+        ge=1,
+        le=65535,
+    )
+    metrics_host: str = opt(
+        "127.0.0.1",
+        "Address the /metrics endpoint listens on. Loopback by default: the endpoint has no "
+        "authentication or TLS and tells whoever reaches it the worker's load, model and version. "
+        "Use 0.0.0.0 or an interface address only where a firewall lets only Prometheus reach it.",
+        flag="--metrics-host",
+    )
 
 
 class LoggingConfig(Section):

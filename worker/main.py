@@ -89,11 +89,17 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         render_toml(config.masked(), comments=False).rstrip(),
     )
 
+    from .metrics import LiveSources, MetricsEndpoint
     from .store import open_store
     from .tokenizer import ChatTokenizer
     from .transport import MqttSettings, MqttTransport
     from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
 
+    try:  # before the model load: a port in use fails fast
+        metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
+    except OSError as exc:
+        logger.error("Cannot serve metrics on {}:{}: {}", config.stats.metrics_host, config.stats.metrics_port, exc)
+        return 2
     store = open_store(config.history)  # before the model load: a bad state_dir fails fast
 
     route_library_logging()
@@ -137,6 +143,17 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         loop,
     )
     service = Service(config, engine, renderer, transport, request_stop, store)
+    if metrics is not None:
+        info = engine.info
+        metrics.attach(
+            service.stats,
+            LiveSources(
+                engine.peek_stats,
+                sessions=lambda: len(service.sessions),
+                pending=lambda: service.pending,
+                info={"version": __version__, "engine": f"{info.name} {info.version}", "model": info.model},
+            ),
+        )
     transport.start()
     logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
 
@@ -171,5 +188,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         await transport.close()
         store.close()  # after the drain: every stored turn is committed
         await engine.shutdown()
+        if metrics is not None:
+            metrics.close()
         logger.info("Stopped (exit code {})", exit_code)
     return exit_code

@@ -10,6 +10,7 @@ import math
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
@@ -79,6 +80,17 @@ class StatsReport(BaseModel):
         )
 
 
+class StatsObserver(Protocol):
+    """Told of each record as it happens (on the event loop: must not block), e.g. the
+    Prometheus metrics (metrics.py)."""
+
+    def reply(self, usage: Usage, latency: Latency, finish_reason: str | None) -> None: ...
+
+    def error(self, code: str) -> None: ...
+
+    def invalid_topic(self) -> None: ...
+
+
 @dataclass
 class _Interval:
     started: float
@@ -102,8 +114,12 @@ class StatsCollector:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
+        self.observers: list[StatsObserver] = []
 
-    def record_reply(self, usage: Usage, latency: Latency, *, cancelled: bool = False) -> None:
+    def record_reply(
+        self, usage: Usage, latency: Latency, *, cancelled: bool = False, finish_reason: str | None = None
+    ) -> None:
+        cancelled = cancelled or finish_reason == "cancelled"
         self.processed += 1
         self.cancelled += int(cancelled)
         self.prompt_tokens += usage.prompt_tokens
@@ -114,12 +130,18 @@ class StatsCollector:
         interval.ttfts_ms.append(latency.ttft_ms)
         interval.queues_ms.append(latency.queue_ms)
         interval.completion_tokens += usage.completion_tokens
+        for observer in self.observers:
+            observer.reply(usage, latency, "cancelled" if cancelled else finish_reason)
 
     def record_error(self, code: str) -> None:
         self.errors_by_code[code] += 1
+        for observer in self.observers:
+            observer.error(code)
 
     def record_invalid_topic(self) -> None:
         self.invalid_topics += 1
+        for observer in self.observers:
+            observer.invalid_topic()
 
     def report(self, engine: EngineStats, *, sessions: int, pending: int) -> StatsReport:
         """The numbers since the last report; starts a new interval."""

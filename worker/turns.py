@@ -343,7 +343,7 @@ class TurnRunner:
             cached_tokens=outcome.cached_tokens,
             reasoning_tokens=outcome.reasoning_tokens,
         )
-        self.stats.record_reply(usage, latency, cancelled=outcome.finish_reason == "cancelled")
+        self.stats.record_reply(usage, latency, finish_reason=outcome.finish_reason)
         logger.info(
             "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
             turn.key,

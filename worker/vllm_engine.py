@@ -282,6 +282,12 @@ class VllmEngine:
         self._stats.max_running = self._stats.running
         return snapshot
 
+    def peek_stats(self) -> EngineStats:
+        """The current statistics, resetting nothing: for the metrics endpoint, which reads
+        them on its own thread (each field is one attribute read, atomic under the GIL)."""
+        stats = self._stats
+        return dataclasses.replace(stats, extra=dict(stats.extra))
+
     def is_alive(self) -> bool:
         # AsyncLLM.errored: set by vLLM's monitor thread as soon as an engine core process
         # exits, or when its output handler task has ended; a flag read, nothing more.
