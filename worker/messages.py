@@ -86,8 +86,6 @@ class ChatRequest(InboundModel):
     request_id: str | None = Field(None, min_length=1, max_length=128)
     stream: bool = False
     response_format: ResponseFormat | None = None
-    include_reasoning: bool = False
-    max_reasoning_tokens: int | None = Field(None, ge=1)
 
 
 class ControlRequest(InboundModel):
@@ -99,8 +97,6 @@ class Usage(WireModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
-    # Of completion_tokens, those spent inside the think block (reasoning models only).
-    reasoning_tokens: int | None = None
 
 
 class Latency(WireModel):
@@ -113,7 +109,6 @@ class ChatReply(WireModel):
     session_id: str
     request_id: str
     reply: str
-    reasoning: str | None = None  # the think block, when the request asked for it
     finish_reason: str
     usage: Usage
     latency: Latency
@@ -139,8 +134,7 @@ class ControlReply(WireModel):
 class StreamDelta(WireModel):
     request_id: str
     seq: int
-    delta: str  # answer text ("" in a delta of reasoning)
-    reasoning: str | None = None  # reasoning text, only with includeReasoning
+    delta: str
 
 
 def _load_json(payload: bytes) -> Any:
