@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import queue
-import ssl
 import sys
 import uuid
 from dataclasses import dataclass
@@ -29,7 +28,7 @@ from pydantic import BaseModel, ValidationError
 from .messages import ChatReply, ChatRequest, ControlReply, ControlRequest, ErrorReply, StreamDelta
 from .stats import StatsReport
 from .topics import WORKER_NAMESPACE, SessionAddress, Topics
-from .transport import set_tcp_nodelay
+from .transport import set_tcp_nodelay, use_credentials_and_tls
 
 # How long the broker keeps this client's subscriptions and queued replies while it is
 # disconnected (a dropped connection, a broker restart with persistence): replies published
@@ -160,17 +159,7 @@ class ChatClient:
             CallbackAPIVersion.VERSION2, client_id=f"chat-{uuid.uuid4().hex[:16]}", protocol=mqtt.MQTTv5
         )
         client.suppress_exceptions = True
-        if settings.username is not None:
-            client.username_pw_set(settings.username, settings.password)
-        if settings.tls_ca_file is not None:
-            client.tls_set(
-                ca_certs=str(settings.tls_ca_file),
-                certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
-                keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
-                cert_reqs=ssl.CERT_REQUIRED,
-                tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
-            client.tls_insecure_set(settings.tls_insecure_skip_hostname_check)
+        use_credentials_and_tls(client, settings)
         client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail

@@ -15,7 +15,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import paho.mqtt.client as mqtt
 from loguru import logger
@@ -99,6 +99,39 @@ def set_tcp_nodelay(client: mqtt.Client) -> None:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
 
+class ConnectionSettings(Protocol):
+    """What a client needs to log in: the worker's MqttSettings and the chat client's settings."""
+
+    @property
+    def username(self) -> str | None: ...
+    @property
+    def password(self) -> str | None: ...
+    @property
+    def tls_ca_file(self) -> Path | None: ...
+    @property
+    def tls_cert_file(self) -> Path | None: ...
+    @property
+    def tls_key_file(self) -> Path | None: ...
+    @property
+    def tls_insecure_skip_hostname_check(self) -> bool: ...
+
+
+def use_credentials_and_tls(client: mqtt.Client, settings: ConnectionSettings) -> None:
+    """Username and password, and TLS when a CA is given: the broker's certificate must chain
+    to it and (unless the test-only override is on) name the host."""
+    if settings.username is not None:
+        client.username_pw_set(settings.username, settings.password)
+    if settings.tls_ca_file is not None:
+        client.tls_set(
+            ca_certs=str(settings.tls_ca_file),
+            certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
+            keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
+            cert_reqs=ssl.CERT_REQUIRED,
+            tls_version=ssl.PROTOCOL_TLS_CLIENT,
+        )
+        client.tls_insecure_set(settings.tls_insecure_skip_hostname_check)
+
+
 class MqttTransport:
     def __init__(self, settings: MqttSettings, loop: asyncio.AbstractEventLoop) -> None:
         self.settings = settings
@@ -124,19 +157,9 @@ class MqttTransport:
             manual_ack=True,
         )
         client.suppress_exceptions = True
-        if settings.username is not None:
-            client.username_pw_set(settings.username, settings.password)
-        if settings.tls_ca_file is not None:
-            client.tls_set(
-                ca_certs=str(settings.tls_ca_file),
-                certfile=str(settings.tls_cert_file) if settings.tls_cert_file else None,
-                keyfile=str(settings.tls_key_file) if settings.tls_key_file else None,
-                cert_reqs=ssl.CERT_REQUIRED,
-                tls_version=ssl.PROTOCOL_TLS_CLIENT,
-            )
-            if settings.tls_insecure_skip_hostname_check:
-                logger.warning("MQTT TLS: the broker's host name is not checked (tls_insecure_skip_hostname_check)")
-                client.tls_insecure_set(True)
+        use_credentials_and_tls(client, settings)
+        if settings.tls_ca_file is not None and settings.tls_insecure_skip_hostname_check:
+            logger.warning("MQTT TLS: the broker's host name is not checked (tls_insecure_skip_hostname_check)")
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
         client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
         client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
