@@ -43,22 +43,32 @@ PHASES = ("single", "dp", "tp")
 SHARE_GROUP = "bench"
 
 
-def worker_commands(phase: str, profile: Profile, common: list[str]) -> list[tuple[str, list[str], dict[str, str]]]:
-    """(worker id, flags, environment) of each worker a phase starts."""
+def worker_commands(
+    phase: str, profile: Profile, common: list[str], state: Path
+) -> list[tuple[str, list[str], dict[str, str]]]:
+    """(worker id, flags, environment) of each worker a phase starts. Each has its own store
+    (state_dir) as each instance of the systemd template has: what the workers of a group
+    share is only what --worker-args makes them share."""
     if phase == "single":
-        return [("bench", [*common, "--visible-devices", profile.gpus[0]], {})]
+        args = ["--visible-devices", profile.gpus[0], "--state-dir", str(state / "single")]
+        return [("bench", [*common, *args], {})]
     if phase == "tp":
         devices = ",".join(profile.gpus[: max(profile.tensor_parallel_size, 1)])
         size = str(profile.tensor_parallel_size)
-        return [("bench", [*common, "--visible-devices", devices, "--tensor-parallel-size", size], {})]
+        args = ["--visible-devices", devices, "--tensor-parallel-size", size, "--state-dir", str(state / "tp")]
+        return [("bench", [*common, *args], {})]
     if phase == "dp":
-        # Each its own compile cache, as the systemd template gives each instance: two engines
-        # compiling the same graphs at once never write the same files.
+        # Each its own compile cache too: two engines compiling the same graphs at once never
+        # write the same files.
         root = os.environ["VLLM_CACHE_ROOT"]
         return [
             (
                 f"bench-gpu{gpu}",
-                [*common, "--visible-devices", gpu, "--share-group", SHARE_GROUP],
+                [
+                    *common,
+                    *["--visible-devices", gpu, "--share-group", SHARE_GROUP],
+                    *["--state-dir", str(state / f"dp-gpu{gpu}")],
+                ],
                 {"VLLM_CACHE_ROOT": f"{root}/dp-gpu{gpu}"},
             )
             for gpu in profile.gpus
@@ -67,14 +77,16 @@ def worker_commands(phase: str, profile: Profile, common: list[str]) -> list[tup
 
 
 def turns_without_history(records: list[Record]) -> int:
-    """Later turns whose prompt did not grow: served by a worker that did not have the session."""
+    """Later turns whose prompt lacks the turn before (its prompt and its reply): served by a
+    worker that did not have the session's latest history."""
     by_session: dict[int, list[Record]] = defaultdict(list)
     for record in records:
         by_session[record.session].append(record)
     lost = 0
     for turns in by_session.values():
         turns.sort(key=lambda r: r.turn)
-        lost += sum(1 for before, after in itertools.pairwise(turns) if after.prompt_tokens <= before.prompt_tokens)
+        for before, after in itertools.pairwise(turns):
+            lost += after.prompt_tokens < before.prompt_tokens + before.completion_tokens
     return lost
 
 
@@ -92,7 +104,7 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
     result: dict[str, Any] = {"phase": phase, "workers": {}}
     driver: MqttDriver | None = None
     try:
-        for worker_id, args, env in worker_commands(phase, profile, common):
+        for worker_id, args, env in worker_commands(phase, profile, common, out / "state"):
             log = out / f"worker-{phase}-{worker_id}.log"
             workers[worker_id] = WorkerRun(args, broker.port, log, worker_id=worker_id, env=env, wait=False)
             result["workers"][worker_id] = {"args": args[len(common) :] + extra}
