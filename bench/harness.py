@@ -59,12 +59,12 @@ def free_port() -> int:
 
 
 class Broker:
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, extra_settings: str = "") -> None:
         self.port = free_port()
         conf = workdir / "mosquitto.conf"
         # set_tcp_nodelay and max_inflight_messages: see "Broker settings" in docs/protocol.md.
         settings = "allow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
-        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}")
+        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}{extra_settings}")
         env = dict(os.environ)
         lib = Path(binary).resolve().parent.parent / "lib"
         if lib.is_dir():  # a carried bundle (the GPU machine): its own libraries
