@@ -273,7 +273,7 @@ def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, 
             step["workers"] = workers
             result["steps"].append(step)
             print(json.dumps({k: v for k, v in step.items() if k != "latencies_ms"}), flush=True)
-            if step["replies"] < 0.99 * step["sent"] or step["p95_ms"] > args.saturated_p95_ms:
+            if step["replies_per_s_in_window"] < 0.95 * step["send_rate"] or step["p95_ms"] > args.saturated_p95_ms:
                 break  # saturated: higher rates only queue more
     finally:
         counters.close()
@@ -403,7 +403,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reply-tokens", type=int, default=64)
     parser.add_argument("--deltas", type=int, default=4, help="engine updates per reply")
     parser.add_argument("--gen-ms", type=float, default=0, help="time each reply takes to generate")
-    parser.add_argument("--saturated-p95-ms", type=float, default=2000)
+    parser.add_argument("--saturated-p95-ms", type=float, default=1000)
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     args = parser.parse_args(argv)
     out: Path = args.out
