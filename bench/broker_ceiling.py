@@ -4,8 +4,10 @@ and mosquitto_sub) on the request topic layout and the workers' shared subscript
     python -m bench.broker_ceiling --out docs/benchmarks/scale --messages 200000
 
 ``--publishers`` mosquitto_pub processes each send ``--messages`` requests (a ~200-byte JSON
-line each, its own user/session topic) as fast as the broker acknowledges them (20 in flight
-each); ``--subscribers`` mosquitto_sub processes share ``$share/sim/chat/+/+/request``. The
+request, ``--repeat``: one after another, each on its own user/session topic) as fast as the
+broker takes them; ``--subscribers`` mosquitto_sub processes share
+``$share/sim/chat/+/+/request``. (``mosquitto_pub -l`` would not do: 2.0.11 exits at the end of
+its input with most lines unsent.) The rates are the broker's own $SYS counters. The
 bench/scale.py load test runs out of Python (workers and generators) long before the broker;
 this is the broker's own ceiling on the same machine: messages/s against the broker's CPU.
 Writes OUT/broker-ceiling.json.
@@ -33,9 +35,7 @@ def measure(mosquitto: str, out: Path, publishers: int, subscribers: int, messag
     counters = SysCounters(broker.port)
     port = str(broker.port)
     common = ["-h", "127.0.0.1", "-p", port, "-q", "1", "-V", "mqttv5"]
-    line = json.dumps({"message": "hello " * 25, "maxTokens": 64, "stream": True}) + "\n"
-    lines = out / "ceiling-lines.txt"
-    lines.write_text(line * messages)
+    payload = json.dumps({"message": "hello " * 25, "maxTokens": 64, "stream": True})
     shared = f"$share/{GROUP}/{PREFIX}/+/+/request"
     sub = ["mosquitto_sub", *common, "-t", shared]
     subs = [subprocess.Popen(sub, stdout=subprocess.DEVNULL) for _ in range(subscribers)]
@@ -46,9 +46,9 @@ def measure(mosquitto: str, out: Path, publishers: int, subscribers: int, messag
         start = time.perf_counter()
         pubs = []
         for i in range(publishers):
-            with lines.open() as feed:
-                topic = f"{PREFIX}/u{i}/s{i}/request"
-                pubs.append(subprocess.Popen(["mosquitto_pub", *common, "-l", "-t", topic], stdin=feed))
+            topic = f"{PREFIX}/u{i}/s{i}/request"
+            pub = ["mosquitto_pub", *common, "-t", topic, "-m", payload, "--repeat", str(messages)]
+            pubs.append(subprocess.Popen(pub))
         for pub in pubs:
             pub.wait(600)
         elapsed = time.perf_counter() - start
@@ -62,13 +62,12 @@ def measure(mosquitto: str, out: Path, publishers: int, subscribers: int, messag
             sub.terminate()
             sub.wait(10)
         broker.stop()
-        lines.unlink(missing_ok=True)
     total = publishers * messages
     return {
         "publishers": publishers,
         "subscribers": subscribers,
         "messages": total,
-        "payload_bytes": len(line) - 1,
+        "payload_bytes": len(payload),
         "elapsed_s": round(elapsed, 2),
         "messages_per_s": round(total / elapsed),
         "broker_per_s": rates,
