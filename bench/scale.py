@@ -140,10 +140,11 @@ async def host_workers(port: int, first: int, count: int, engine_args: dict[str,
 
 
 def generate_load(
-    port: int, user: str, rate: float, duration: float, reply_tokens: int, grace: float
+    port: int, user: str, rate: float, duration: float, reply_tokens: int, gen_s: float, grace: float
 ) -> dict[str, Any]:
     """Open loop: one request on a new session every 1/rate s; the reply time of each. Prints
-    ``start`` when it begins sending (the orchestrator's measuring window opens)."""
+    ``start`` when it begins sending (the orchestrator's measuring window opens). Replies count
+    as in the window until ``gen_s`` (a reply's generation time) after it closes."""
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
@@ -189,7 +190,7 @@ def generate_load(
     client.disconnect()
     client.loop_stop()
     latencies = [(at - sent[topic.split("/")[2]]) * 1000 for at, topic in received if topic.split("/")[2] in sent]
-    replied_in_window = sum(1 for at, _ in received if at <= started + duration)
+    replied_in_window = sum(1 for at, _ in received if at <= started + duration + gen_s)
     return {
         "sent": total,
         "send_s": round(send_s, 3),
@@ -273,7 +274,8 @@ def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, 
             step["workers"] = workers
             result["steps"].append(step)
             print(json.dumps({k: v for k, v in step.items() if k != "latencies_ms"}), flush=True)
-            if step["replies_per_s_in_window"] < 0.95 * step["send_rate"] or step["p95_ms"] > args.saturated_p95_ms:
+            slow = step["p95_ms"] > args.gen_ms + args.saturated_p95_ms
+            if step["replies_per_s_in_window"] < 0.95 * step["send_rate"] or slow:
                 break  # saturated: higher rates only queue more
     finally:
         counters.close()
@@ -298,7 +300,7 @@ def run_step(
     worker_pids = [h.pid for h in hosts]
     loads = [
         subprocess.Popen(
-            [*cmd, f"u{g}", str(rate / gens), str(args.duration), str(args.reply_tokens)],
+            [*cmd, f"u{g}", str(rate / gens), str(args.duration), str(args.reply_tokens), str(args.gen_ms / 1000)],
             cwd=REPO,
             stdout=subprocess.PIPE,
             text=True,
@@ -387,8 +389,8 @@ def main(argv: list[str] | None = None) -> int:
         asyncio.run(host_workers(int(port), int(first), int(count), json.loads(engine)))
         return 0
     if argv and argv[0] == "load":
-        port, user, rate, duration, reply_tokens = argv[1:6]
-        result = generate_load(int(port), user, float(rate), float(duration), int(reply_tokens), grace=10)
+        port, user, rate, duration, reply_tokens, gen_s = argv[1:7]
+        result = generate_load(int(port), user, float(rate), float(duration), int(reply_tokens), float(gen_s), grace=10)
         print(json.dumps(result))
         return 0
     import shutil
