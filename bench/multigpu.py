@@ -17,7 +17,8 @@ OUT/multi.md compare aggregate tokens/s and p50/p95 latency with the single work
 The workers of a share group must see each session's whole history whichever of them serves a
 turn: give them a shared store with --worker-args (``{redis_port}`` is replaced by the port of
 the redis-server that --redis-server starts). Each run counts the later turns whose prompt was
-not longer than the turn before (a turn served without its history): 0 with one worker.
+shorter than the turn before's prompt and reply (served without their history; a lower
+bound): 0 with one worker.
 """
 
 from __future__ import annotations
@@ -77,8 +78,10 @@ def worker_commands(
 
 
 def turns_without_history(records: list[Record]) -> int:
-    """Later turns whose prompt lacks the turn before (its prompt and its reply): served by a
-    worker that did not have the session's latest history."""
+    """Later turns whose prompt is shorter than the turn before's prompt and reply: served by a
+    worker that did not have the session's latest history. A lower bound: a turn served with
+    an older history that is still longer than the turn before's (after a turn that lacked
+    its own) is not recognised."""
     by_session: dict[int, list[Record]] = defaultdict(list)
     for record in records:
         by_session[record.session].append(record)
