@@ -121,6 +121,7 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
             warm = max(profile.multi_concurrency)
             active.run_concurrent("warmup", workload, tokenizer.count_text, sessions=warm, turns=1)
             for count in profile.multi_concurrency:
+                client_cpu = time.process_time()
                 run = timed(
                     lambda count=count: active.run_concurrent(
                         f"multi-{phase}",
@@ -132,6 +133,9 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
                     )
                 )
                 run["summary"]["turns_without_history"] = turns_without_history(run["records"])
+                # This process receives every session's stream: near 1.0 it limits the run.
+                used = (time.process_time() - client_cpu) / run["summary"]["wall_s"]
+                run["summary"]["client_cpu_cores"] = round(used, 2)
                 runs[count] = run
         time.sleep(2.5)  # one more stats message from each worker (--stats-interval 2)
         latest: dict[str, dict[str, Any]] = {s["workerId"]: s for s in active.stats}
@@ -180,7 +184,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"{meta.get('gpu', '?')}; vLLM {meta.get('vllm', '?')}; model {Path(meta.get('model', '?')).name}; "
         f"commit {meta.get('git_commit', '?')}. Concurrency runs: sessions that send their next turn "
         "when the previous reply arrives; tokens/s over each run's wall time; latency per request "
-        "(client: publish to reply). Ratios against the single worker at the same concurrency.",
+        "(client: publish to reply). Ratios against the single worker at the same concurrency. "
+        "Client CPU: cores the benchmark's one client process used (it receives every stream "
+        "delta); near 1.0 the client, not the workers, limits the run.",
         "",
     ]
     for phase, data in result["phases"].items():
@@ -192,8 +198,8 @@ def markdown(result: dict[str, Any]) -> str:
         lines += [f"## {phase}", "", f"Workers: {workers}.", ""]
         lines += [
             "| sessions | requests | tokens/s | p50 ms | p95 ms | tokens/s vs single | p50 vs single | "
-            "p95 vs single | turns without history |",
-            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+            "p95 vs single | turns without history | client CPU |",
+            "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
         ]
         for count, s in data["runs"].items():
             cells = [
@@ -206,6 +212,7 @@ def markdown(result: dict[str, Any]) -> str:
                 s.get("p50_vs_single", ""),
                 s.get("p95_vs_single", ""),
                 s.get("turns_without_history", ""),
+                s.get("client_cpu_cores", ""),
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
         lines.append("")
