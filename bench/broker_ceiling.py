@@ -25,7 +25,8 @@ from typing import Any
 
 from .common import save
 from .harness import Broker
-from .scale import GROUP, PREFIX, SysCounters, cpu_seconds
+from .scale import SysCounters, cpu_seconds
+from .simworkers import GROUP, PREFIX
 
 
 def measure(mosquitto: str, out: Path, publishers: int, subscribers: int, messages: int) -> dict[str, Any]:

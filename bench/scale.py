@@ -25,118 +25,11 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 from typing import Any
 
 from .common import REPO, percentile, save
-
-PREFIX = "chat"
-GROUP = "sim"
-
-
-class ZeroCostEngine:
-    """Answers every request at once: ``reply_tokens`` tokens in ``deltas`` updates, spread
-    over ``gen_s`` seconds (0: only yielding to the event loop between updates)."""
-
-    def __init__(self, reply_tokens: int, deltas: int, gen_s: float) -> None:
-        from worker.engine import EngineInfo
-
-        self.info = EngineInfo("zero-cost", "0", "zero-cost", max_model_len=1 << 20, block_size=16, prefix_caching=True)
-        self.reply_tokens, self.deltas, self.gen_s = reply_tokens, max(1, deltas), gen_s
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        from worker.engine import GenerationUpdate
-
-        total = min(self.reply_tokens, request.sampling.max_tokens)
-        prompt = len(request.prompt_token_ids)
-        done_tokens = 0
-        for step in range(self.deltas):
-            await asyncio.sleep(self.gen_s / self.deltas)
-            count = total * (step + 1) // self.deltas - done_tokens
-            done_tokens += count
-            last = step + 1 == self.deltas
-            yield GenerationUpdate("w " * count, done_tokens, prompt, 0, last, "length" if last else None)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def take_stats(self) -> Any:
-        from worker.engine import EngineStats
-
-        return EngineStats()
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def shutdown(self) -> None:
-        pass
-
-
-class WordRenderer:
-    """One token per word: the service's bookkeeping without a tokenizer."""
-
-    opens_reasoning = False
-
-    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool) -> list[int]:
-        words = sum(1 + len(m["content"].split()) for m in messages)
-        return [1] * (words + add_generation_prompt)
-
-    def count_text(self, text: str) -> int:
-        return len(text.split())
-
-
-async def host_workers(port: int, first: int, count: int, engine_args: dict[str, Any]) -> None:
-    """``count`` workers on this process's event loop until SIGTERM; prints ``ready``."""
-    from worker.config import WorkerConfig
-    from worker.logs import configure_logging
-    from worker.service import Service
-    from worker.topics import Topics
-    from worker.transport import MqttSettings, MqttTransport
-
-    configure_logging("WARNING", json_logs=False)
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    loop.add_signal_handler(signal.SIGTERM, stop.set)
-    topics = Topics(PREFIX)
-    shared = tuple(f"$share/{GROUP}/{topic}" for topic in topics.subscriptions())
-    running: list[tuple[Service, MqttTransport, asyncio.Future[None]]] = []
-    for index in range(first, first + count):
-        worker_id = f"sim-{index}"
-        config = WorkerConfig.model_validate(
-            {
-                "engine": {"model": "zero-cost"},
-                "mqtt": {"port": port, "worker_id": worker_id, "session_expiry": 0},
-                "history": {"store": "memory"},
-                "limits": {"max_requests_per_user_per_minute": 0},
-                "stats": {"interval": 0},
-            }
-        )
-        settings = MqttSettings(
-            host="127.0.0.1",
-            port=port,
-            client_id=worker_id,
-            username=None,
-            password=None,
-            keepalive=30,
-            reconnect_min_delay=1,
-            reconnect_max_delay=5,
-            session_expiry=0,
-            subscriptions=shared,
-            status_topic=topics.status(worker_id),
-            receive_maximum=config.limits.max_pending_requests,
-        )
-        transport = MqttTransport(settings, loop)
-        service = Service(config, ZeroCostEngine(**engine_args), WordRenderer(), transport, lambda code: stop.set())
-        transport.start()
-        await asyncio.wait_for(transport.wait_connected(), 30)
-        await asyncio.wait_for(transport.wait_subscribed(), 30)
-        running.append((service, transport, asyncio.ensure_future(service.consume())))
-    print("ready", flush=True)
-    await stop.wait()
-    for _, transport, consumer in running:
-        consumer.cancel()
-        await transport.close(2)
+from .simworkers import PREFIX, host_workers
 
 
 def generate_load(
