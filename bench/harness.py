@@ -145,6 +145,22 @@ def decode_rate(record: Record) -> float | None:
     return round((record.completion_tokens - 1) / (decoding_ms / 1000), 1) if decoding_ms > 0 else None
 
 
+def profile_worker(worker: WorkerRun, output: Path) -> subprocess.Popen[bytes] | None:
+    """With BENCH_PYSPY=path/to/py-spy (and BENCH_PYSPY_S seconds, default 5): sample the
+    worker process's Python threads while the largest concurrency runs, as collapsed stacks
+    (``--format raw``; ``--gil``: only the thread that holds the GIL, i.e. what the event
+    loop and paho's thread spend it on)."""
+    binary = os.environ.get("BENCH_PYSPY")
+    if not binary:
+        return None
+    seconds = os.environ.get("BENCH_PYSPY_S", "5")
+    cmd = [binary, "record", "--pid", str(worker.proc.pid), "--duration", seconds, "--rate", "250"]
+    cmd += ["--format", "raw", "--threads", "--nonblocking", "--output", str(output)]
+    if os.environ.get("BENCH_PYSPY_GIL"):
+        cmd.append("--gil")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think_s: float = 0.0) -> dict[str, Any]:
     from worker.tokenizer import ChatTokenizer
 
@@ -175,6 +191,8 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
             )
             runs["concurrency"] = {}
             for count in profile.concurrency:
+                largest = count == max(profile.concurrency)
+                profiler = profile_worker(worker, out / f"pyspy-c{count}.txt") if largest else None
                 runs["concurrency"][count] = timed(
                     lambda count=count: driver.run_concurrent(
                         "worker",
@@ -182,10 +200,13 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
                         tokenizer.count_text,
                         sessions=count,
                         turns=profile.turns,
+                        stream=profile.stream,
                         think_s=think_s,
                         progress=bar.update,
                     )
                 )
+                if profiler is not None:
+                    profiler.wait(60)
                 rss.append(worker.rss_mb())
             runs["one_at_a_time"] = {}
             for count in profile.one_at_a_time:
