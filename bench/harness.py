@@ -184,7 +184,9 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
     rss: list[dict[str, float]] = []
     try:
         with tqdm(total=total, desc="worker", unit="req") as bar:
-            driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=max(profile.concurrency), turns=1)
+            # Two turns: a second turn's prefill shapes JIT-compile kernels too (on the H200 a
+            # first second turn at C = 50 ran 2.5x slower than later ones).
+            driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=max(profile.concurrency), turns=2)
             runs: dict[str, Any] = {}
             runs["multi_turn"] = driver.run_concurrent(
                 "multi-turn", workload, tokenizer.count_text, sessions=1, turns=profile.multi_turns, progress=bar.update
@@ -301,7 +303,7 @@ async def inprocess_phase(profile: Profile, model: Path) -> dict[str, Any]:
     total = profile.multi_turns + sum(c * profile.turns for c in profile.concurrency)
     try:
         with tqdm(total=total, desc="in-process", unit="req") as bar:
-            await engine.sessions("warmup", workload, sessions=max(profile.concurrency), turns=1)
+            await engine.sessions("warmup", workload, sessions=max(profile.concurrency), turns=2)
             result["before"] = await engine.before(
                 workload, turns=profile.multi_turns, max_tokens=profile.before_max_tokens, progress=bar.update
             )
