@@ -115,3 +115,6 @@ PROFILES["gpu-quick"] = _quick({})
 PROFILES["gpu-quick-nostream"] = _quick({}, stream=False)
 for _interval in (2, 4, 8):
     PROFILES[f"gpu-quick-si{_interval}"] = _quick({"stream_interval": _interval})
+PROFILES["gpu-quick-low"] = Profile(
+    PROFILES["gpu"].engine_overrides, concurrency=(1, 5, 10), one_at_a_time=(), multi_turns=2, decode_tokens=64
+)
