@@ -77,7 +77,7 @@ class LiveWorker:
             reconnect_min_delay=mqtt.reconnect_min_delay,
             reconnect_max_delay=mqtt.reconnect_max_delay,
             session_expiry=mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions()),
+            subscriptions=tuple(topics.subscriptions(mqtt.share_group)),
             status_topic=topics.status(self.config.effective_worker_id),
             receive_maximum=self.config.limits.max_pending_requests,
             tls_ca_file=mqtt.tls_ca_file,

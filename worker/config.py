@@ -66,6 +66,13 @@ class MqttConfig(Section):
         "and the visible devices, so two workers on one host never share a client id.",
         flag="--worker-id",
     )
+    share_group: str | None = opt(
+        None,
+        "MQTT shared-subscription group: workers with the same group share the request and "
+        "control topics ($share/<group>/...), each request going to one of them. Default: none, "
+        "this worker receives every request.",
+        flag="--share-group",
+    )
     keepalive: int = opt(
         30,
         "Keepalive interval in seconds; the broker publishes the Will after 1.5 times this without "
@@ -95,9 +102,9 @@ class MqttConfig(Section):
             raise ValueError(f"each level must match {TOPIC_PART.pattern}, got {value!r}")
         return value
 
-    @field_validator("worker_id")
+    @field_validator("worker_id", "share_group")
     @classmethod
-    def _check_worker_id(cls, value: str | None) -> str | None:
+    def _check_topic_level(cls, value: str | None) -> str | None:
         if value is not None and not TOPIC_PART.match(value):
             raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
         return value

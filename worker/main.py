@@ -132,7 +132,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             reconnect_min_delay=config.mqtt.reconnect_min_delay,
             reconnect_max_delay=config.mqtt.reconnect_max_delay,
             session_expiry=config.mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions()),
+            subscriptions=tuple(topics.subscriptions(config.mqtt.share_group)),
             status_topic=topics.status(worker_id),
             receive_maximum=config.limits.max_pending_requests,
             tls_ca_file=config.mqtt.tls_ca_file,
@@ -155,7 +155,8 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             ),
         )
     transport.start()
-    logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
+    subscriptions = ", ".join(topics.subscriptions(config.mqtt.share_group))
+    logger.info("Listening on {} via {}:{}", subscriptions, config.mqtt.host, config.mqtt.port)
 
     async def announce_ready() -> None:
         await transport.wait_subscribed()  # a request published from now on is delivered
