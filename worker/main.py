@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Sequence
@@ -100,7 +101,13 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     except OSError as exc:
         logger.error("Cannot serve metrics on {}:{}: {}", config.stats.metrics_host, config.stats.metrics_port, exc)
         return 2
-    store = open_store(config.history)  # before the model load: a bad state_dir fails fast
+    try:  # before the model load: a bad state_dir or an unreachable Redis fails fast
+        store = open_store(config.history, config.redis, config.mqtt.topic_prefix)
+    except Exception as exc:
+        if config.history.store != "redis":
+            raise
+        logger.error("Cannot use the Redis store: {}", exc)
+        return 2
 
     route_library_logging()
     assert config.engine.model is not None
@@ -142,7 +149,28 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         ),
         loop,
     )
-    service = Service(config, engine, renderer, transport, request_stop, store)
+    intake = None
+    if config.history.store == "redis":
+        from .intake import Intake
+        from .redisstore import RedisStreams
+
+        streams = RedisStreams(
+            config.redis.url,
+            config.mqtt.topic_prefix,
+            f"{worker_id}.{secrets.token_hex(4)}",  # one instance per start: a restart is a new one
+            worker_lease=config.redis.worker_lease,
+            owner_lease=config.redis.owner_lease,
+        )
+        intake = Intake(
+            streams,
+            transport,
+            topics,
+            worker_lease=config.redis.worker_lease,
+            route_to_owner=config.redis.route_to_owner,
+            stop_requested=request_stop,
+        )
+        await intake.start()
+    service = Service(config, engine, renderer, intake or transport, request_stop, store)
     if metrics is not None:
         info = engine.info
         metrics.attach(
@@ -180,12 +208,16 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         await stop.wait()
         logger.info("Stopping")
         notifier.stopping("Stopping: finishing running generations")
+        if intake is not None:
+            intake.stop_routing()
         await service.drain(config.limits.drain_timeout)
         if config.stats.interval > 0:
             service.publish_stats()
     finally:
         for task in tasks:
             task.cancel()
+        if intake is not None:
+            await intake.close()
         await transport.close()
         store.close()  # after the drain: every stored turn is committed
         await engine.shutdown()

@@ -328,7 +328,10 @@ class Service:
                     payload = self._error_payload(address, key, exc)
                     self.sessions.save(name, history, key, None)  # an error is not a stored answer
                 else:
-                    self.sessions.save(name, history, key, payload)
+                    first = self.sessions.save(name, history, key, payload)
+                    if first is not None:  # a worker taken for dead answered it too, first
+                        logger.warning("Request {} of {} was answered by another worker first", key, address)
+                        payload = first
                 stored = True
             await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
         except asyncio.CancelledError:

@@ -44,6 +44,8 @@ class InboundMessage:
     # Which broker session delivered it (see MqttTransport._session): packet ids are only
     # meaningful within one.
     session: int = 0
+    # The Redis stream entry it was read from (intake.py): acknowledged there, not to the broker.
+    entry: str | None = None
 
 
 @dataclass(frozen=True)
