@@ -130,6 +130,10 @@ class Intake:
         self._acks: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._router: asyncio.Task[None] | None = None
+        # How many more messages the service takes now (set by the caller: its free pending
+        # slots). Entries beyond it wait in this worker's stream, as they would in the broker
+        # behind Receive Maximum, instead of being refused busy.
+        self.room: Callable[[], int] = lambda: READ_BATCH
 
     async def start(self) -> None:
         await self.streams.register()
@@ -200,8 +204,12 @@ class Intake:
 
     async def _consume_forever(self) -> None:
         while True:
+            room = min(READ_BATCH, self.room() - self.inbox.qsize())
+            if room <= 0:
+                await asyncio.sleep(0.05)
+                continue
             try:
-                entries = await self.streams.read(READ_BATCH, READ_BLOCK_MS)
+                entries = await self.streams.read(room, READ_BLOCK_MS)
             except Exception as exc:
                 logger.warning("Intake: cannot read the stream ({}); retrying", exc)
                 await asyncio.sleep(RETRY_DELAY)

@@ -169,8 +169,16 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             route_to_owner=config.redis.route_to_owner,
             stop_requested=request_stop,
         )
-        await intake.start()
     service = Service(config, engine, renderer, intake or transport, request_stop, store)
+    if intake is not None:
+        intake.room = lambda: config.limits.max_pending_requests - service.pending
+        try:
+            await intake.start()  # before the broker connection: requests are routed from the first
+        except Exception as exc:
+            logger.error("Cannot join the group in Redis: {}", exc)
+            store.close()
+            await engine.shutdown()
+            return 2
     if metrics is not None:
         info = engine.info
         metrics.attach(

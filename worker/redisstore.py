@@ -69,9 +69,11 @@ return #keys
 
 # KEYS: owner key of the session. ARGV: prefix, this instance, owner lease ms, then the
 # entry's fields. The session's owner (following moved: links of dead instances), or this
-# instance when it has none; the entry goes to the end of the owner's stream.
+# instance when it has none; the entry goes to the end of the owner's stream. An instance
+# that was taken over claims nothing (its stream is gone: the entry would be read by no one).
 _ROUTE = """
 local prefix = ARGV[1]
+local instances = prefix .. 'instances'
 local owner = redis.call('GET', KEYS[1])
 local hops = 0
 while owner do
@@ -81,7 +83,13 @@ while owner do
   hops = hops + 1
   if hops > 32 then owner = false end
 end
-if not owner then owner = ARGV[2] end
+if owner and redis.call('SISMEMBER', instances, owner) == 0 then owner = false end
+if not owner then
+  if redis.call('SISMEMBER', instances, ARGV[2]) == 0 then
+    return redis.error_reply('FENCED this worker instance was taken over')
+  end
+  owner = ARGV[2]
+end
 redis.call('SET', KEYS[1], owner, 'PX', ARGV[3])
 local id = redis.call('XADD', prefix .. 'stream:' .. owner, '*', unpack(ARGV, 4))
 return {owner, id}
