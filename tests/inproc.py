@@ -153,7 +153,7 @@ class LiveWorker:
         async def stop() -> None:
             self._consumer.cancel()
             if self.intake is not None:
-                self.intake.stop_routing()
+                self.transport.unsubscribe()
             await self.service.drain(1)
             if self.intake is not None:
                 await self.intake.close()

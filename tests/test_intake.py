@@ -1,6 +1,6 @@
 """The Redis intake of a share group (issue 7, point 2) with in-process workers (the fake
 engine) on the real mosquitto and redis-server: a session's turns, handed round robin to both
-workers by the broker, all run on its owner, in order, each with the turns before it; a Redis
+workers by the broker, all run on its owner, one at a time, each with the turns before it; a Redis
 that goes away holds requests unacknowledged in the broker, and they are answered once it is
 back."""
 
@@ -10,7 +10,6 @@ import collections
 import itertools
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
 from inproc import LiveWorker
@@ -49,25 +48,29 @@ def prompts_by_session(worker: LiveWorker) -> dict[str, list[int]]:
     return out
 
 
-def test_a_sessions_turns_run_on_its_owner_in_order(
+def test_a_sessions_turns_run_on_its_owner_one_at_a_time(
     broker: Mosquitto, redis_server: RedisServer, frontend: Client, prefix: str
 ) -> None:
+    """Turns sent all at once, handed round robin to both members: each session's turns run
+    on one worker, one after the other, each with every turn before it in its prompt. (Their
+    order is the order the members routed them, which two messages published back to back
+    and handed to two members do not fix: docs/scaling.md.)"""
     workers = [member(broker.port, prefix, f"{prefix}-{n}", redis_server.url) for n in range(2)]
     try:
         sessions, turns = ["ann/one", "bob/two", "cy/three"], 4
-        for turn in range(turns):  # all at once: no turn waits for the one before
+        for turn in range(turns):  # no turn waits for the one before
             for session in sessions:
                 request = {"message": f"turn {turn} of {session}", "maxTokens": 5, "requestId": f"t{turn}"}
                 frontend.publish(f"{prefix}/{session}/request", request)
-        replies: dict[str, list[dict[str, Any]]] = collections.defaultdict(list)
+        replies: dict[str, list[str]] = collections.defaultdict(list)
         for _ in range(turns * len(sessions)):
             reply = frontend.wait_for(lambda m: m.topic.endswith("/reply")).json()
             assert "error" not in reply, reply
-            replies[reply["sessionId"]].append(reply)
+            replies[reply["sessionId"]].append(reply["requestId"])
         with pytest.raises(TimeoutError):  # nothing answered twice
             frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
         for session in sessions:
-            assert [r["requestId"] for r in replies[session.split("/")[1]]] == [f"t{t}" for t in range(turns)]
+            assert sorted(replies[session.split("/")[1]]) == [f"t{t}" for t in range(turns)]
         # The broker handed requests to both (each acknowledged what it received, once in
         # Redis) ...
         assert all(w.call(lambda w=w: len(w.transport.acked)) > 0 for w in workers)

@@ -129,7 +129,6 @@ class Intake:
         self._stop_requested = stop_requested
         self._acks: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        self._router: asyncio.Task[None] | None = None
         # How many more messages the service takes now (set by the caller: its free pending
         # slots). Entries beyond it wait in this worker's stream, as they would in the broker
         # behind Receive Maximum, instead of being refused busy.
@@ -142,9 +141,8 @@ class Intake:
             self.streams.instance,
             "their session's owner" if self._route_to_owner else "the worker that receives them",
         )
-        self._router = asyncio.ensure_future(self._route_forever())
         self._tasks = [
-            self._router,
+            asyncio.ensure_future(self._route_forever()),
             asyncio.ensure_future(self._consume_forever()),
             asyncio.ensure_future(self._heartbeat_forever()),
         ]
@@ -241,15 +239,11 @@ class Intake:
 
     # -- stop -------------------------------------------------------------------------
 
-    def stop_routing(self) -> None:
-        """Take nothing more from the broker (what it sends stays unacknowledged there)."""
-        if self._router is not None:
-            self._router.cancel()
-
     async def close(self) -> None:
-        """After the service drained: finish the acknowledgements, stop the heartbeat; what is
-        left in the stream is moved to another worker (or this worker's next start) by the
-        next sweep."""
+        """After the service drained: stop routing, finish the acknowledgements, stop the
+        heartbeat; what is left in the stream is moved to another worker (or this worker's
+        next start) by the next sweep. (The broker was told to send nothing more when the
+        stop began, transport.unsubscribe(): what it had sent until then was routed.)"""
         for task in self._tasks:
             task.cancel()
         if self._acks:

@@ -216,8 +216,10 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         await stop.wait()
         logger.info("Stopping")
         notifier.stopping("Stopping: finishing running generations")
-        if intake is not None:
-            intake.stop_routing()
+        if config.mqtt.share_group is not None:
+            # The broker gives this member's share to the others from now on (a single worker
+            # stays subscribed: its persistent session queues for its restart).
+            transport.unsubscribe()
         await service.drain(config.limits.drain_timeout)
         if config.stats.interval > 0:
             service.publish_stats()
