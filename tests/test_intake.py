@@ -8,22 +8,27 @@ from __future__ import annotations
 
 import collections
 import itertools
+import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from inproc import LiveWorker
 from support import Client, Mosquitto, RedisServer
 
+from worker.history import SessionHistory, Turn
+from worker.redisstore import RedisStore, RedisStreams
+
 _groups = itertools.count()
 
 
-def member(port: int, prefix: str, name: str, redis_url: str) -> LiveWorker:
+def member(port: int, prefix: str, name: str, redis_url: str, **redis: Any) -> LiveWorker:
     return LiveWorker(
         port,
         mqtt={"topic_prefix": prefix, "worker_id": name, "share_group": prefix},
         history={"store": "redis"},
-        redis={"url": redis_url},
+        redis={"url": redis_url, **redis},
     )
 
 
@@ -109,3 +114,43 @@ def test_requests_wait_in_the_broker_while_redis_is_away(
     finally:
         worker.close()
         redis.stop()
+
+
+def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
+    broker: Mosquitto, redis_server: RedisServer, frontend: Client, prefix: str
+) -> None:
+    """A worker whose heartbeat lapsed while it generated (frozen, cut off from Redis): another
+    worker took over its stream and answered the request first. When it finishes, its own
+    answer is not stored and the first one is published instead (a client never gets two
+    different answers), and at its next heartbeat it finds it was taken over and stops."""
+    slow = member(broker.port, prefix, f"{prefix}-slow", redis_server.url, worker_lease=1.5)
+    heir = RedisStreams(redis_server.url, prefix, "heir", worker_lease=30, owner_lease=60)
+    try:
+        instance = slow.intake.streams.instance if slow.intake else ""
+        frontend.publish(f"{prefix}/ann/s/request", {"message": "long", "maxTokens": 300, "requestId": "r"})
+        while not slow.engine.started:
+            time.sleep(0.01)
+        # What the heir does once the slow worker's heartbeat has expired: it takes over the
+        # stream (the request moves to the heir) and answers the request.
+        first = b'{"sessionId": "s", "requestId": "r", "reply": "the heir\'s answer"}'
+
+        async def take_over() -> int:
+            await heir.register()
+            await heir._db.delete(f"{prefix}:alive:{instance}")  # as its expiry would
+            return await heir.take_over(instance)
+
+        assert slow.call(take_over()) == 1
+        RedisStore(redis_server.url, prefix, 3600).save(
+            "ann/s", SessionHistory(None, [Turn("r", "long", "x")]), "r", first
+        )
+        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30)
+        assert reply.payload == first
+        with pytest.raises(TimeoutError):
+            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        deadline = time.monotonic() + 10
+        while slow.stop_codes != [1]:
+            assert time.monotonic() < deadline, slow.stop_codes
+            time.sleep(0.05)
+    finally:
+        slow.call(heir.close())  # on the loop it was used on
+        slow.close()
