@@ -220,7 +220,9 @@ class Intake:
                     await self.streams.ack(entry_id)
 
     async def _heartbeat_forever(self) -> None:
+        renewed_before = False
         while True:
+            renewed = False
             try:
                 if not await self.streams.heartbeat():
                     logger.error(
@@ -229,12 +231,18 @@ class Intake:
                     )
                     self._stop_requested(1)
                     return
-                for dead in await self.streams.dead_instances():
-                    moved = await self.streams.take_over(dead)
-                    if moved >= 0:
-                        logger.warning("Intake: took over instance {} (dead): {} open message(s)", dead, moved)
+                renewed = True
+                # Only after two heartbeats in a row: after a Redis outage every member's key
+                # may have expired, and the others need one interval to renew theirs before a
+                # missing key means a dead worker.
+                if renewed_before:
+                    for dead in await self.streams.dead_instances():
+                        moved = await self.streams.take_over(dead)
+                        if moved >= 0:
+                            logger.warning("Intake: took over instance {} (dead): {} open message(s)", dead, moved)
             except Exception as exc:
                 logger.warning("Intake: heartbeat failed ({})", exc)
+            renewed_before = renewed
             await asyncio.sleep(self._heartbeat_interval)
 
     # -- stop -------------------------------------------------------------------------

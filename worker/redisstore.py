@@ -70,7 +70,8 @@ return #keys
 # KEYS: owner key of the session. ARGV: prefix, this instance, owner lease ms, then the
 # entry's fields. The session's owner (following moved: links of dead instances), or this
 # instance when it has none; the entry goes to the end of the owner's stream. An instance
-# that was taken over claims nothing (its stream is gone: the entry would be read by no one).
+# that was taken over claims nothing (its stream is gone: the entry would be read by no one):
+# it gives the session to a live member.
 _ROUTE = """
 local prefix = ARGV[1]
 local instances = prefix .. 'instances'
@@ -85,10 +86,12 @@ while owner do
 end
 if owner and redis.call('SISMEMBER', instances, owner) == 0 then owner = false end
 if not owner then
-  if redis.call('SISMEMBER', instances, ARGV[2]) == 0 then
-    return redis.error_reply('FENCED this worker instance was taken over')
+  if redis.call('SISMEMBER', instances, ARGV[2]) == 1 then
+    owner = ARGV[2]
+  else
+    owner = redis.call('SRANDMEMBER', instances)
+    if not owner then return redis.error_reply('NOMEMBER no live worker instance') end
   end
-  owner = ARGV[2]
 end
 redis.call('SET', KEYS[1], owner, 'PX', ARGV[3])
 local id = redis.call('XADD', prefix .. 'stream:' .. owner, '*', unpack(ARGV, 4))
