@@ -48,8 +48,12 @@ def generate_load(
     client.max_inflight_messages_set(0)  # paho's default of 20 would pace the sends, not the rate
     streamed = [0]
 
+    errors: list[str] = []
+
     def on_message(client: Any, userdata: Any, message: Any) -> None:
         if message.topic.endswith("/reply"):
+            if b'"error":' in message.payload:  # an answer, but not a generated one
+                errors.append(message.payload.decode()[:300])
             received.append((time.perf_counter(), message.topic))
         else:
             streamed[0] += 1
@@ -90,6 +94,8 @@ def generate_load(
         "replies": len(latencies),
         "replies_per_s_in_window": round(replied_in_window / duration, 1),
         "send_cpu_s": round(send_cpu_s, 3),
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
         "stream_messages": streamed[0],
         "latencies_ms": latencies,
     }
@@ -142,6 +148,33 @@ class SysCounters:
         self.client.loop_stop()
 
 
+class RedisServer:
+    """A throwaway redis-server for the workers' shared store, and its command counter."""
+
+    def __init__(self, binary: str, workdir: Path) -> None:
+        from .harness import free_port
+
+        self.port = free_port()
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
+        self.proc = subprocess.Popen([binary, *args, "--dir", str(workdir)], stdout=subprocess.DEVNULL)
+        time.sleep(0.5)
+        if self.proc.poll() is not None:
+            raise RuntimeError(f"redis-server ({binary}) did not start")
+
+    def commands(self) -> int:
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            return int(client.info("stats")["total_commands_processed"])
+        finally:
+            client.close()
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
 def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
     from .harness import Broker
 
@@ -150,9 +183,14 @@ def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, 
     processes = min(args.processes, workers)
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
     hosts: list[subprocess.Popen[str]] = []
-    engine = json.dumps({"reply_tokens": args.reply_tokens, "deltas": args.deltas, "gen_s": args.gen_ms / 1000})
+    options = {"reply_tokens": args.reply_tokens, "deltas": args.deltas, "gen_s": args.gen_ms / 1000}
     result: dict[str, Any] = {"workers": workers, "worker_processes": processes, "steps": []}
     counters = SysCounters(broker.port)
+    redis = RedisServer(args.redis_server, out) if args.redis_server else None
+    if redis is not None:
+        options["redis_url"] = f"redis://127.0.0.1:{redis.port}/0"
+        result["store"] = "redis"
+    engine = json.dumps(options)
     try:
         for p in range(processes):
             first, count = p * workers // processes, (p + 1) * workers // processes - p * workers // processes
@@ -163,11 +201,13 @@ def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, 
             if host.stdout.readline().strip() != "ready":
                 raise RuntimeError("a worker host did not start")
         for rate in args.rates:
-            step = run_step(args, broker, hosts, counters, rate)
+            step = run_step(args, broker, hosts, counters, rate, redis)
             step["workers"] = workers
             result["steps"].append(step)
             print(json.dumps({k: v for k, v in step.items() if k != "latencies_ms"}), flush=True)
             slow = step["p95_ms"] > args.gen_ms + args.saturated_p95_ms
+            if step["error_replies"]:
+                raise RuntimeError(f"error replies: {step['first_error']}")
             if step["replies_per_s_in_window"] < 0.95 * step["send_rate"] or slow:
                 break  # saturated: higher rates only queue more
     finally:
@@ -180,11 +220,18 @@ def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, 
             except subprocess.TimeoutExpired:
                 host.kill()
         broker.stop()
+        if redis is not None:
+            redis.stop()
     return result
 
 
 def run_step(
-    args: argparse.Namespace, broker: Any, hosts: list[subprocess.Popen[str]], counters: SysCounters, rate: float
+    args: argparse.Namespace,
+    broker: Any,
+    hosts: list[subprocess.Popen[str]],
+    counters: SysCounters,
+    rate: float,
+    redis: RedisServer | None,
 ) -> dict[str, Any]:
     import psutil
 
@@ -207,21 +254,34 @@ def run_step(
     # The window: while the generators send (they start within a few ms of each other).
     start = time.perf_counter()
     before = {"broker": cpu_seconds([broker.proc.pid]), "workers": cpu_seconds(worker_pids)}
+    if redis is not None:
+        before |= {"redis": cpu_seconds([redis.proc.pid]), "commands": redis.commands()}
     psutil.cpu_percent()
     time.sleep(args.duration)
     window = time.perf_counter() - start
     machine_cpu = psutil.cpu_percent() / 100 * (os.cpu_count() or 1)
     after = {"broker": cpu_seconds([broker.proc.pid]), "workers": cpu_seconds(worker_pids)}
+    if redis is not None:
+        after |= {"redis": cpu_seconds([redis.proc.pid]), "commands": redis.commands()}
     end = time.perf_counter()
     outputs = [json.loads(load.communicate()[0].splitlines()[-1]) for load in loads]
     load_cpu = sum(o["send_cpu_s"] / o["send_s"] for o in outputs)
     latencies = [lat for o in outputs for lat in o["latencies_ms"]]
     sent = sum(o["sent"] for o in outputs)
+    store: dict[str, Any] = {}
+    if redis is not None:
+        store = {
+            "redis_cpu_cores": round((after["redis"] - before["redis"]) / window, 2),
+            "redis_commands_per_s": round((after["commands"] - before["commands"]) / window),
+        }
     return {
+        **store,
         "rate": rate,
         "sent": sent,
         "send_rate": round(sent / max(o["send_s"] for o in outputs), 1),
         "replies": len(latencies),
+        "error_replies": sum(o["errors"] for o in outputs),
+        "first_error": next((o["first_error"] for o in outputs if o["first_error"]), None),
         "stream_messages_per_reply": round(sum(o["stream_messages"] for o in outputs) / max(len(latencies), 1), 2),
         "replies_per_s_in_window": round(sum(o["replies_per_s_in_window"] for o in outputs), 1),
         "p50_ms": round(percentile(latencies, 50), 1),
@@ -248,8 +308,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
         f"{meta['duration']} s per rate; commit {meta['commit']}.",
         "",
         "| workers | rate sent/s | replies/s | replied | p50 ms | p95 ms | p99 ms | broker PUBLISH in/s | "
-        "out/s | broker CPU | workers CPU | generators CPU | machine CPU |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "out/s | broker CPU | workers CPU | generators CPU | machine CPU | Redis CPU | Redis commands/s |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for result in results:
         for s in result["steps"]:
@@ -268,6 +328,8 @@ def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
                 cpu["workers"],
                 cpu["generators"],
                 cpu["machine"],
+                s.get("redis_cpu_cores", ""),
+                s.get("redis_commands_per_s", ""),
             ]
             lines.append("| " + " | ".join(str(c) for c in cells) + " |")
     lines += ["", "CPU in cores (1.0 = one core busy) over the step; the machine has "]
@@ -299,6 +361,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--deltas", type=int, default=4, help="engine updates per reply")
     parser.add_argument("--gen-ms", type=float, default=0, help="time each reply takes to generate")
     parser.add_argument("--saturated-p95-ms", type=float, default=1000)
+    parser.add_argument("--redis-server", help="the workers share a Redis store and intake (this redis-server)")
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     args = parser.parse_args(argv)
     out: Path = args.out

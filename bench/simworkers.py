@@ -1,6 +1,7 @@
 """Simulated workers for the load test (bench/scale.py): the worker's real Service and
-MqttTransport, each its own MQTT client, client id and status topic, all in one share group, with
-an engine that costs nothing and a one-token-per-word renderer.
+MqttTransport (and with Redis its Intake and RedisStore), each its own MQTT client, client id
+and status topic, all in one share group, with an engine that costs nothing and a
+one-token-per-word renderer.
 
     python -m bench.scale host PORT FIRST COUNT ENGINE_JSON   # how bench/scale.py starts them
 """
@@ -8,6 +9,7 @@ an engine that costs nothing and a one-token-per-word renderer.
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
@@ -66,29 +68,39 @@ class WordRenderer:
     def count_text(self, text: str) -> int:
         return len(text.split())
 
+    async def prepare(self, messages: Sequence[Any]) -> None:
+        pass  # nothing to encode ahead
 
-async def host_workers(port: int, first: int, count: int, engine_args: dict[str, Any]) -> None:
-    """``count`` workers on this process's event loop until SIGTERM; prints ``ready``."""
+
+async def host_workers(port: int, first: int, count: int, options: dict[str, Any]) -> None:
+    """``count`` workers on this process's event loop until SIGTERM; prints ``ready``.
+    ``options``: the ZeroCostEngine's arguments, and ``redis_url`` for the Redis store and
+    intake (each worker its own connections, as worker/main.py sets them up), else an
+    in-memory store each."""
     from worker.config import WorkerConfig
+    from worker.intake import Intake
     from worker.logs import configure_logging
     from worker.service import Service
+    from worker.store import open_store
     from worker.topics import Topics
     from worker.transport import MqttSettings, MqttTransport
 
-    configure_logging("WARNING", json_logs=False)
+    configure_logging(os.environ.get("SIM_LOG_LEVEL", "WARNING"), json_logs=False)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     topics = Topics(PREFIX)
-    shared = tuple(f"$share/{GROUP}/{topic}" for topic in topics.subscriptions())
-    running: list[tuple[Service, MqttTransport, asyncio.Future[None]]] = []
+    shared = tuple(topics.subscriptions(GROUP))
+    redis_url = options.pop("redis_url", None)
+    running: list[tuple[MqttTransport, Intake | None, asyncio.Future[None]]] = []
     for index in range(first, first + count):
         worker_id = f"sim-{index}"
         config = WorkerConfig.model_validate(
             {
                 "engine": {"model": "zero-cost"},
-                "mqtt": {"port": port, "worker_id": worker_id, "session_expiry": 0},
-                "history": {"store": "memory"},
+                "mqtt": {"port": port, "worker_id": worker_id, "session_expiry": 0, "share_group": GROUP},
+                "history": {"store": "redis" if redis_url else "memory"},
+                "redis": {"url": redis_url} if redis_url else {},
                 "limits": {"max_requests_per_user_per_minute": 0},
                 "stats": {"interval": 0},
             }
@@ -108,13 +120,39 @@ async def host_workers(port: int, first: int, count: int, engine_args: dict[str,
             receive_maximum=config.limits.max_pending_requests,
         )
         transport = MqttTransport(settings, loop)
-        service = Service(config, ZeroCostEngine(**engine_args), WordRenderer(), transport, lambda code: stop.set())
+        intake = None
+        if redis_url:
+            from worker.redisstore import RedisStreams
+
+            streams = RedisStreams(
+                redis_url,
+                PREFIX,
+                f"{worker_id}.{index}",
+                worker_lease=config.redis.worker_lease,
+                owner_lease=config.redis.owner_lease,
+            )
+            intake = Intake(
+                streams,
+                transport,
+                topics,
+                worker_lease=config.redis.worker_lease,
+                route_to_owner=True,
+                stop_requested=lambda code: stop.set(),
+            )
+        store = open_store(config.history, config.redis, PREFIX)
+        engine = ZeroCostEngine(**options)
+        service = Service(config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store)
+        if intake is not None:
+            intake.room = lambda service=service, config=config: config.limits.max_pending_requests - service.pending
+            await intake.start()
         transport.start()
         await asyncio.wait_for(transport.wait_connected(), 30)
         await asyncio.wait_for(transport.wait_subscribed(), 30)
-        running.append((service, transport, asyncio.ensure_future(service.consume())))
+        running.append((transport, intake, asyncio.ensure_future(service.consume())))
     print("ready", flush=True)
     await stop.wait()
-    for _, transport, consumer in running:
+    for transport, intake, consumer in running:
         consumer.cancel()
+        if intake is not None:
+            await intake.close()
         await transport.close(2)

@@ -29,7 +29,7 @@ assert all(s.get('tokens_per_s_vs_single') for p in ('dp', 'tp') for s in r[p]['
   .venv/bin/python -m bench.scale --out "$smoke/scale" --workers 4 --processes 2 --rates 50 --duration 2 \
     >"$smoke/scale.out" 2>&1 || { tail -50 "$smoke/scale.out"; exit 1; }
   .venv/bin/python -c "import json, sys; s = json.load(open(sys.argv[1]))['steps'][0]
-assert s['replies'] == s['sent'] == 100, s" "$smoke/scale/scale-w4.json"
+assert s['replies'] == s['sent'] == 100 and s['error_replies'] == 0, s" "$smoke/scale/scale-w4.json"
   echo "scale load test smoke run: ok ($smoke/scale/scale.md)"
 fi
 echo "==> pytest"
