@@ -37,9 +37,9 @@ def test_tensor_parallel_is_one_worker_over_the_gpus(tmp_path: Path) -> None:
     assert flags(single, "--visible-devices") == "0" and "--tensor-parallel-size" not in single
 
 
-@pytest.mark.parametrize("phase", ["single", "tp"])
+@pytest.mark.parametrize("phase", ["single", "tp", "dp"])
 def test_the_worker_accepts_each_phases_flags(phase: str, tmp_path: Path) -> None:
-    """What the phases pass is valid worker configuration (dp needs --share-group: issue 7)."""
+    """What the phases pass is valid worker configuration."""
     for _, args, _ in worker_commands(phase, PROFILES["gpu"], ["--model", "m", *PROFILES["gpu"].worker_args], tmp_path):
         config, _ = load_config(args, environ={})
         assert config.engine.visible_devices == flags(args, "--visible-devices")
