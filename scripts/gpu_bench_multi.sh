@@ -8,8 +8,8 @@
 #   bash scripts/gpu_bench_multi.sh qwen2.5-7b single,dp     # data parallel: two workers, one share group
 #   bash scripts/gpu_bench_multi.sh qwq-32b single,tp        # tensor parallel 2 against one GPU
 # The workers of a share group need a shared store to see each session's whole history
-# (multi.md counts the turns served without it): WORKER_ARGS adds worker flags to every phase,
-# REDIS_SERVER=/path/to/redis-server starts one per phase ({redis_port} in WORKER_ARGS).
+# (multi.md counts the turns served without it): BENCH_WORKER_ARGS adds worker flags to every phase,
+# BENCH_REDIS_SERVER=/path/to/redis-server starts one per phase ({redis_port} in WORKER_ARGS).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 geometry=$1 phases=$2 profile=${3:-gpu}
@@ -20,8 +20,8 @@ out=docs/benchmarks/gpu-2x/$name
 mkdir -p "$out"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee -a "$out/bench.log"
 extra=()
-[ -n "${WORKER_ARGS:-}" ] && extra+=(--worker-args "$WORKER_ARGS")
-[ -n "${REDIS_SERVER:-}" ] && extra+=(--redis-server "$REDIS_SERVER")
+[ -n "${BENCH_WORKER_ARGS:-}" ] && extra+=(--worker-args "$BENCH_WORKER_ARGS")
+[ -n "${BENCH_REDIS_SERVER:-}" ] && extra+=(--redis-server "$BENCH_REDIS_SERVER")
 status=0
 python3 -m bench.multigpu --profile "$profile" --geometry "$geometry" --out "$out" --phases "$phases" \
   --mosquitto /root/mosq/bin/mosquitto "${extra[@]}" 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" || status=$?
