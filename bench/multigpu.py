@@ -119,7 +119,9 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
         runs: dict[int, Any] = {}
         with tqdm(total=total, desc=phase, unit="req") as bar:
             warm = max(profile.multi_concurrency)
-            active.run_concurrent("warmup", workload, tokenizer.count_text, sessions=warm, turns=1)
+            # Two turns, as in the worker phase: a second turn's shapes compile kernels on first
+            # use (at df75700 one GPU's first 50 second turns decoded 3x slower, at C = 100).
+            active.run_concurrent("warmup", workload, tokenizer.count_text, sessions=warm, turns=2)
             for count in profile.multi_concurrency:
                 client_cpu = time.process_time()
                 run = timed(

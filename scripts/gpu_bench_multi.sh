@@ -8,10 +8,11 @@
 #   bash scripts/gpu_bench_multi.sh qwen2.5-7b single,dp     # data parallel: two workers, one share group
 #   bash scripts/gpu_bench_multi.sh qwq-32b single,tp        # tensor parallel 2 against one GPU
 # The workers of a share group need the shared store to see each session's whole history
-# (multi.md counts the turns served without it): REDIS_SERVER=/path/to/redis-server starts one
-# per phase and gives every phase's workers the Redis store and intake (the same store for the
-# single worker, so the comparison is like for like); WORKER_ARGS replaces those worker flags
-# ({redis_port}: the port of that redis-server). The worker needs the redis Python package.
+# (multi.md counts the turns served without it): BENCH_REDIS_SERVER=/path/to/redis-server
+# starts one per phase and gives every phase's workers the Redis store and intake (the same
+# store for the single worker, so the comparison is like for like); BENCH_WORKER_ARGS replaces
+# those worker flags ({redis_port}: the port of that redis-server). The worker needs the redis
+# Python package. (Not WORKER_*: the worker refuses unknown WORKER_ environment variables.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 geometry=$1 phases=$2 profile=${3:-gpu}
@@ -21,12 +22,12 @@ name=$geometry${profile#gpu}
 out=docs/benchmarks/gpu-2x/$name
 mkdir -p "$out"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee -a "$out/bench.log"
-if [ -n "${REDIS_SERVER:-}" ] && [ -z "${WORKER_ARGS:-}" ]; then
-  WORKER_ARGS="--store redis --redis-url redis://127.0.0.1:{redis_port}/0 --mqtt-session-expiry 0"
+if [ -n "${BENCH_REDIS_SERVER:-}" ] && [ -z "${BENCH_WORKER_ARGS:-}" ]; then
+  BENCH_WORKER_ARGS="--store redis --redis-url redis://127.0.0.1:{redis_port}/0 --mqtt-session-expiry 0"
 fi
 extra=()
-[ -n "${WORKER_ARGS:-}" ] && extra+=(--worker-args "$WORKER_ARGS")
-[ -n "${REDIS_SERVER:-}" ] && extra+=(--redis-server "$REDIS_SERVER")
+[ -n "${BENCH_WORKER_ARGS:-}" ] && extra+=(--worker-args "$BENCH_WORKER_ARGS")
+[ -n "${BENCH_REDIS_SERVER:-}" ] && extra+=(--redis-server "$BENCH_REDIS_SERVER")
 status=0
 python3 -m bench.multigpu --profile "$profile" --geometry "$geometry" --out "$out" --phases "$phases" \
   --mosquitto /root/mosq/bin/mosquitto "${extra[@]}" 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" || status=$?
