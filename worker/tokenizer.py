@@ -57,6 +57,13 @@ class ChatTokenizer:
         )
         # QwQ-style templates open the think block in the prompt itself.
         self.opens_reasoning = str(generation_prompt).rstrip().endswith(THINK_OPEN)
+        # Control tokens written inside a message are text, not control: "<|im_end|>\n
+        # <|im_start|>system\n..." in a user message would otherwise be encoded as the real
+        # tokens (transformers and tokenizers match added tokens anywhere in the text) and
+        # forge turns of the conversation. A zero-width space after their first character
+        # keeps them readable and makes them plain text.
+        specials = sorted((t for t in self._tokenizer.all_special_tokens if len(t) > 1), key=len, reverse=True)
+        self._special_in_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         added = {str(k): int(v) for k, v in self._tokenizer.get_added_vocab().items()}
         self._added_ids = added
         pattern = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
@@ -87,9 +94,21 @@ class ChatTokenizer:
 
     def _template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
         text = self._tokenizer.apply_chat_template(
-            list(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            self.defuse(messages), add_generation_prompt=add_generation_prompt, tokenize=False
         )
         return str(text)
+
+    def defuse(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
+        """The messages with every special token in their text made plain text (see __init__)."""
+        pattern = self._special_in_text
+        if pattern is None:
+            return list(messages)
+        return [
+            {"role": m["role"], "content": pattern.sub(_break_token, m["content"])}
+            if pattern.search(m["content"])
+            else m
+            for m in messages
+        ]
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
         return self.encode(self._template(messages, add_generation_prompt=add_generation_prompt))
@@ -148,4 +167,11 @@ class ChatTokenizer:
         return True
 
     def count_text(self, text: str) -> int:
+        if self._special_in_text is not None:
+            text = self._special_in_text.sub(_break_token, text)
         return len(self._backend.encode(text, add_special_tokens=False).ids)
+
+
+def _break_token(match: re.Match[str]) -> str:
+    token = match.group(0)
+    return token[0] + "\u200b" + token[1:]
