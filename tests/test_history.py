@@ -4,6 +4,7 @@ import pytest
 
 from worker.history import (
     HistoryLimits,
+    ReasoningSplitter,
     SessionHistory,
     Turn,
     build_prompt,
@@ -144,3 +145,32 @@ def test_segment_cached_encoding_equals_whole_encoding(tokenizer) -> None:  # ty
             # twice: the second time from the segment cache
             assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
             assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
+
+
+def _split_stream(deltas: list[str], opened: bool) -> tuple[str, str, bool]:
+    splitter = ReasoningSplitter(opened_in_prompt=opened)
+    parts = [p for d in deltas for p in splitter.feed(d)] + splitter.flush()
+    reasoning = "".join(t for r, t in parts if r)
+    answer = "".join(t for r, t in parts if not r)
+    return reasoning, answer, splitter.opened
+
+
+@pytest.mark.parametrize(
+    ("deltas", "opened", "reasoning", "answer", "reasoned"),
+    [
+        (["<thi", "nk>hmm", "</", "think>", "\n\nThe answer"], False, "hmm", "\n\nThe answer", True),
+        (["  <think>a", "b</think>c"], False, "ab", "c", True),
+        (["hmm", " more</th", "ink>x"], True, "hmm more", "x", True),
+        (["still", " thinking</th"], True, "still thinking</th", "", True),
+        (["no <think> here"], False, "", "no <think> here", False),
+        (["<", "b>bold"], False, "", "<b>bold", False),
+    ],
+)
+def test_reasoning_splitter_matches_split_reasoning(
+    deltas: list[str], opened: bool, reasoning: str, answer: str, reasoned: bool
+) -> None:
+    assert _split_stream(deltas, opened) == (reasoning, answer, reasoned)
+    # Char by char too: a tag may be split anywhere.
+    assert _split_stream(list("".join(deltas)), opened) == (reasoning, answer, reasoned)
+    whole_answer, whole_reasoning = split_reasoning("".join(deltas), opened_in_prompt=opened)
+    assert whole_answer == answer.strip() and (whole_reasoning or "") == reasoning.strip()

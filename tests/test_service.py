@@ -360,3 +360,61 @@ def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
             assert 6 <= len(deltas) <= 12
 
     asyncio.run(scenario())
+
+
+def test_reasoning_budget_include_reasoning_and_history() -> None:
+    """A renderer whose prompt opens <think>: the fake engine's words are all reasoning."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"max_reasoning_tokens": 8, "stream_interval_ms": 0})
+        renderer = WordRenderer()
+        renderer.opens_reasoning = True
+        h.service.turns.renderer = renderer
+        h.engine.script = {"closes": ["think", "ing</th", "ink>", "\n\nthe", " answer"]}
+        send = h.transport.deliver
+        send("chat/u/s1/request", {"message": "a", "requestId": "hidden", "maxTokens": 40, "stream": True})
+        send(
+            "chat/u/s1/request",
+            {"message": "b", "requestId": "shown", "maxTokens": 40, "maxReasoningTokens": 5, "includeReasoning": True},
+        )
+        send("chat/u/s1/request", {"message": "c", "requestId": "capped", "maxTokens": 40, "maxReasoningTokens": 99})
+        send("chat/u/s1/request", {"message": "d", "requestId": "closes", "includeReasoning": True, "stream": True})
+        send("chat/u/s1/request", {"message": "e f", "requestId": "next", "maxTokens": 3})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 5)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+
+        hidden = replies["hidden"]
+        assert hidden["finishReason"] == "reasoning_budget" and hidden["reply"] == "" and "reasoning" not in hidden
+        assert hidden["usage"]["reasoningTokens"] == hidden["usage"]["completionTokens"] == 8
+        shown = replies["shown"]
+        assert shown["finishReason"] == "reasoning_budget"
+        assert shown["reasoning"] == "w0 w1 w2 w3 w4" and shown["usage"]["reasoningTokens"] == 5
+        assert replies["capped"]["usage"]["reasoningTokens"] == 8  # the request's 99, capped by the config
+        closes = replies["closes"]
+        assert closes["finishReason"] == "stop" and closes["reply"] == "the answer"
+        assert closes["reasoning"] == "thinking" and closes["usage"]["reasoningTokens"] == 3
+        # The 3-token generation of "next" never closed its think block and hit no budget.
+        assert replies["next"]["finishReason"] == "length" and replies["next"]["usage"]["reasoningTokens"] == 3
+
+        streams: dict[str, list[dict[str, Any]]] = {}
+        for topic, payload in h.transport.published:
+            if topic.endswith("/s1/stream"):
+                streams.setdefault(payload["requestId"], []).append(payload)
+        assert "hidden" not in streams  # reasoning only, not asked for: no delta
+        assert [d["seq"] for d in streams["closes"]] == list(range(len(streams["closes"])))
+        assert "".join(d.get("reasoning", "") for d in streams["closes"]) == "thinking"
+        assert "".join(d["delta"] for d in streams["closes"]).strip() == "the answer"
+        assert all(d["delta"] == "" for d in streams["closes"] if "reasoning" in d)
+
+        # The history holds the answers only: the last prompt is the rendering of the turns
+        # with their replies, none of the reasoning.
+        history = [
+            (m, replies[k]["reply"]) for m, k in zip("abcd", ["hidden", "shown", "capped", "closes"], strict=True)
+        ]
+        messages = [
+            x for m, r in history for x in ({"role": "user", "content": m}, {"role": "assistant", "content": r})
+        ]
+        expected = renderer.render([*messages, {"role": "user", "content": "e f"}], add_generation_prompt=True)
+        assert replies["next"]["usage"]["promptTokens"] == len(expected)
+
+    asyncio.run(scenario())

@@ -173,3 +173,66 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
         reasoning = stripped[len(THINK_OPEN) :] if stripped.startswith(THINK_OPEN) else stripped
         return "", reasoning.strip()
     return text, None
+
+
+def _partial_tag_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of text that is the start of tag (a tag split over deltas)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningSplitter:
+    """Splits a generation's text, delta by delta, into reasoning and answer, as
+    split_reasoning does for the whole text: the model reasons from the start when the prompt
+    opened ``<think>``, or when its output starts with it; until ``</think>``. A tag split over
+    two deltas is held back until it is whole. ``feed`` returns ``(is_reasoning, text)`` parts."""
+
+    def __init__(self, *, opened_in_prompt: bool) -> None:
+        self.state = "reasoning" if opened_in_prompt else "start"  # start: may still open <think>
+        self.opened = opened_in_prompt  # has the model reasoned (a think block was opened)?
+        self._held = ""
+
+    @property
+    def reasoning(self) -> bool:
+        """Still reasoning (or may yet start to)? False once the answer has begun."""
+        return self.state != "answer"
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        held = self._held + text
+        while held:
+            if self.state == "start":
+                stripped = held.lstrip()
+                if stripped.startswith(THINK_OPEN):
+                    self.state, held = "reasoning", stripped[len(THINK_OPEN) :]
+                    self.opened = True
+                elif THINK_OPEN.startswith(stripped):
+                    break  # blanks or a partial "<think>": wait for more
+                else:
+                    self.state = "answer"
+            elif self.state == "reasoning":
+                end = held.find(THINK_CLOSE)
+                if end >= 0:
+                    if end:
+                        out.append((True, held[:end]))
+                    self.state, held = "answer", held[end + len(THINK_CLOSE) :]
+                    continue
+                keep = _partial_tag_suffix(held, THINK_CLOSE)
+                if len(held) > keep:
+                    out.append((True, held[: len(held) - keep]))
+                held = held[len(held) - keep :]
+                break
+            else:
+                out.append((False, held))
+                held = ""
+        self._held = held
+        return out
+
+    def flush(self) -> list[tuple[bool, str]]:
+        """What is still held back, at the end of the generation."""
+        held, self._held = self._held, ""
+        if not held:
+            return []
+        return [(self.state == "reasoning", held)]
