@@ -218,7 +218,7 @@ class GenerationConfig(Section):
     )
     max_reasoning_tokens: int = opt(
         0,
-        "Thinking budget of reasoning models: a generation still inside its <think> block after "
+        "Thinking budget of reasoning models: a generation still inside its think block after "
         "this many tokens is stopped, with finishReason reasoning_budget. 0: no budget of its own "
         "(maxTokens bounds the reasoning). Also the cap of a request's maxReasoningTokens.",
         flag="--max-reasoning-tokens",
