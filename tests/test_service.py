@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -51,6 +51,7 @@ class FakeEngine:
         self.started: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
+        self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
@@ -61,6 +62,8 @@ class FakeEngine:
         for text, deltas in self.script.items():
             if text in request.request_id:
                 for i, delta in enumerate(deltas):
+                    if self.before_step:
+                        self.before_step(text, i)
                     done = i + 1 == len(deltas)
                     yield GenerationUpdate(
                         delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None
@@ -416,5 +419,50 @@ def test_reasoning_budget_include_reasoning_and_history() -> None:
         ]
         expected = renderer.render([*messages, {"role": "user", "content": "e f"}], add_generation_prompt=True)
         assert replies["next"]["usage"]["promptTokens"] == len(expected)
+
+    asyncio.run(scenario())
+
+
+def test_stream_of_a_model_that_does_not_think_is_not_held_back() -> None:
+    """The reasoning split never delays an answer: each delta is published before the engine
+    produces the next token, except a possible "<think>" at the start, held only while it
+    could still be one."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": 0})
+        h.engine.script = {
+            "plain": ["Hello", " world", "!"],
+            "blank": ["\n", "\n", "Hi"],
+            "tag": ["<thi", "nk>", "hmm", "</think>", "Yes"],
+            "text": ["<thi", "s is text", "."],
+        }
+
+        def deltas(session: str) -> list[dict[str, Any]]:
+            return [p for t, p in h.transport.published if t.endswith(f"/{session}/stream")]
+
+        published_before: dict[str, list[list[str]]] = {}
+
+        def before_step(session: str, step: int) -> None:
+            published_before.setdefault(session, []).append([d.get("reasoning") or d["delta"] for d in deltas(session)])
+
+        h.engine.before_step = before_step
+        for session in h.engine.script:
+            request = {"message": "x", "requestId": session, "stream": True, "includeReasoning": True}
+            h.transport.deliver(f"chat/u/{session}/request", request)
+        await h.run_until(lambda: all(h.transport.replies(s) for s in h.engine.script))
+        replies = {s: h.transport.replies(s)[0] for s in h.engine.script}
+
+        assert published_before["plain"] == [[], ["Hello"], ["Hello", " world"]]  # the first with the first token
+        assert published_before["blank"] == [[], ["\n"], ["\n", "\n"]]  # blanks are not held either
+        assert replies["plain"]["reply"] == "Hello world!" and "reasoning" not in replies["plain"]
+        assert "reasoningTokens" not in replies["plain"]["usage"]
+        # "<thi" may open a think block: held for one token; "<think>" did.
+        assert published_before["tag"] == [[], [], [], ["hmm"], ["hmm"]]
+        assert [(d["delta"], d.get("reasoning")) for d in deltas("tag")] == [("", "hmm"), ("Yes", None)]
+        assert replies["tag"]["reply"] == "Yes" and replies["tag"]["reasoning"] == "hmm"
+        assert replies["tag"]["usage"]["reasoningTokens"] == 4
+        # "<this" cannot: released whole as soon as that is known.
+        assert published_before["text"] == [[], [], ["<this is text"]]
+        assert replies["text"]["reply"] == "<this is text." and "reasoning" not in replies["text"]
 
     asyncio.run(scenario())

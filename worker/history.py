@@ -184,34 +184,46 @@ def _partial_tag_suffix(text: str, tag: str) -> int:
 
 
 class ReasoningSplitter:
-    """Splits a generation's text, delta by delta, into reasoning and answer, as
-    split_reasoning does for the whole text: the model reasons from the start when the prompt
-    opened ``<think>``, or when its output starts with it; until ``</think>``. A tag split over
-    two deltas is held back until it is whole. ``feed`` returns ``(is_reasoning, text)`` parts."""
+    """Splits a generation's text, delta by delta, into reasoning and answer.
+
+    When the prompt opened ``<think>`` (QwQ-style templates), the generation starts inside the
+    reasoning: everything until ``</think>`` is reasoning. Otherwise the text is answer and goes
+    out as it comes, so a model that does not think streams with no delay; only a possible
+    ``<think>`` at the very start of the output (after leading whitespace) is held back, and
+    only while it could still be that tag: ``"<thi"`` waits for the next delta, ``"<this"`` is
+    released at once. Leading whitespace is never held. A ``</think>`` split over deltas is held
+    until it is whole (it is reasoning either way). ``feed`` returns ``(is_reasoning, text)``
+    parts in order."""
 
     def __init__(self, *, opened_in_prompt: bool) -> None:
-        self.state = "reasoning" if opened_in_prompt else "start"  # start: may still open <think>
+        # start: the output may still open <think>; reasoning: inside the think block; answer.
+        self.state = "reasoning" if opened_in_prompt else "start"
         self.opened = opened_in_prompt  # has the model reasoned (a think block was opened)?
         self._held = ""
 
     @property
     def reasoning(self) -> bool:
-        """Still reasoning (or may yet start to)? False once the answer has begun."""
-        return self.state != "answer"
+        """Inside the think block now."""
+        return self.state == "reasoning"
 
     def feed(self, text: str) -> list[tuple[bool, str]]:
         out: list[tuple[bool, str]] = []
         held = self._held + text
         while held:
             if self.state == "start":
-                stripped = held.lstrip()
-                if stripped.startswith(THINK_OPEN):
-                    self.state, held = "reasoning", stripped[len(THINK_OPEN) :]
+                body = held.lstrip()
+                if len(body) < len(held):
+                    out.append((False, held[: len(held) - len(body)]))  # whitespace: answer now
+                    held = body
+                if not body:
+                    break
+                if body.startswith(THINK_OPEN):
+                    self.state, held = "reasoning", body[len(THINK_OPEN) :]
                     self.opened = True
-                elif THINK_OPEN.startswith(stripped):
-                    break  # blanks or a partial "<think>": wait for more
+                elif THINK_OPEN.startswith(body):
+                    break  # a partial "<think>": wait for the next delta
                 else:
-                    self.state = "answer"
+                    self.state = "answer"  # it cannot open a think block any more
             elif self.state == "reasoning":
                 end = held.find(THINK_CLOSE)
                 if end >= 0:
