@@ -57,8 +57,7 @@ def main() -> int:
     shown: list[str] = []
     bar = tqdm(
         total=len(PHASES_DONE),
-        desc="worker start",
-        bar_format="{desc} |{bar:20}| {n}/{total} [{elapsed}] {postfix}",
+        bar_format="worker start |{bar:20}| {n}/{total} [{elapsed}] {desc}",
         disable=not interactive,
     )
     with bar:
@@ -71,7 +70,7 @@ def main() -> int:
                     for line in lines[len(shown) :]:
                         print(f"    {line}", flush=True)
                 shown = lines
-                bar.set_postfix_str(lines[-1][:70], refresh=False)
+                bar.set_description_str(lines[-1][:70], refresh=False)
             bar.update(done - bar.n)
             if done == len(PHASES_DONE):
                 return 0

@@ -4,6 +4,7 @@ behind a real mosquitto. One worker for the module (an engine start costs ~50 s)
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,6 +13,7 @@ from typing import Any
 import pytest
 from conftest import engine_args
 from support import Client, Mosquitto, WorkerProcess
+from test_chat import PROMPT, Chat, run_chat
 
 pytestmark = pytest.mark.e2e
 
@@ -147,3 +149,32 @@ def test_the_history_keeps_no_reasoning(thinking_worker: WorkerProcess, client: 
     ]
     assert second["usage"]["promptTokens"] == len(renderer.render(history, add_generation_prompt=True))
     assert "reasoning" not in first and "reasoning" in second
+
+
+def test_the_chat_client_shows_that_the_model_thinks(thinking_worker: WorkerProcess, broker: Mosquitto) -> None:
+    """The chat client always asks for the reasoning (its deltas keep --timeout from expiring
+    while the model thinks) and shows it only when told to."""
+    session = "s-" + uuid.uuid4().hex[:12]
+    one_shot = run_chat(
+        broker.port, "--session", session, "--message", "Think.", "--temperature", "0", "--show-reasoning"
+    )
+    # No answer before the budget ran out: exit 1, an empty stdout, the reasoning on stderr.
+    assert one_shot.returncode == 1 and one_shot.stdout == "\n", one_shot.stderr
+    assert "[reasoning]\n" in one_shot.stderr and "[answer]" in one_shot.stderr
+    spent = re.search(r"the thinking budget ran out after (\d+) tokens", one_shot.stderr)
+    assert spent and CONFIG_BUDGET <= int(spent[1]) <= CONFIG_BUDGET + STEP_SLACK, one_shot.stderr
+
+    chat = Chat(broker.port, "--session", "t-" + uuid.uuid4().hex[:12], "--temperature", "0")
+    try:
+        chat.send("Think.")
+        chat.child.expect_exact("(thinking; /reasoning shows it)")  # hidden, but said
+        chat.expect(r"\[the thinking budget ran out after \d+ tokens, before an answer")
+        chat.child.expect_exact(PROMPT)
+        chat.send("/reasoning on")
+        chat.child.expect_exact("[a reasoning model's thinking: shown]")
+        chat.send("Again.")
+        chat.child.expect_exact("(thinking) ")  # then the reasoning itself, as it streams
+        chat.expect(r"\[the thinking budget ran out after \d+ tokens, before an answer")
+        assert chat.quit() == 0
+    finally:
+        chat.kill()
