@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from .common import REPO, Record, current_commit, load, make_workload, run_metadata, save, summarize
 from .profiles import PROFILES, Profile
+from .startbar import StartBar
 
 # A typical structured-output schema: a few fields, no length bounds. Bounds are costly in
 # xgrammar: a {"minLength": 400} string (which this bench used first, to make every reply run
@@ -104,13 +105,18 @@ class WorkerRun:
         # One user (bench) sends everything: the per-user rate limit is off.
         limit_off = ["--max-requests-per-user-per-minute", "0"]
         cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", "bench", *limit_off, *args]
+        progress = StartBar(log, offset=self.log.tell())  # the log holds earlier starts too
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
-        while not online:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}; see {log}")
-            if time.perf_counter() - started > 900:
-                raise RuntimeError(f"worker not online after 900 s; see {log}")
-            time.sleep(0.1)
+        try:
+            while not online:
+                progress.poll()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.proc.returncode}; see {log}")
+                if time.perf_counter() - started > 900:
+                    raise RuntimeError(f"worker not online after 900 s; see {log}")
+                time.sleep(0.1)
+        finally:
+            progress.close()
         self.start_to_ready_s = round(online[0] - started, 1)
         watcher.disconnect()
         watcher.loop_stop()

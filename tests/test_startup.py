@@ -76,3 +76,35 @@ def test_a_quick_phase_has_no_heartbeat(log_lines: list[str]) -> None:
     with start_phase(Notifier(None), "Importing vLLM", "Imported", every=3600):
         pass
     assert log_lines[0] == "Importing vLLM" and log_lines[1].startswith("Imported in ") and len(log_lines) == 2
+
+
+def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The demos' and the benchmark's bar (bench/startbar.py), from the lines startup.py logs."""
+    from bench.startbar import StartBar
+
+    def line(text: str) -> str:
+        return f"2026-01-01 00:00:00.000 | INFO    | {text}\n"
+
+    log = tmp_path / "worker.log"
+    earlier = "".join(line(f"worker.{t}") for t in ("startup: Imported in 1.0 s", "main: Serving m as w via h:1 (x)"))
+    log.write_text(earlier)  # a finished start from before: not this one's
+    bar = StartBar(log, offset=log.stat().st_size, interactive=False)
+    assert bar.poll() is False
+    with log.open("a") as fh:
+        fh.write(line("worker.startup: Importing vLLM, torch and transformers"))
+        fh.write(line("worker.startup: Imported in 7.5 s") + line("vllm.config: not a start line"))
+        fh.write(line("worker.startup: Tokenizer loaded in 0.3 s") + line("worker.startup: Engine ready in 20.8 s"))
+        fh.write("2026-01-01 00:00:00.000 | INFO    | worker.main: Serv")  # a line being written
+    assert bar.poll() is False and bar.done == 3
+    with log.open("a") as fh:
+        fh.write("ing m as w via h:1 (ready 28.7 s after start)\n")
+    assert bar.poll() is True and bar.done == 4
+    bar.close()
+    printed = capsys.readouterr().out.splitlines()  # without a terminal: the lines, once each
+    assert printed == [
+        "    Importing vLLM, torch and transformers",
+        "    Imported in 7.5 s",
+        "    Tokenizer loaded in 0.3 s",
+        "    Engine ready in 20.8 s",
+        "    Serving m as w via h:1 (ready 28.7 s after start)",
+    ]
