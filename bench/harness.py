@@ -151,6 +151,22 @@ def decode_rate(record: Record) -> float | None:
     return round((record.completion_tokens - 1) / (decoding_ms / 1000), 1) if decoding_ms > 0 else None
 
 
+def profile_worker(worker: WorkerRun, output: Path) -> subprocess.Popen[bytes] | None:
+    """With BENCH_PYSPY=path/to/py-spy (and BENCH_PYSPY_S seconds, default 5): sample the
+    worker process's Python threads while the largest concurrency runs, as collapsed stacks
+    (``--format raw``; ``--gil``: only the thread that holds the GIL, i.e. what the event
+    loop and paho's thread spend it on)."""
+    binary = os.environ.get("BENCH_PYSPY")
+    if not binary:
+        return None
+    seconds = os.environ.get("BENCH_PYSPY_S", "5")
+    cmd = [binary, "record", "--pid", str(worker.proc.pid), "--duration", seconds, "--rate", "250"]
+    cmd += ["--format", "raw", "--threads", "--nonblocking", "--output", str(output)]
+    if os.environ.get("BENCH_PYSPY_GIL"):
+        cmd.append("--gil")
+    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+
+
 def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think_s: float = 0.0) -> dict[str, Any]:
     from worker.tokenizer import ChatTokenizer
 
@@ -174,13 +190,17 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
     rss: list[dict[str, float]] = []
     try:
         with tqdm(total=total, desc="worker", unit="req") as bar:
-            driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=max(profile.concurrency), turns=1)
+            # Two turns: a second turn's prefill shapes JIT-compile kernels too (on the H200 a
+            # first second turn at C = 50 ran 2.5x slower than later ones).
+            driver.run_concurrent("warmup", workload, tokenizer.count_text, sessions=max(profile.concurrency), turns=2)
             runs: dict[str, Any] = {}
             runs["multi_turn"] = driver.run_concurrent(
                 "multi-turn", workload, tokenizer.count_text, sessions=1, turns=profile.multi_turns, progress=bar.update
             )
             runs["concurrency"] = {}
             for count in profile.concurrency:
+                largest = count == max(profile.concurrency)
+                profiler = profile_worker(worker, out / f"pyspy-c{count}.txt") if largest else None
                 runs["concurrency"][count] = timed(
                     lambda count=count: driver.run_concurrent(
                         "worker",
@@ -188,10 +208,13 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
                         tokenizer.count_text,
                         sessions=count,
                         turns=profile.turns,
+                        stream=profile.stream,
                         think_s=think_s,
                         progress=bar.update,
                     )
                 )
+                if profiler is not None:
+                    profiler.wait(60)
                 rss.append(worker.rss_mb())
             runs["one_at_a_time"] = {}
             for count in profile.one_at_a_time:
@@ -286,7 +309,7 @@ async def inprocess_phase(profile: Profile, model: Path) -> dict[str, Any]:
     total = profile.multi_turns + sum(c * profile.turns for c in profile.concurrency)
     try:
         with tqdm(total=total, desc="in-process", unit="req") as bar:
-            await engine.sessions("warmup", workload, sessions=max(profile.concurrency), turns=1)
+            await engine.sessions("warmup", workload, sessions=max(profile.concurrency), turns=2)
             result["before"] = await engine.before(
                 workload, turns=profile.multi_turns, max_tokens=profile.before_max_tokens, progress=bar.update
             )

@@ -21,6 +21,7 @@ class Profile:
     max_tokens: int = 128
     before_max_tokens: int = 512  # the "before" script's maxTokens
     decode_tokens: int = 512
+    stream: bool = True  # the concurrency runs ask for stream deltas (the client's TTFT)
     ablation: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
@@ -100,3 +101,17 @@ PROFILES["gpu-guidance"] = Profile(
 PROFILES["gpu-async"] = Profile(
     {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", "async_scheduling": True}}
 )
+
+
+# Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the
+# concurrency runs only, with vLLM's stream_interval (outputs every N tokens, the first and
+# the last at once) and without stream deltas (what streaming costs the worker).
+def _quick(extra: dict[str, Any], *, stream: bool = True) -> Profile:
+    engine = {**PROFILES["gpu"].engine_overrides, "extra": {"load_format": "dummy", **extra}}
+    return Profile(engine, concurrency=(50, 100), one_at_a_time=(), multi_turns=2, decode_tokens=64, stream=stream)
+
+
+PROFILES["gpu-quick"] = _quick({})
+PROFILES["gpu-quick-nostream"] = _quick({}, stream=False)
+for _interval in (2, 4, 8):
+    PROFILES[f"gpu-quick-si{_interval}"] = _quick({"stream_interval": _interval})

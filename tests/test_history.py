@@ -206,3 +206,37 @@ def test_reasoning_splitter_holds_back_only_a_possible_think_tag() -> None:
     splitter = ReasoningSplitter(opened_in_prompt=False)
     assert splitter.feed("<th") == []
     assert splitter.flush() == [(False, "<th")]  # the generation ended: it was answer
+
+
+def test_prepare_encodes_new_segments_off_the_loop_and_renders_the_same(tokenizer) -> None:  # type: ignore[no-untyped-def]
+    import asyncio
+    import threading
+
+    history = conversation(3)
+    message = "a new question, Ünïcödé 🙂 <think>not a tag</think>"
+    messages = [*history.messages(), {"role": "user", "content": message}]
+    expected = list(
+        tokenizer._tokenizer.encode(
+            tokenizer._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            add_special_tokens=False,
+        )
+    )
+    tokenizer._segments.clear()
+    backend, encoded_on = tokenizer._backend, []
+
+    class Recording:  # which threads the backend encoded on
+        def __getattr__(self, name: str):  # type: ignore[no-untyped-def]
+            def call(*args, **kwargs):  # type: ignore[no-untyped-def]
+                encoded_on.append(threading.current_thread() is threading.main_thread())
+                return getattr(backend, name)(*args, **kwargs)
+
+            return call
+
+    tokenizer._backend = Recording()
+    try:
+        asyncio.run(tokenizer.prepare(messages))
+        assert encoded_on == [False]  # one batch, in a thread
+        assert tokenizer.render(messages, add_generation_prompt=True) == expected
+        assert encoded_on == [False]  # every segment was cached: nothing encoded on the loop
+    finally:
+        tokenizer._backend = backend

@@ -40,6 +40,9 @@ class WordRenderer:
     def count_text(self, text: str) -> int:
         return len(text.split())
 
+    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+        pass
+
 
 class FakeEngine:
     def __init__(self) -> None:

@@ -32,6 +32,10 @@ class PromptRenderer(Protocol):
 
     def count_text(self, text: str) -> int: ...
 
+    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+        """Get ready to render these messages (with a generation prompt) soon: e.g. encode
+        their new text off the event loop. render() must give the same ids either way."""
+
 
 @dataclass
 class Turn:

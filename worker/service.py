@@ -252,6 +252,10 @@ class Service:
         waiting = len(runtime.messages) - (1 if runtime.running or runtime.lock.locked() else 0)
         if len(runtime.messages) > limits.max_queued_per_session:  # one running plus the queue
             raise RequestError(ErrorCode.BUSY, f"{waiting} requests of this session are queued")
+        # A token covers at least one byte of the text (SentencePiece adds one for the space
+        # it prefixes): a message with fewer bytes than the limit is not encoded here at all.
+        if len(request.message.encode()) + 1 <= limits.max_message_tokens:
+            return
         message_tokens = self.renderer.count_text(request.message)
         if message_tokens > limits.max_message_tokens:
             raise RequestError(

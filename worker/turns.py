@@ -216,6 +216,7 @@ class TurnRunner:
         if turn.key in turn.runtime.cancelled:
             return self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled"))
         max_tokens = request.max_tokens or generation.max_tokens
+        await self.renderer.prepare([*history.messages(), {"role": "user", "content": request.message}])
         prompt = build_prompt(
             self.renderer,
             history,
