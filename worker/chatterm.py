@@ -74,6 +74,15 @@ class Pending:
 
 
 REASONING_BUDGET = "reasoning_budget"  # finishReason: the thinking budget ran out
+# Control characters other than newline and tab, shown as U+FFFD: a model's text may hold any
+# of them (the tiny random model's does), and a terminal acts on some: ESC starts sequences
+# that clear the screen, move the cursor or set the window title; CR overwrites the line.
+_CONTROLS = {c: "\ufffd" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def printable(text: str) -> str:
+    """Model text as the terminal may show it."""
+    return text.translate(_CONTROLS)
 
 
 def budget_note(reply: ChatReply) -> str:
@@ -253,7 +262,8 @@ class Terminal:
     def on_delta(self, pending: Pending, answer: str, reasoning: str | None) -> None:
         if reasoning is not None:
             if self.show_reasoning:
-                self.write(("" if pending.thinking else "(thinking) ") + self.dim[0] + reasoning + self.dim[1])
+                start, end = self.dim
+                self.write(("" if pending.thinking else "(thinking) ") + start + printable(reasoning) + end)
             elif not pending.thinking:
                 self.write(f"{self.dim[0]}(thinking; /reasoning shows it){self.dim[1]}")
             pending.thinking = True
@@ -262,7 +272,7 @@ class Terminal:
             self.write("\n" + REPLY)
             pending.thinking = False
         pending.streamed.append(answer)
-        self.write(answer)
+        self.write(printable(answer))
 
     def finish(self, pending: Pending, reply: ChatReply) -> None:
         streamed = "".join(pending.streamed)
@@ -276,12 +286,12 @@ class Terminal:
             if pending.cancelling:
                 self.note("the reply was complete before the cancel reached the worker")
             if not streamed:
-                self.write(reply.reply)
+                self.write(printable(reply.reply))
             elif streamed.strip() != reply.reply.strip():
                 if reply.reply.startswith(streamed):
-                    self.write(reply.reply[len(streamed) :])  # the deltas lost at the end
+                    self.write(printable(reply.reply[len(streamed) :]))  # the deltas lost at the end
                 else:
-                    self.write(f"\n[some streamed text was lost; the whole reply:]\n{reply.reply}")
+                    self.write(f"\n[some streamed text was lost; the whole reply:]\n{printable(reply.reply)}")
             self.write("\n")
             if reply.finish_reason == "truncated":
                 self.note("the reply was cut to fit the broker's maximum packet size")
