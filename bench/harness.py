@@ -115,6 +115,10 @@ class WorkerRun:
                 if time.perf_counter() - started > 900:
                     raise RuntimeError(f"worker not online after 900 s; see {log}")
                 time.sleep(0.1)
+            # "online" comes with the connection, the log's "Serving" with the SUBACK: the bar's end.
+            settle = time.perf_counter() + 5
+            while not progress.poll() and time.perf_counter() < settle:
+                time.sleep(0.05)
         finally:
             progress.close()
         self.start_to_ready_s = round(online[0] - started, 1)
