@@ -60,12 +60,12 @@ def free_port() -> int:
 
 
 class Broker:
-    def __init__(self, binary: str, workdir: Path) -> None:
+    def __init__(self, binary: str, workdir: Path, extra_settings: str = "") -> None:
         self.port = free_port()
         conf = workdir / "mosquitto.conf"
         # set_tcp_nodelay and max_inflight_messages: see "Broker settings" in docs/protocol.md.
         settings = "allow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
-        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}")
+        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}{extra_settings}")
         env = dict(os.environ)
         lib = Path(binary).resolve().parent.parent / "lib"
         if lib.is_dir():  # a carried bundle (the GPU machine): its own libraries
@@ -87,33 +87,56 @@ class Broker:
 
 
 class WorkerRun:
-    """``python -m worker`` in its own process group; start-to-ready measured by its status."""
+    """``python -m worker`` in its own process group; start-to-ready measured by its status.
+    Several start at once (one per GPU) with ``wait=False`` and then ``wait_ready()`` each."""
 
-    def __init__(self, args: list[str], port: int, log: Path) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        port: int,
+        log: Path,
+        *,
+        worker_id: str = "bench",
+        env: dict[str, str] | None = None,
+        wait: bool = True,
+    ) -> None:
         import paho.mqtt.client as mqtt
         from paho.mqtt.enums import CallbackAPIVersion
 
-        online: list[float] = []
-        watcher = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        watcher.on_message = lambda c, u, m: online.append(time.perf_counter()) if m.payload == b"online" else None
+        self._online: list[float] = []
+        self.log_path = log
+        self._watcher = watcher = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        watcher.on_message = lambda c, u, m: m.payload == b"online" and self._online.append(time.perf_counter())
         watcher.connect("127.0.0.1", port)
         watcher.loop_start()
-        watcher.subscribe("chat/_worker/bench/status", qos=1)
+        watcher.subscribe(f"chat/_worker/{worker_id}/status", qos=1)
         time.sleep(0.3)
-        started = time.perf_counter()
+        self._started = time.perf_counter()
         self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
         # One user (bench) sends everything: the per-user rate limit is off.
         limit_off = ["--max-requests-per-user-per-minute", "0"]
-        cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", "bench", *limit_off, *args]
-        progress = StartBar(log, offset=self.log.tell())  # the log holds earlier starts too
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", worker_id, *limit_off, *args]
+        self._log_offset = self.log.tell()  # the log may hold earlier starts
+        self.proc = subprocess.Popen(
+            cmd,
+            cwd=REPO,
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+            env={**os.environ, **(env or {})},
+        )
+        if wait:
+            self.wait_ready()
+
+    def wait_ready(self) -> None:
+        progress = StartBar(self.log_path, offset=self._log_offset)
         try:
-            while not online:
+            while not self._online:
                 progress.poll()
                 if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker exited with {self.proc.returncode}; see {log}")
-                if time.perf_counter() - started > 900:
-                    raise RuntimeError(f"worker not online after 900 s; see {log}")
+                    raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}")
+                if time.perf_counter() - self._started > 900:
+                    raise RuntimeError(f"worker not online after 900 s; see {self.log_path}")
                 time.sleep(0.1)
             # "online" comes with the connection, the log's "Serving" with the SUBACK: the bar's end.
             settle = time.perf_counter() + 5
@@ -121,9 +144,9 @@ class WorkerRun:
                 time.sleep(0.05)
         finally:
             progress.close()
-        self.start_to_ready_s = round(online[0] - started, 1)
-        watcher.disconnect()
-        watcher.loop_stop()
+        self.start_to_ready_s = round(self._online[0] - self._started, 1)
+        self._watcher.disconnect()
+        self._watcher.loop_stop()
 
     def rss_mb(self) -> dict[str, float]:
         import psutil

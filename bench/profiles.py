@@ -23,6 +23,11 @@ class Profile:
     decode_tokens: int = 512
     stream: bool = True  # the concurrency runs ask for stream deltas (the client's TTFT)
     ablation: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # Several GPUs (bench/multigpu.py): the concurrency runs, the GPUs of the data-parallel
+    # workers (one each) and the tensor-parallel size of the one worker spread over them.
+    multi_concurrency: tuple[int, ...] = (1, 10, 50, 100, 200)
+    gpus: tuple[str, ...] = ("0", "1")
+    tensor_parallel_size: int = 2
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -58,6 +63,8 @@ PROFILES: dict[str, Profile] = {
         max_tokens=32,
         before_max_tokens=128,  # 512 x 10 turns would not fit the tiny model's 4096 positions
         decode_tokens=128,
+        multi_concurrency=(1, 4, 8),
+        tensor_parallel_size=1,  # the CPU engine: --visible-devices is set, nothing is split
     ),
     # CI: does every phase run end to end? No timing is asserted.
     "smoke": Profile(
@@ -70,6 +77,8 @@ PROFILES: dict[str, Profile] = {
         max_tokens=16,
         before_max_tokens=64,
         decode_tokens=32,
+        multi_concurrency=(1, 4),
+        tensor_parallel_size=1,
     ),
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.
@@ -115,3 +124,6 @@ PROFILES["gpu-quick"] = _quick({})
 PROFILES["gpu-quick-nostream"] = _quick({}, stream=False)
 for _interval in (2, 4, 8):
     PROFILES[f"gpu-quick-si{_interval}"] = _quick({"stream_interval": _interval})
+PROFILES["gpu-quick-low"] = Profile(
+    PROFILES["gpu"].engine_overrides, concurrency=(1, 5, 10), one_at_a_time=(), multi_turns=2, decode_tokens=64
+)

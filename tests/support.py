@@ -134,6 +134,45 @@ class Mosquitto:
         self.proc.send_signal(signal.SIGCONT)
 
 
+class RedisServer:
+    """Debian's redis-server on a free loopback port, its files in workdir; the test owns its
+    PID. Append-only file on (fsync every second), as docs/scaling.md recommends."""
+
+    def __init__(self, workdir: Path) -> None:
+        self.workdir = workdir
+        self.port = free_port()
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        if not Path(binary).exists():
+            raise RuntimeError("redis-server is not installed (apt-get install -y redis-server)")
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir), "--save", ""]
+        args += ["--appendonly", "yes", "--logfile", str(self.workdir / "redis.log")]
+        self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:
+                    sock.sendall(b"PING\r\n")
+                    if sock.recv(64).startswith(b"+PONG"):
+                        return
+            except OSError:
+                if self.proc.poll() is not None:
+                    raise RuntimeError("redis-server exited at start") from None
+                time.sleep(0.05)
+        raise RuntimeError("redis-server did not start listening")
+
+    def stop(self) -> None:
+        if self.proc and self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
+
+
 @dataclass
 class Received:
     topic: str

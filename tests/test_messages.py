@@ -173,6 +173,7 @@ def test_topics_parse_and_build() -> None:
     assert topics.stream(address) == "chat/alice/s-1.a:b/stream"
     assert topics.parse("chat/alice/s/control")[1] is Inbound.CONTROL
     assert topics.subscriptions() == ["chat/+/+/request", "chat/+/+/control"]
+    assert topics.subscriptions("gpus") == ["$share/gpus/chat/+/+/request", "$share/gpus/chat/+/+/control"]
     assert topics.status("w1") == "chat/_worker/w1/status"
     assert Topics("org/chat").parse("org/chat/u/s/request")[0] == SessionAddress("u", "s")
 

@@ -1,8 +1,9 @@
-"""The session stores: SQLite (the default) and memory, one contract; the in-memory cache
-of live sessions over them."""
+"""The session stores: SQLite (the default), memory and Redis, one contract; the in-memory
+cache of live sessions over them."""
 
 from __future__ import annotations
 
+import itertools
 import sqlite3
 import time
 from collections.abc import Callable
@@ -17,9 +18,20 @@ Factory = Callable[[Path], HistoryStore]
 STORES: dict[str, Factory] = {"sqlite": SqliteStore, "memory": lambda _: MemoryStore()}
 
 
-@pytest.fixture(params=sorted(STORES))
+@pytest.fixture(params=[*sorted(STORES), "redis"])
 def make_store(request: pytest.FixtureRequest) -> Factory:
+    """Each store; Redis's (shared by a group's workers) on the tests' redis-server, under a
+    key prefix of its own per test."""
+    if request.param == "redis":
+        from worker.redisstore import RedisStore
+
+        server = request.getfixturevalue("redis_server")
+        prefix = f"store-test-{next(_prefixes)}"
+        return lambda _: RedisStore(server.url, prefix, session_ttl=3600)
     return STORES[request.param]
+
+
+_prefixes = itertools.count()
 
 
 def two_turns() -> SessionHistory:
@@ -82,8 +94,9 @@ def test_deliveries_are_counted_until_answered(make_store: Factory, tmp_path: Pa
     assert store.count_delivery("u/s", "k") == 1
 
 
-def test_idle_sessions_expire(make_store: Factory, tmp_path: Path) -> None:
-    store = make_store(tmp_path)
+@pytest.mark.parametrize("kind", sorted(STORES))  # Redis expires keys itself: test_redisstore.py
+def test_idle_sessions_expire(kind: str, tmp_path: Path) -> None:
+    store = STORES[kind](tmp_path)
     cache = SessionCache(store, capacity=10)
     cache.save("u/old", two_turns(), "k1", b"{}")
     time.sleep(0.3)

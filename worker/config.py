@@ -66,6 +66,13 @@ class MqttConfig(Section):
         "and the visible devices, so two workers on one host never share a client id.",
         flag="--worker-id",
     )
+    share_group: str | None = opt(
+        None,
+        "MQTT shared-subscription group: workers with the same group share the request and "
+        "control topics ($share/<group>/...), each request going to one of them. Default: none, "
+        "this worker receives every request.",
+        flag="--share-group",
+    )
     keepalive: int = opt(
         30,
         "Keepalive interval in seconds; the broker publishes the Will after 1.5 times this without "
@@ -95,9 +102,9 @@ class MqttConfig(Section):
             raise ValueError(f"each level must match {TOPIC_PART.pattern}, got {value!r}")
         return value
 
-    @field_validator("worker_id")
+    @field_validator("worker_id", "share_group")
     @classmethod
-    def _check_worker_id(cls, value: str | None) -> str | None:
+    def _check_topic_level(cls, value: str | None) -> str | None:
         if value is not None and not TOPIC_PART.match(value):
             raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
         return value
@@ -180,10 +187,12 @@ class HistoryConfig(Section):
         flag="--max-sessions",
         ge=1,
     )
-    store: Literal["sqlite", "memory"] = opt(
+    store: Literal["sqlite", "memory", "redis"] = opt(
         "sqlite",
-        "Where sessions and answers live: sqlite (in state_dir; survives restarts and crashes) or "
-        "memory (lost when the worker stops; for tests and throwaway runs).",
+        "Where sessions and answers live: sqlite (in state_dir; survives restarts and crashes), "
+        "memory (lost when the worker stops; for tests and throwaway runs) or redis (shared by "
+        "the workers of a share group, at redis.url; requests then go through Redis streams, "
+        "see docs/scaling.md).",
         flag="--store",
     )
     state_dir: Path = opt(
@@ -197,6 +206,37 @@ class HistoryConfig(Section):
         "Seconds after its last turn that a session, its answers and request keys are deleted; 0: never.",
         flag="--session-ttl",
         ge=0,
+    )
+
+
+class RedisConfig(Section):
+    url: str = opt(
+        "redis://127.0.0.1:6379/0",
+        "Redis of the shared store (history.store = redis), as redis://[[user]:password@]host:port/db "
+        "or rediss:// for TLS. Hidden in logs: it may carry a password.",
+        flag="--redis-url",
+        secret=True,
+    )
+    worker_lease: float = opt(
+        10.0,
+        "Seconds a worker counts as alive after its last heartbeat (renewed every third of it). "
+        "Once it has passed, another worker takes over the dead one's unanswered requests.",
+        flag="--redis-worker-lease",
+        ge=1,
+    )
+    owner_lease: float = opt(
+        3600.0,
+        "Seconds a session stays with its worker after its last request; then the next request "
+        "goes to whichever worker receives it. Longer than any request waits (request_deadline).",
+        flag="--redis-owner-lease",
+        ge=1,
+    )
+    route_to_owner: bool = opt(
+        True,
+        "Send each request to the worker that owns its session (its turns in order on one worker, "
+        "its prefix cache warm). Off: the receiving worker runs it; for measurement only, as two "
+        "workers may then run turns of one session at once.",
+        flag="--redis-route-to-owner",
     )
 
 
@@ -330,6 +370,7 @@ class WorkerConfig(Section):
     mqtt: MqttConfig = MqttConfig()
     engine: EngineConfig = EngineConfig()
     history: HistoryConfig = HistoryConfig()
+    redis: RedisConfig = RedisConfig()
     generation: GenerationConfig = GenerationConfig()
     limits: LimitsConfig = LimitsConfig()
     stats: StatsConfig = StatsConfig()

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import secrets
 import signal
 import sys
 import time
@@ -104,7 +105,13 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     except OSError as exc:
         logger.error("Cannot serve metrics on {}:{}: {}", config.stats.metrics_host, config.stats.metrics_port, exc)
         return 2
-    store = open_store(config.history)  # before the model load: a bad state_dir fails fast
+    try:  # before the model load: a bad state_dir or an unreachable Redis fails fast
+        store = open_store(config.history, config.redis, config.mqtt.topic_prefix)
+    except Exception as exc:
+        if config.history.store != "redis":
+            raise
+        logger.error("Cannot use the Redis store: {}", exc)
+        return 2
 
     route_library_logging()
     model = config.engine.model
@@ -138,7 +145,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             reconnect_min_delay=config.mqtt.reconnect_min_delay,
             reconnect_max_delay=config.mqtt.reconnect_max_delay,
             session_expiry=config.mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions()),
+            subscriptions=tuple(topics.subscriptions(config.mqtt.share_group)),
             status_topic=topics.status(worker_id),
             receive_maximum=config.limits.max_pending_requests,
             tls_ca_file=config.mqtt.tls_ca_file,
@@ -148,7 +155,36 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         ),
         loop,
     )
-    service = Service(config, engine, renderer, transport, request_stop, store)
+    intake = None
+    if config.history.store == "redis":
+        from .intake import Intake
+        from .redisstore import RedisStreams
+
+        streams = RedisStreams(
+            config.redis.url,
+            config.mqtt.topic_prefix,
+            f"{worker_id}.{secrets.token_hex(4)}",  # one instance per start: a restart is a new one
+            worker_lease=config.redis.worker_lease,
+            owner_lease=config.redis.owner_lease,
+        )
+        intake = Intake(
+            streams,
+            transport,
+            topics,
+            worker_lease=config.redis.worker_lease,
+            route_to_owner=config.redis.route_to_owner,
+            stop_requested=request_stop,
+        )
+    service = Service(config, engine, renderer, intake or transport, request_stop, store)
+    if intake is not None:
+        intake.room = lambda: config.limits.max_pending_requests - service.pending
+        try:
+            await intake.start()  # before the broker connection: requests are routed from the first
+        except Exception as exc:
+            logger.error("Cannot join the group in Redis: {}", exc)
+            store.close()
+            await engine.shutdown()
+            return 2
     if metrics is not None:
         info = engine.info
         metrics.attach(
@@ -161,7 +197,8 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             ),
         )
     transport.start()
-    logger.info("Listening on {} via {}:{}", ", ".join(topics.subscriptions()), config.mqtt.host, config.mqtt.port)
+    subscriptions = ", ".join(topics.subscriptions(config.mqtt.share_group))
+    logger.info("Listening on {} via {}:{}", subscriptions, config.mqtt.host, config.mqtt.port)
 
     async def announce_ready() -> None:
         await transport.wait_subscribed()  # a request published from now on is delivered
@@ -187,12 +224,18 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         await stop.wait()
         logger.info("Stopping")
         notifier.stopping("Stopping: finishing running generations")
+        if config.mqtt.share_group is not None:
+            # The broker gives this member's share to the others from now on (a single worker
+            # stays subscribed: its persistent session queues for its restart).
+            transport.unsubscribe()
         await service.drain(config.limits.drain_timeout)
         if config.stats.interval > 0:
             service.publish_stats()
     finally:
         for task in tasks:
             task.cancel()
+        if intake is not None:
+            await intake.close()
         await transport.close()
         store.close()  # after the drain: every stored turn is committed
         await engine.shutdown()

@@ -37,6 +37,8 @@ from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from .transport import InboundMessage
 from .turns import PendingTurn, Publisher, ReplyTarget, SessionRuntime, TurnRunner
 
+DISPATCH_TRIES = 60
+
 
 class Transport(Publisher, Protocol):
     inbox: asyncio.Queue[InboundMessage]
@@ -68,6 +70,7 @@ class Service:
         self._requests: set[asyncio.Task[None]] = set()  # of _tasks: requests in flight
         self._stop_requested = stop_requested
         self._draining = False
+        self._failures: dict[str, int] = {}  # intake entry -> failed dispatches
         self.turns = TurnRunner(
             engine=engine,
             renderer=renderer,
@@ -97,7 +100,23 @@ class Service:
                 self.dispatch(message)
             except Exception:  # one bad message must not stop the worker
                 logger.exception("unexpected error handling a message on {}", message.topic)
-                self.transport.ack(message)
+                self._after_failure(message)
+            else:
+                if self._failures and message.entry is not None:
+                    self._failures.pop(message.entry, None)
+
+    def _after_failure(self, message: InboundMessage) -> None:
+        """Drop a message that could not be handled (acknowledged, unanswered), unless it came
+        from the Redis intake and has tries left: it is handed in again a second later, so an
+        unreachable store for a while (up to DISPATCH_TRIES s) loses no request."""
+        if message.entry is not None:
+            tries = self._failures.get(message.entry, 0) + 1
+            if tries < DISPATCH_TRIES:
+                self._failures[message.entry] = tries
+                asyncio.get_running_loop().call_later(1.0, self.transport.inbox.put_nowait, message)
+                return
+            self._failures.pop(message.entry, None)
+        self.transport.ack(message)
 
     async def publish_stats_forever(self) -> None:
         interval = self.config.stats.interval
@@ -328,7 +347,10 @@ class Service:
                     payload = self._error_payload(address, key, exc)
                     self.sessions.save(name, history, key, None)  # an error is not a stored answer
                 else:
-                    self.sessions.save(name, history, key, payload)
+                    first = self.sessions.save(name, history, key, payload)
+                    if first is not None:  # a worker taken for dead answered it too, first
+                        logger.warning("Request {} of {} was answered by another worker first", key, address)
+                        payload = first
                 stored = True
             await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
         except asyncio.CancelledError:

@@ -29,7 +29,7 @@ from typing import Protocol
 
 from loguru import logger
 
-from .config import HistoryConfig
+from .config import HistoryConfig, RedisConfig
 from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 
 DATABASE_NAME = "sessions.sqlite3"
@@ -58,19 +58,30 @@ CREATE TABLE IF NOT EXISTS deliveries (
 """
 
 
-def open_store(config: HistoryConfig) -> HistoryStore:
+def open_store(config: HistoryConfig, redis: RedisConfig, prefix: str) -> HistoryStore:
     if config.store == "memory":
         return MemoryStore()
+    if config.store == "redis":
+        from .redisstore import RedisStore  # imports redis, an optional dependency
+
+        logger.info("Sessions are stored in Redis, shared with the worker's group")
+        return RedisStore(redis.url, prefix, config.session_ttl)
     store = SqliteStore(config.state_dir)
     logger.info("Sessions are stored in {}", store.path)
     return store
 
 
 class HistoryStore(Protocol):
+    # Shared by several workers (Redis): another worker may have changed a session since this
+    # one loaded it, so it is loaded again for every request.
+    shared: bool
+
     def load(self, session: str) -> SessionHistory | None: ...
 
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
-        """The session's state and one answer (payload None: the state only), at once."""
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
+        """The session's state and one answer (payload None: the state only), at once. None,
+        or, from a shared store, the answer another worker stored for key first: then nothing
+        was written, and that answer is the one to give."""
 
     def reset(self, session: str) -> None: ...
 
@@ -99,6 +110,8 @@ def _history(state: str, answers: list[tuple[str, bytes | None]]) -> SessionHist
 
 
 class SqliteStore:
+    shared = False
+
     def __init__(self, state_dir: Path) -> None:
         state_dir.mkdir(parents=True, exist_ok=True)
         self.path = state_dir / DATABASE_NAME
@@ -146,7 +159,7 @@ class SqliteStore:
             return None
         return _history(row[0] if row else _state(SessionHistory()), list(reversed(answers)))
 
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         now = time.time()
         with self._transaction():
             self._db.execute(
@@ -165,6 +178,7 @@ class SqliteStore:
                     (session, session, ANSWERED_KEYS_PER_SESSION),
                 )
             self._db.execute("DELETE FROM deliveries WHERE session = ? AND key = ?", (session, key))
+        return None
 
     def reset(self, session: str) -> None:
         with self._transaction():
@@ -234,6 +248,8 @@ class _Transaction:
 class MemoryStore:
     """The same contract in this process's memory: gone when it exits."""
 
+    shared = False
+
     def __init__(self) -> None:
         self._sessions: dict[str, tuple[SessionHistory, float]] = {}
         self._deliveries: dict[tuple[str, str], int] = {}
@@ -242,9 +258,10 @@ class MemoryStore:
         entry = self._sessions.get(session)
         return entry[0] if entry else None
 
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         self._sessions[session] = (history, time.time())
         self._deliveries.pop((session, key), None)
+        return None
 
     def reset(self, session: str) -> None:
         entry = self._sessions.get(session)
@@ -281,7 +298,7 @@ class SessionCache:
 
     def get(self, name: str) -> SessionHistory:
         history = self._sessions.get(name)
-        if history is None:
+        if history is None or self.store.shared:
             history = self._sessions[name] = self.store.load(name) or SessionHistory()
         self._sessions.move_to_end(name)
         self._evict()
@@ -291,16 +308,17 @@ class SessionCache:
         while len(self._sessions) > self.capacity:
             self._sessions.popitem(last=False)
 
-    def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> None:
+    def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         """Store the session as it is now, with the answer to key (one transaction). The
         history object is the one the turn ran on: had the session been dropped from memory
-        meanwhile, loading it again would lose that turn."""
+        meanwhile, loading it again would lose that turn. None, or the answer another worker
+        stored for key first (HistoryStore.save)."""
         self._sessions[name] = history
         self._sessions.move_to_end(name)
         self._evict()  # it may have been dropped meanwhile: putting it back must not exceed capacity
         if payload is not None:
             history.remember_answer(key, payload)
-        self.store.save(name, history, key, payload)
+        return self.store.save(name, history, key, payload)
 
     def reset(self, name: str) -> None:
         self.get(name).reset()

@@ -6,6 +6,10 @@
 <prefix>/<user>/<session>/stream    out, QoS 0
 <prefix>/_worker/<worker_id>/status out, retained
 <prefix>/_worker/<worker_id>/stats  out, retained
+
+Workers of one share group (mqtt.share_group) subscribe to the two inbound filters as MQTT 5
+shared subscriptions, $share/<group>/<prefix>/+/+/request: the broker hands each message to
+one of them. Each keeps its own client id and _worker topics.
 """
 
 from __future__ import annotations
@@ -49,8 +53,11 @@ class SessionAddress:
 class Topics:
     prefix: str = "chat"
 
-    def subscriptions(self) -> list[str]:
-        return [f"{self.prefix}/+/+/{kind.value}" for kind in Inbound]
+    def subscriptions(self, share_group: str | None = None) -> list[str]:
+        """The inbound filters; with a share group, as MQTT 5 shared subscriptions: the broker
+        delivers each message to one subscriber of the group."""
+        share = f"$share/{share_group}/" if share_group else ""
+        return [f"{share}{self.prefix}/+/+/{kind.value}" for kind in Inbound]
 
     def parse(self, topic: str) -> tuple[SessionAddress, Inbound]:
         """Split an inbound topic; raises InvalidTopic when any part is unusable."""

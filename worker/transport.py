@@ -44,6 +44,8 @@ class InboundMessage:
     # Which broker session delivered it (see MqttTransport._session): packet ids are only
     # meaningful within one.
     session: int = 0
+    # The Redis stream entry it was read from (intake.py): acknowledged there, not to the broker.
+    entry: str | None = None
 
 
 @dataclass(frozen=True)
@@ -142,6 +144,7 @@ class MqttTransport:
         # published request delivered to us. Stays set: a resumed session keeps them.
         self._subscribed = asyncio.Event()
         self._subscribe_mid: int | None = None
+        self._unsubscribed = False  # by unsubscribe(): no resubscribing on a reconnect either
         # The broker's Maximum Packet Size from the last CONNACK (None: no limit). paho ignores
         # it, and a larger packet makes the broker disconnect us; paho then reconnects and sends
         # it again, forever. So publish() never hands paho a packet over it.
@@ -192,7 +195,8 @@ class MqttTransport:
             limit = getattr(properties, "MaximumPacketSize", None) if properties is not None else None
             self.max_packet_size = int(limit) if limit else None
             # Subscribing here (not in the loop) makes every reconnect resubscribe at once.
-            _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
+            if not self._unsubscribed:
+                _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
             logger.info(
                 "MQTT connected to {}:{} (session {})",
@@ -370,6 +374,12 @@ class MqttTransport:
             logger.debug("Not acknowledging message {} of a lost broker session", message.mid)
             return
         self._client.ack(message.mid, message.qos)
+
+    def unsubscribe(self) -> None:
+        """Ask the broker to send nothing more (a share group's member that stops: the group's
+        other members get its share; what is already on its way still arrives)."""
+        self._unsubscribed = True
+        self._client.unsubscribe(list(self.settings.subscriptions))
 
     async def close(self, timeout: float = 5.0) -> None:
         """Publish the retained offline status, wait for it, and disconnect."""

@@ -1,0 +1,209 @@
+"""What session affinity is worth: two workers of one share group on the shared Redis store,
+with and without routing each request to its session's owner (issue 7, point 2).
+
+    python -m bench.affinity --out docs/benchmarks/affinity      # CPU engine, tiny model
+
+mosquitto hands a group's requests round robin, so without the owner routing a session's turns
+alternate between the workers, and a turn finds in its worker's prefix cache only what that
+worker computed for the session. Per mode: two worker starts (at once), 2 x SESSIONS conversations
+of TURNS turns, each turn sent when the previous one is answered (the client waits, so turns
+stay in order in both modes); half of them share one system prompt (which every worker then
+has cached), half have their own. Measured from vLLM's own counts: each reply's cachedTokens
+(vLLM's num_cached_tokens) against its promptTokens, turns >= 2, and each worker's
+prefixCacheHitRateTotal (vLLM's prefix-cache counters, from its stats).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import queue
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+
+from .common import REPO, make_workload
+from .harness import Broker, free_port
+
+SESSIONS = 8
+TURNS = 6
+BLOCK = 32
+
+
+class Redis:
+    def __init__(self, workdir: Path) -> None:
+        self.port = free_port()
+        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
+        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
+        self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(0.5)
+
+    def stop(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(10)
+
+
+def start_workers(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> list[subprocess.Popen[bytes]]:
+    procs = []
+    for name in ("a", "b"):
+        args = [
+            *("--model", str(model), "--enforce-eager", "--block-size", str(BLOCK)),
+            *("--gpu-memory-utilization", "0.1", "--max-model-len", "2048", "--max-num-seqs", "16"),
+            *("--mqtt-port", str(port), "--topic-prefix", mode, "--worker-id", f"{mode}-{name}"),
+            *("--share-group", mode, "--mqtt-session-expiry", "0", "--stats-interval", "1"),
+            *("--store", "redis", "--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
+            "--redis-route-to-owner" if mode == "owner" else "--no-redis-route-to-owner",
+            *("--max-requests-per-user-per-minute", "0"),
+        ]
+        log = open(workdir / f"{mode}-{name}.log", "wb")  # noqa: SIM115 - the process owns it
+        cmd = [sys.executable, "-m", "worker", *args]
+        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
+    return procs
+
+
+def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> dict[str, Any]:
+    from worker.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(model))
+    workload = make_workload(tokenizer.count_text, system_tokens=300, user_tokens=(60, 120), max_tokens=32)
+    inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+    client.on_message = lambda c, u, m: inbox.put((m.topic, bytes(m.payload)))
+    client.connect("127.0.0.1", port)
+    client.loop_start()
+    client.subscribe([(f"{mode}/+/+/reply", 1), (f"{mode}/_worker/+/status", 1), (f"{mode}/_worker/+/stats", 1)])
+    procs = start_workers(mode, model, port, redis_port, workdir)
+    stats: dict[str, dict[str, Any]] = {}
+    try:
+        online: set[str] = set()
+        deadline = time.monotonic() + 900
+        while len(online) < 2:
+            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not start"
+            with_timeout = _get(inbox, 1)
+            if with_timeout and with_timeout[0].endswith("/status") and with_timeout[1] == b"online":
+                online.add(with_timeout[0])
+        records: list[dict[str, Any]] = []
+        turn_of = dict.fromkeys(range(2 * SESSIONS), 0)
+        # Sessions 0..SESSIONS-1 share one system prompt (cached on every worker once it has
+        # served any of them); the others have one of their own each.
+        own_prompts = [make_workload(tokenizer.count_text, system_tokens=300, seed=100 + s) for s in range(SESSIONS)]
+
+        def send(session: int) -> None:
+            turn = turn_of[session]
+            request = {"message": workload.user_message(session, turn, tokenizer.count_text), "maxTokens": 32}
+            if turn == 0:
+                shared = session < SESSIONS
+                request["systemPrompt"] = (workload if shared else own_prompts[session - SESSIONS]).system_prompt
+            request["requestId"] = f"s{session}-t{turn}"
+            client.publish(f"{mode}/bench/s{session}/request", json.dumps(request), qos=1)
+
+        for session in range(2 * SESSIONS):
+            send(session)
+        while len(records) < 2 * SESSIONS * TURNS:
+            item = _get(inbox, 300)
+            assert item is not None, "no reply within 300 s"
+            topic, payload = item
+            if topic.endswith("/stats"):
+                stats[topic] = json.loads(payload)
+                continue
+            if not topic.endswith("/reply"):
+                continue
+            reply = json.loads(payload)
+            assert "error" not in reply, reply
+            session = int(reply["sessionId"][1:])
+            records.append({"session": session, "turn": turn_of[session], **reply["usage"]})
+            turn_of[session] += 1
+            if turn_of[session] < TURNS:
+                send(session)
+        time.sleep(2.5)  # two more stats intervals: the counters after the last turn
+        while (item := _get(inbox, 0.1)) is not None:
+            if item[0].endswith("/stats"):
+                stats[item[0]] = json.loads(item[1])
+    finally:
+        for proc in procs:
+            proc.terminate()
+        for proc in procs:
+            proc.wait(120)
+        client.loop_stop()
+        client.disconnect()
+    return summarize(mode, records, stats, workdir)
+
+
+def _get(inbox: queue.Queue[tuple[str, bytes]], timeout: float) -> tuple[str, bytes] | None:
+    try:
+        return inbox.get(timeout=timeout)
+    except queue.Empty:
+        return None
+
+
+def hit_rates(records: list[dict[str, Any]]) -> dict[str, Any]:
+    later = [r for r in records if r["turn"] >= 1]
+    prompt = sum(r["promptTokens"] for r in later)
+    cached = sum(r["cachedTokens"] for r in later)
+    sessions = sorted({r["session"] for r in records})
+    by_session = [sorted((r for r in records if r["session"] == s), key=lambda r: r["turn"]) for s in sessions]
+    reuse = []  # of the previous turn's prompt, in whole blocks: what a warm cache would give
+    for turns in by_session:
+        for previous, current in itertools.pairwise(turns):
+            reusable = previous["promptTokens"] // BLOCK * BLOCK
+            reuse.append(min(1.0, current["cachedTokens"] / reusable) if reusable else 0.0)
+    return {
+        "turn_2_plus_prompt_tokens": prompt,
+        "turn_2_plus_cached_tokens": cached,
+        "turn_2_plus_uncached_tokens": prompt - cached,  # what the engines had to prefill
+        "turn_2_plus_hit_rate": round(cached / prompt, 3) if prompt else None,
+        "previous_prompt_reused": round(sum(reuse) / len(reuse), 3) if reuse else None,
+    }
+
+
+def summarize(mode: str, records: list[dict[str, Any]], stats: dict[str, Any], workdir: Path) -> dict[str, Any]:
+    served = {}
+    for name in ("a", "b"):
+        served[name] = (workdir / f"{mode}-{name}.log").read_text(errors="replace").count("Replied ")
+    return {
+        "mode": mode,
+        "sessions": 2 * SESSIONS,
+        "turns": TURNS,
+        "shared_system_prompt": hit_rates([r for r in records if r["session"] < SESSIONS]),
+        "own_system_prompt": hit_rates([r for r in records if r["session"] >= SESSIONS]),
+        "replies_per_worker": served,
+        "vllm_prefix_cache_hit_rate_total": {
+            topic.split("/")[2]: s.get("prefixCacheHitRateTotal") for topic, s in sorted(stats.items())
+        },
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
+    args = parser.parse_args(argv)
+    args.out.mkdir(parents=True, exist_ok=True)
+    from worker.tinymodel import generate_tiny_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        workdir = Path(tmp)
+        model = generate_tiny_model(workdir / "model")
+        broker, redis = Broker(args.mosquitto, workdir), Redis(workdir)
+        try:
+            results = [run_mode(mode, model, broker.port, redis.port, workdir) for mode in ("owner", "receiver")]
+        finally:
+            broker.stop()
+            redis.stop()
+            for log in workdir.glob("*.log"):
+                shutil.copy(log, args.out / log.name)
+    (args.out / "affinity.json").write_text(json.dumps(results, indent=2) + "\n")
+    print(json.dumps(results, indent=2))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,435 @@
+"""Many workers, one broker: a load test of the MQTT side with an engine that costs nothing.
+
+    python -m bench.scale --out docs/benchmarks/scale --workers 10,50,100 --rates 250,500,1000,2000
+
+N simulated workers (the real Service and MqttTransport, each its own MQTT client, client id and
+status topic, all in one share group: ``$share/<group>/<prefix>/+/+/request``) run in a few
+processes on one real mosquitto; their engine answers at once (``--reply-tokens`` tokens in
+``--deltas`` steps, or over ``--gen-ms``). Load generators open sessions at a fixed rate (open
+loop: each request a new session, sent on schedule whatever the replies do, as 1,000 users
+arriving per second would) and time each reply. Each rate runs ``--duration`` seconds; per
+step: replies received and their latency percentiles, the broker's message rates (its $SYS
+counters), and the CPU the broker, the workers and the generators used (in cores). A worker
+count whose file OUT/scale-w<N>.json exists is skipped (resumable); OUT/scale.md sums up.
+Everything shares this machine's cores: the numbers say where one machine saturates and which
+part saturates first, not what a broker on its own host would do.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Sequence
+from pathlib import Path
+from typing import Any
+
+from .common import REPO, percentile, save
+
+PREFIX = "chat"
+GROUP = "sim"
+
+
+class ZeroCostEngine:
+    """Answers every request at once: ``reply_tokens`` tokens in ``deltas`` updates, spread
+    over ``gen_s`` seconds (0: only yielding to the event loop between updates)."""
+
+    def __init__(self, reply_tokens: int, deltas: int, gen_s: float) -> None:
+        from worker.engine import EngineInfo
+
+        self.info = EngineInfo("zero-cost", "0", "zero-cost", max_model_len=1 << 20, block_size=16, prefix_caching=True)
+        self.reply_tokens, self.deltas, self.gen_s = reply_tokens, max(1, deltas), gen_s
+
+    async def generate(self, request: Any) -> AsyncIterator[Any]:
+        from worker.engine import GenerationUpdate
+
+        total = min(self.reply_tokens, request.sampling.max_tokens)
+        prompt = len(request.prompt_token_ids)
+        done_tokens = 0
+        for step in range(self.deltas):
+            await asyncio.sleep(self.gen_s / self.deltas)
+            count = total * (step + 1) // self.deltas - done_tokens
+            done_tokens += count
+            last = step + 1 == self.deltas
+            yield GenerationUpdate("w " * count, done_tokens, prompt, 0, last, "length" if last else None)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def take_stats(self) -> Any:
+        from worker.engine import EngineStats
+
+        return EngineStats()
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class WordRenderer:
+    """One token per word: the service's bookkeeping without a tokenizer."""
+
+    opens_reasoning = False
+
+    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool) -> list[int]:
+        words = sum(1 + len(m["content"].split()) for m in messages)
+        return [1] * (words + add_generation_prompt)
+
+    def count_text(self, text: str) -> int:
+        return len(text.split())
+
+
+async def host_workers(port: int, first: int, count: int, engine_args: dict[str, Any]) -> None:
+    """``count`` workers on this process's event loop until SIGTERM; prints ``ready``."""
+    from worker.config import WorkerConfig
+    from worker.logs import configure_logging
+    from worker.service import Service
+    from worker.topics import Topics
+    from worker.transport import MqttSettings, MqttTransport
+
+    configure_logging("WARNING", json_logs=False)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    topics = Topics(PREFIX)
+    shared = tuple(f"$share/{GROUP}/{topic}" for topic in topics.subscriptions())
+    running: list[tuple[Service, MqttTransport, asyncio.Future[None]]] = []
+    for index in range(first, first + count):
+        worker_id = f"sim-{index}"
+        config = WorkerConfig.model_validate(
+            {
+                "engine": {"model": "zero-cost"},
+                "mqtt": {"port": port, "worker_id": worker_id, "session_expiry": 0},
+                "history": {"store": "memory"},
+                "limits": {"max_requests_per_user_per_minute": 0},
+                "stats": {"interval": 0},
+            }
+        )
+        settings = MqttSettings(
+            host="127.0.0.1",
+            port=port,
+            client_id=worker_id,
+            username=None,
+            password=None,
+            keepalive=30,
+            reconnect_min_delay=1,
+            reconnect_max_delay=5,
+            session_expiry=0,
+            subscriptions=shared,
+            status_topic=topics.status(worker_id),
+            receive_maximum=config.limits.max_pending_requests,
+        )
+        transport = MqttTransport(settings, loop)
+        service = Service(config, ZeroCostEngine(**engine_args), WordRenderer(), transport, lambda code: stop.set())
+        transport.start()
+        await asyncio.wait_for(transport.wait_connected(), 30)
+        await asyncio.wait_for(transport.wait_subscribed(), 30)
+        running.append((service, transport, asyncio.ensure_future(service.consume())))
+    print("ready", flush=True)
+    await stop.wait()
+    for _, transport, consumer in running:
+        consumer.cancel()
+        await transport.close(2)
+
+
+def generate_load(
+    port: int, user: str, rate: float, duration: float, reply_tokens: int, gen_s: float, grace: float
+) -> dict[str, Any]:
+    """Open loop: one request on a new session every 1/rate s; the reply time of each. Prints
+    ``start`` when it begins sending (the orchestrator's measuring window opens). Replies count
+    as in the window until ``gen_s`` (a reply's generation time) after it closes."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from worker.transport import set_tcp_nodelay
+
+    received: list[tuple[float, str]] = []  # list.append is atomic: paho's thread only appends
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"load-{user}", protocol=mqtt.MQTTv5)
+    client.max_inflight_messages_set(0)  # paho's default of 20 would pace the sends, not the rate
+    streamed = [0]
+
+    def on_message(client: Any, userdata: Any, message: Any) -> None:
+        if message.topic.endswith("/reply"):
+            received.append((time.perf_counter(), message.topic))
+        else:
+            streamed[0] += 1
+
+    client.on_message = on_message
+    client.connect("127.0.0.1", port)
+    set_tcp_nodelay(client)
+    client.loop_start()
+    client.subscribe(f"{PREFIX}/{user}/+/reply", qos=1)
+    client.subscribe(f"{PREFIX}/{user}/+/stream", qos=0)  # as chat frontends do: the broker sends them
+    time.sleep(0.5)
+    total = int(rate * duration)
+    sent: dict[str, float] = {}
+    payload = json.dumps({"message": "hello " * 20, "maxTokens": reply_tokens, "stream": True})
+    print("start", flush=True)
+    cpu_started = time.process_time()
+    started = time.perf_counter()
+    for k in range(total):
+        due = started + k / rate
+        ahead = due - time.perf_counter()
+        if ahead > 0.001:
+            time.sleep(ahead)
+        session = f"s{k}"
+        sent[session] = time.perf_counter()
+        client.publish(f"{PREFIX}/{user}/{session}/request", payload, qos=1)
+    send_s = time.perf_counter() - started
+    send_cpu_s = time.process_time() - cpu_started  # this process, all its threads
+    deadline = time.perf_counter() + grace
+    while len(received) < total and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    client.disconnect()
+    client.loop_stop()
+    latencies = [(at - sent[topic.split("/")[2]]) * 1000 for at, topic in received if topic.split("/")[2] in sent]
+    replied_in_window = sum(1 for at, _ in received if at <= started + duration + gen_s)
+    return {
+        "sent": total,
+        "send_s": round(send_s, 3),
+        "replies": len(latencies),
+        "replies_per_s_in_window": round(replied_in_window / duration, 1),
+        "send_cpu_s": round(send_cpu_s, 3),
+        "stream_messages": streamed[0],
+        "latencies_ms": latencies,
+    }
+
+
+def cpu_seconds(pids: list[int]) -> float:
+    import psutil
+
+    total = 0.0
+    for pid in pids:
+        try:
+            times = psutil.Process(pid).cpu_times()
+            total += times.user + times.system + times.children_user + times.children_system
+        except psutil.NoSuchProcess:
+            pass
+    return total
+
+
+class SysCounters:
+    """The broker's $SYS counters, published every second (sys_interval 1), with the time
+    each update arrived: a rate over a window is the change between the first and the last
+    update inside it, over the time between them."""
+
+    TOPICS = ("publish/messages/received", "publish/messages/sent", "messages/received", "messages/sent")
+
+    def __init__(self, port: int) -> None:
+        import paho.mqtt.client as mqtt
+        from paho.mqtt.enums import CallbackAPIVersion
+
+        self.updates: list[tuple[float, str, int]] = []
+        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        self.client.on_message = lambda c, u, m: self.updates.append(
+            (time.perf_counter(), m.topic[len("$SYS/broker/") :], int(m.payload))
+        )
+        self.client.connect("127.0.0.1", port)
+        self.client.loop_start()
+        for topic in self.TOPICS:
+            self.client.subscribe(f"$SYS/broker/{topic}")
+
+    def rates(self, start: float, end: float) -> dict[str, float | None]:
+        out: dict[str, float | None] = {}
+        for topic in self.TOPICS:
+            inside = [(t, v) for t, name, v in list(self.updates) if name == topic and start <= t <= end]
+            span = inside[-1][0] - inside[0][0] if len(inside) > 1 else 0
+            out[topic] = round((inside[-1][1] - inside[0][1]) / span, 1) if span > 0 else None
+        return out
+
+    def close(self) -> None:
+        self.client.disconnect()
+        self.client.loop_stop()
+
+
+def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
+    from .harness import Broker
+
+    sys_settings = "sys_interval 1\n"
+    broker = Broker(args.mosquitto, out, extra_settings=sys_settings)
+    processes = min(args.processes, workers)
+    env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
+    hosts: list[subprocess.Popen[str]] = []
+    engine = json.dumps({"reply_tokens": args.reply_tokens, "deltas": args.deltas, "gen_s": args.gen_ms / 1000})
+    result: dict[str, Any] = {"workers": workers, "worker_processes": processes, "steps": []}
+    counters = SysCounters(broker.port)
+    try:
+        for p in range(processes):
+            first, count = p * workers // processes, (p + 1) * workers // processes - p * workers // processes
+            cmd = [sys.executable, "-m", "bench.scale", "host", str(broker.port), str(first), str(count), engine]
+            hosts.append(subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, text=True))
+        for host in hosts:
+            assert host.stdout is not None
+            if host.stdout.readline().strip() != "ready":
+                raise RuntimeError("a worker host did not start")
+        for rate in args.rates:
+            step = run_step(args, broker, hosts, counters, rate)
+            step["workers"] = workers
+            result["steps"].append(step)
+            print(json.dumps({k: v for k, v in step.items() if k != "latencies_ms"}), flush=True)
+            slow = step["p95_ms"] > args.gen_ms + args.saturated_p95_ms
+            if step["replies_per_s_in_window"] < 0.95 * step["send_rate"] or slow:
+                break  # saturated: higher rates only queue more
+    finally:
+        counters.close()
+        for host in hosts:
+            host.send_signal(signal.SIGTERM)
+        for host in hosts:
+            try:
+                host.wait(20)
+            except subprocess.TimeoutExpired:
+                host.kill()
+        broker.stop()
+    return result
+
+
+def run_step(
+    args: argparse.Namespace, broker: Any, hosts: list[subprocess.Popen[str]], counters: SysCounters, rate: float
+) -> dict[str, Any]:
+    import psutil
+
+    gens = args.generators
+    cmd = [sys.executable, "-m", "bench.scale", "load", str(broker.port)]
+    worker_pids = [h.pid for h in hosts]
+    loads = [
+        subprocess.Popen(
+            [*cmd, f"u{g}", str(rate / gens), str(args.duration), str(args.reply_tokens), str(args.gen_ms / 1000)],
+            cwd=REPO,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for g in range(gens)
+    ]
+    for load in loads:
+        assert load.stdout is not None
+        if load.stdout.readline().strip() != "start":
+            raise RuntimeError("a load generator did not start")
+    # The window: while the generators send (they start within a few ms of each other).
+    start = time.perf_counter()
+    before = {"broker": cpu_seconds([broker.proc.pid]), "workers": cpu_seconds(worker_pids)}
+    psutil.cpu_percent()
+    time.sleep(args.duration)
+    window = time.perf_counter() - start
+    machine_cpu = psutil.cpu_percent() / 100 * (os.cpu_count() or 1)
+    after = {"broker": cpu_seconds([broker.proc.pid]), "workers": cpu_seconds(worker_pids)}
+    end = time.perf_counter()
+    outputs = [json.loads(load.communicate()[0].splitlines()[-1]) for load in loads]
+    load_cpu = sum(o["send_cpu_s"] / o["send_s"] for o in outputs)
+    latencies = [lat for o in outputs for lat in o["latencies_ms"]]
+    sent = sum(o["sent"] for o in outputs)
+    return {
+        "rate": rate,
+        "sent": sent,
+        "send_rate": round(sent / max(o["send_s"] for o in outputs), 1),
+        "replies": len(latencies),
+        "stream_messages_per_reply": round(sum(o["stream_messages"] for o in outputs) / max(len(latencies), 1), 2),
+        "replies_per_s_in_window": round(sum(o["replies_per_s_in_window"] for o in outputs), 1),
+        "p50_ms": round(percentile(latencies, 50), 1),
+        "p95_ms": round(percentile(latencies, 95), 1),
+        "p99_ms": round(percentile(latencies, 99), 1),
+        "max_ms": round(max(latencies, default=float("nan")), 1),
+        "cpu_cores": {
+            "broker": round((after["broker"] - before["broker"]) / window, 2),
+            "workers": round((after["workers"] - before["workers"]) / window, 2),
+            "generators": round(load_cpu, 2),
+            "machine": round(machine_cpu, 2),
+        },
+        "broker_per_s": counters.rates(start, end),
+        "loadavg_1min": round(os.getloadavg()[0], 2),
+    }
+
+
+def markdown(results: list[dict[str, Any]], meta: dict[str, Any]) -> str:
+    lines = [
+        "# Many workers, one mosquitto (simulation)",
+        "",
+        f"{meta['machine']}; mosquitto {meta['mosquitto']}; zero-cost engine "
+        f"({meta['reply_tokens']} tokens in {meta['deltas']} stream steps, {meta['gen_ms']} ms); "
+        f"{meta['duration']} s per rate; commit {meta['commit']}.",
+        "",
+        "| workers | rate sent/s | replies/s | replied | p50 ms | p95 ms | p99 ms | broker PUBLISH in/s | "
+        "out/s | broker CPU | workers CPU | generators CPU | machine CPU |",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for result in results:
+        for s in result["steps"]:
+            cpu, sysr = s["cpu_cores"], s["broker_per_s"]
+            cells = [
+                s["workers"],
+                s["send_rate"],
+                s["replies_per_s_in_window"],
+                f"{s['replies'] / s['sent']:.3f}",
+                s["p50_ms"],
+                s["p95_ms"],
+                s["p99_ms"],
+                sysr.get("publish/messages/received"),
+                sysr.get("publish/messages/sent"),
+                cpu["broker"],
+                cpu["workers"],
+                cpu["generators"],
+                cpu["machine"],
+            ]
+            lines.append("| " + " | ".join(str(c) for c in cells) + " |")
+    lines += ["", "CPU in cores (1.0 = one core busy) over the step; the machine has "]
+    lines[-1] += f"{os.cpu_count()} cores shared with whatever else ran (load average in the JSON)."
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "host":
+        port, first, count, engine = argv[1:5]
+        asyncio.run(host_workers(int(port), int(first), int(count), json.loads(engine)))
+        return 0
+    if argv and argv[0] == "load":
+        port, user, rate, duration, reply_tokens, gen_s = argv[1:7]
+        result = generate_load(int(port), user, float(rate), float(duration), int(reply_tokens), float(gen_s), grace=10)
+        print(json.dumps(result))
+        return 0
+    import shutil
+
+    parser = argparse.ArgumentParser(prog="python -m bench.scale", description=__doc__.splitlines()[0])
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--workers", default="10,50", help="comma separated worker counts")
+    parser.add_argument("--processes", type=int, default=5, help="processes the workers are spread over")
+    parser.add_argument("--generators", type=int, default=1, help="load generator processes")
+    parser.add_argument("--rates", type=lambda s: [float(r) for r in s.split(",")], default=[250, 500, 1000, 2000])
+    parser.add_argument("--duration", type=float, default=10)
+    parser.add_argument("--reply-tokens", type=int, default=64)
+    parser.add_argument("--deltas", type=int, default=4, help="engine updates per reply")
+    parser.add_argument("--gen-ms", type=float, default=0, help="time each reply takes to generate")
+    parser.add_argument("--saturated-p95-ms", type=float, default=1000)
+    parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
+    args = parser.parse_args(argv)
+    out: Path = args.out
+    out.mkdir(parents=True, exist_ok=True)
+    from .common import current_commit, run_metadata
+
+    version = subprocess.run([args.mosquitto, "-h"], capture_output=True, text=True).stdout.split("\n")[0]
+    meta = {
+        "machine": run_metadata(REPO, {})["machine"],
+        "mosquitto": version.replace("mosquitto version ", ""),
+        "commit": current_commit(),
+        **{k: getattr(args, k) for k in ("reply_tokens", "deltas", "gen_ms", "duration", "processes", "generators")},
+    }
+    results = []
+    for workers in (int(w) for w in args.workers.split(",")):
+        path = out / f"scale-w{workers}.json"
+        if not path.exists():
+            result = run_workers(args, workers, out)
+            save(path, {**result, "meta": meta})
+        results.append(json.loads(path.read_text()))
+    (out / "scale.md").write_text(markdown(results, meta))
+    print((out / "scale.md").read_text())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
