@@ -34,6 +34,7 @@ from tqdm import tqdm
 
 from .common import REPO, Record, current_commit, load, make_workload, run_metadata, save, summarize
 from .profiles import PROFILES, Profile
+from .startbar import StartBar
 
 # A typical structured-output schema: a few fields, no length bounds. Bounds are costly in
 # xgrammar: a {"minLength": 400} string (which this bench used first, to make every reply run
@@ -115,6 +116,7 @@ class WorkerRun:
         # One user (bench) sends everything: the per-user rate limit is off.
         limit_off = ["--max-requests-per-user-per-minute", "0"]
         cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", worker_id, *limit_off, *args]
+        self._log_offset = self.log.tell()  # the log may hold earlier starts
         self.proc = subprocess.Popen(
             cmd,
             cwd=REPO,
@@ -127,12 +129,21 @@ class WorkerRun:
             self.wait_ready()
 
     def wait_ready(self) -> None:
-        while not self._online:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}")
-            if time.perf_counter() - self._started > 900:
-                raise RuntimeError(f"worker not online after 900 s; see {self.log_path}")
-            time.sleep(0.1)
+        progress = StartBar(self.log_path, offset=self._log_offset)
+        try:
+            while not self._online:
+                progress.poll()
+                if self.proc.poll() is not None:
+                    raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}")
+                if time.perf_counter() - self._started > 900:
+                    raise RuntimeError(f"worker not online after 900 s; see {self.log_path}")
+                time.sleep(0.1)
+            # "online" comes with the connection, the log's "Serving" with the SUBACK: the bar's end.
+            settle = time.perf_counter() + 5
+            while not progress.poll() and time.perf_counter() < settle:
+                time.sleep(0.05)
+        finally:
+            progress.close()
         self.start_to_ready_s = round(self._online[0] - self._started, 1)
         self._watcher.disconnect()
         self._watcher.loop_stop()

@@ -30,11 +30,6 @@ cleanup() {
 trap cleanup EXIT
 
 echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
-for _ in $(seq 300); do  # the retained status says when the worker is ready
-  status=$(mosquitto_sub -p "$PORT" -t chat/_worker/demo/status -C 1 -W 1 2>/dev/null || true)
-  [ "$status" = online ] && break
-  kill -0 "$WORKER" 2>/dev/null || { echo "the worker exited:"; tail -40 "$RUN/worker.log"; exit 1; }
-done
-[ "$status" = online ] || { echo "the worker did not come online:"; tail -40 "$RUN/worker.log"; exit 1; }
+.venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
 
 .venv/bin/python -m worker.chat --mqtt-port "$PORT" --show-stats --max-tokens 64 "$@"

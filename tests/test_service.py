@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 import pytest
@@ -54,6 +54,7 @@ class FakeEngine:
         self.started: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
+        self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
@@ -64,6 +65,8 @@ class FakeEngine:
         for text, deltas in self.script.items():
             if text in request.request_id:
                 for i, delta in enumerate(deltas):
+                    if self.before_step:
+                        self.before_step(text, i)
                     done = i + 1 == len(deltas)
                     yield GenerationUpdate(
                         delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None
@@ -361,5 +364,108 @@ def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
             assert len(deltas) == 40  # one per engine step
         else:  # 40 tokens 10 ms apart in 50 ms batches
             assert 6 <= len(deltas) <= 12
+
+    asyncio.run(scenario())
+
+
+def test_reasoning_budget_include_reasoning_and_history() -> None:
+    """A renderer whose prompt opens <think>: the fake engine's words are all reasoning."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"max_reasoning_tokens": 8, "stream_interval_ms": 0})
+        renderer = WordRenderer()
+        renderer.opens_reasoning = True
+        h.service.turns.renderer = renderer
+        h.engine.script = {"closes": ["think", "ing</th", "ink>", "\n\nthe", " answer"]}
+        send = h.transport.deliver
+        send("chat/u/s1/request", {"message": "a", "requestId": "hidden", "maxTokens": 40, "stream": True})
+        send(
+            "chat/u/s1/request",
+            {"message": "b", "requestId": "shown", "maxTokens": 40, "maxReasoningTokens": 5, "includeReasoning": True},
+        )
+        send("chat/u/s1/request", {"message": "c", "requestId": "capped", "maxTokens": 40, "maxReasoningTokens": 99})
+        send("chat/u/s1/request", {"message": "d", "requestId": "closes", "includeReasoning": True, "stream": True})
+        send("chat/u/s1/request", {"message": "e f", "requestId": "next", "maxTokens": 3})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 5)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+
+        hidden = replies["hidden"]
+        assert hidden["finishReason"] == "reasoning_budget" and hidden["reply"] == "" and "reasoning" not in hidden
+        assert hidden["usage"]["reasoningTokens"] == hidden["usage"]["completionTokens"] == 8
+        shown = replies["shown"]
+        assert shown["finishReason"] == "reasoning_budget"
+        assert shown["reasoning"] == "w0 w1 w2 w3 w4" and shown["usage"]["reasoningTokens"] == 5
+        assert replies["capped"]["usage"]["reasoningTokens"] == 8  # the request's 99, capped by the config
+        closes = replies["closes"]
+        assert closes["finishReason"] == "stop" and closes["reply"] == "the answer"
+        assert closes["reasoning"] == "thinking" and closes["usage"]["reasoningTokens"] == 3
+        # The 3-token generation of "next" never closed its think block and hit no budget.
+        assert replies["next"]["finishReason"] == "length" and replies["next"]["usage"]["reasoningTokens"] == 3
+
+        streams: dict[str, list[dict[str, Any]]] = {}
+        for topic, payload in h.transport.published:
+            if topic.endswith("/s1/stream"):
+                streams.setdefault(payload["requestId"], []).append(payload)
+        assert "hidden" not in streams  # reasoning only, not asked for: no delta
+        assert [d["seq"] for d in streams["closes"]] == list(range(len(streams["closes"])))
+        assert "".join(d.get("reasoning", "") for d in streams["closes"]) == "thinking"
+        assert "".join(d["delta"] for d in streams["closes"]).strip() == "the answer"
+        assert all(d["delta"] == "" for d in streams["closes"] if "reasoning" in d)
+
+        # The history holds the answers only: the last prompt is the rendering of the turns
+        # with their replies, none of the reasoning.
+        history = [
+            (m, replies[k]["reply"]) for m, k in zip("abcd", ["hidden", "shown", "capped", "closes"], strict=True)
+        ]
+        messages = [
+            x for m, r in history for x in ({"role": "user", "content": m}, {"role": "assistant", "content": r})
+        ]
+        expected = renderer.render([*messages, {"role": "user", "content": "e f"}], add_generation_prompt=True)
+        assert replies["next"]["usage"]["promptTokens"] == len(expected)
+
+    asyncio.run(scenario())
+
+
+def test_stream_of_a_model_that_does_not_think_is_not_held_back() -> None:
+    """The reasoning split never delays an answer: each delta is published before the engine
+    produces the next token, except a possible "<think>" at the start, held only while it
+    could still be one."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": 0})
+        h.engine.script = {
+            "plain": ["Hello", " world", "!"],
+            "blank": ["\n", "\n", "Hi"],
+            "tag": ["<thi", "nk>", "hmm", "</think>", "Yes"],
+            "text": ["<thi", "s is text", "."],
+        }
+
+        def deltas(session: str) -> list[dict[str, Any]]:
+            return [p for t, p in h.transport.published if t.endswith(f"/{session}/stream")]
+
+        published_before: dict[str, list[list[str]]] = {}
+
+        def before_step(session: str, step: int) -> None:
+            published_before.setdefault(session, []).append([d.get("reasoning") or d["delta"] for d in deltas(session)])
+
+        h.engine.before_step = before_step
+        for session in h.engine.script:
+            request = {"message": "x", "requestId": session, "stream": True, "includeReasoning": True}
+            h.transport.deliver(f"chat/u/{session}/request", request)
+        await h.run_until(lambda: all(h.transport.replies(s) for s in h.engine.script))
+        replies = {s: h.transport.replies(s)[0] for s in h.engine.script}
+
+        assert published_before["plain"] == [[], ["Hello"], ["Hello", " world"]]  # the first with the first token
+        assert published_before["blank"] == [[], ["\n"], ["\n", "\n"]]  # blanks are not held either
+        assert replies["plain"]["reply"] == "Hello world!" and "reasoning" not in replies["plain"]
+        assert "reasoningTokens" not in replies["plain"]["usage"]
+        # "<thi" may open a think block: held for one token; "<think>" did.
+        assert published_before["tag"] == [[], [], [], ["hmm"], ["hmm"]]
+        assert [(d["delta"], d.get("reasoning")) for d in deltas("tag")] == [("", "hmm"), ("Yes", None)]
+        assert replies["tag"]["reply"] == "Yes" and replies["tag"]["reasoning"] == "hmm"
+        assert replies["tag"]["usage"]["reasoningTokens"] == 4
+        # "<this" cannot: released whole as soon as that is known.
+        assert published_before["text"] == [[], [], ["<this is text"]]
+        assert replies["text"]["reply"] == "<this is text." and "reasoning" not in replies["text"]
 
     asyncio.run(scenario())

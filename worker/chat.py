@@ -4,7 +4,8 @@ Interactive when stdin is a terminal: replies stream as they are generated; /hel
 commands; Ctrl-C during a reply cancels it. One shot otherwise (``--message TEXT``, or the
 message on stdin): prints the reply and exits with
 
-    0 a reply; 1 an error reply (or a cancelled one); 2 a usage or configuration error;
+    0 a reply; 1 an error reply (or a cancelled one, or a reasoning model's whose thinking
+    budget ran out before it answered); 2 a usage or configuration error;
     3 no answer: no broker or no worker within --timeout; 130 interrupted.
 
 Connection flags are the worker's (``--mqtt-host`` ...), their environment variables
@@ -38,7 +39,7 @@ from .chatclient import (
     Ready,
     Refused,
 )
-from .chatterm import Terminal, usage_line
+from .chatterm import REASONING_BUDGET, Terminal, budget_note, usage_line
 from .config import MqttConfig, flag_for, sections
 from .topics import InvalidTopic, SessionAddress
 
@@ -88,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--show-stats", action="store_true", help="After each reply: tokens (cached), TTFT and latency (/verbose)."
     )
+    parser.add_argument(
+        "--show-reasoning",
+        action="store_true",
+        help="Show a reasoning model's thinking as it streams (/reasoning); in one-shot mode on stderr.",
+    )
     parser.add_argument("--max-tokens", type=int, help="maxTokens of each request (default: the worker's).")
     parser.add_argument("--temperature", type=float, help="Sampling temperature (default: the worker's).")
     parser.add_argument("--system-prompt", help="The session's system prompt (sent with each request).")
@@ -95,7 +101,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--timeout",
         type=float,
         default=120.0,
-        help="Seconds without any word of an answer (reply or streamed text) before giving up on it; "
+        help="Seconds without any word of an answer (reply, streamed text or a reasoning model's thinking) "
+        "before giving up on it; "
         "in one-shot mode also the most to wait for the broker (default 120).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
@@ -189,7 +196,11 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
         return EXIT_NO_ANSWER
     try:
         request_id = client.send(
-            message, max_tokens=args.max_tokens, temperature=args.temperature, system_prompt=args.system_prompt
+            message,
+            max_tokens=args.max_tokens,
+            temperature=args.temperature,
+            system_prompt=args.system_prompt,
+            include_reasoning=True,  # its deltas say the worker is still at it (see --timeout)
         )
     except ValueError as exc:
         err(f"invalid request: {exc}")
@@ -211,11 +222,17 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
                 err(f"error {event.error.error.code.value}: {event.error.error.message}")
                 return EXIT_ERROR_REPLY
             elif isinstance(event, Answer) and event.reply.request_id == request_id:
-                print(event.reply.reply, flush=True)
+                reply = event.reply
+                if args.show_reasoning and reply.reasoning is not None:
+                    print(f"[reasoning]\n{reply.reasoning}\n[answer]", file=sys.stderr, flush=True)
+                print(reply.reply, flush=True)
                 if args.show_stats:
-                    print(f"[{usage_line(event.reply, (time.monotonic() - sent) * 1000)}]", file=sys.stderr, flush=True)
-                if event.reply.finish_reason == "cancelled":
+                    print(f"[{usage_line(reply, (time.monotonic() - sent) * 1000)}]", file=sys.stderr, flush=True)
+                if reply.finish_reason == "cancelled":
                     err("the reply was cancelled")
+                    return EXIT_ERROR_REPLY
+                if reply.finish_reason == REASONING_BUDGET:
+                    err(budget_note(reply))
                     return EXIT_ERROR_REPLY
                 return EXIT_OK
     except KeyboardInterrupt:

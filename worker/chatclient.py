@@ -268,11 +268,14 @@ class ChatClient:
         temperature: float | None = None,
         system_prompt: str | None = None,
         stream: bool = True,
+        include_reasoning: bool = False,
     ) -> str:
         """Publish a request (QoS 1; kept and sent after a reconnect); its requestId.
         ValueError when a value is not one the contract allows."""
         request_id = f"c-{uuid.uuid4().hex[:20]}"
         fields: dict[str, Any] = {"message": message, "requestId": request_id, "stream": stream}
+        if include_reasoning:
+            fields["includeReasoning"] = True
         for key, value in (("maxTokens", max_tokens), ("temperature", temperature), ("systemPrompt", system_prompt)):
             if value is not None:
                 fields[key] = value

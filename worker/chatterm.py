@@ -41,6 +41,7 @@ Type a message and press Enter; the reply streams as it is generated.
   /cancel          stop the running reply (Ctrl-C does the same)
   /stats           the worker's latest statistics
   /verbose [on|off] after each reply: tokens (cached), TTFT and latency
+  /reasoning [on|off] show a reasoning model's thinking as it streams
   /help            this text
   /quit            leave (Ctrl-D too)"""
 
@@ -67,8 +68,26 @@ class Pending:
     request_id: str | None
     sent_at: float
     last_heard: float
-    streamed: list[str] = field(default_factory=list)
+    streamed: list[str] = field(default_factory=list)  # the answer's deltas
     cancelling: bool = False
+    thinking: bool = False  # reasoning was shown and the answer has not begun
+
+
+REASONING_BUDGET = "reasoning_budget"  # finishReason: the thinking budget ran out
+# Control characters other than newline and tab, shown as U+FFFD: a model's text may hold any
+# of them (the tiny random model's does), and a terminal acts on some: ESC starts sequences
+# that clear the screen, move the cursor or set the window title; CR overwrites the line.
+_CONTROLS = {c: "\ufffd" for c in (*range(0x20), *range(0x7F, 0xA0)) if c not in (0x09, 0x0A)}
+
+
+def printable(text: str) -> str:
+    """Model text as the terminal may show it."""
+    return text.translate(_CONTROLS)
+
+
+def budget_note(reply: ChatReply) -> str:
+    spent = reply.usage.reasoning_tokens or reply.usage.completion_tokens
+    return f"the thinking budget ran out after {spent} tokens, before an answer; ask again (e.g. 'answer briefly')"
 
 
 def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:
@@ -102,6 +121,9 @@ class Terminal:
         self.args = args
         self.out = out or sys.stdout
         self.verbose: bool = bool(args.show_stats)
+        self.show_reasoning: bool = bool(args.show_reasoning)
+        # Reasoning is shown dimmed, where the output is a terminal that understands it.
+        self.dim = ("\x1b[2m", "\x1b[0m") if self.out.isatty() else ("", "")
         self.pending: Pending | None = None
         self.deferred: deque[str] = deque()
         self.running = True
@@ -196,10 +218,9 @@ class Terminal:
             self.on_interrupt()
         elif isinstance(event, Delta):
             if pending is not None and event.delta.request_id == pending.request_id:
-                pending.last_heard = time.monotonic()
+                pending.last_heard = time.monotonic()  # reasoning too: the worker is at it
                 if not pending.cancelling:
-                    pending.streamed.append(event.delta.delta)
-                    self.write(event.delta.delta)
+                    self.on_delta(pending, event.delta.delta, event.delta.reasoning)
         elif isinstance(event, Answer):
             if pending is not None and event.reply.request_id == pending.request_id:
                 self.finish(pending, event.reply)
@@ -238,20 +259,39 @@ class Terminal:
                 self.on_line(text)
             self.prompt()
 
+    def on_delta(self, pending: Pending, answer: str, reasoning: str | None) -> None:
+        if reasoning is not None:
+            if self.show_reasoning:
+                start, end = self.dim
+                self.write(("" if pending.thinking else "(thinking) ") + start + printable(reasoning) + end)
+            elif not pending.thinking:
+                self.write(f"{self.dim[0]}(thinking; /reasoning shows it){self.dim[1]}")
+            pending.thinking = True
+            return
+        if answer and pending.thinking:
+            self.write("\n" + REPLY)
+            pending.thinking = False
+        pending.streamed.append(answer)
+        self.write(printable(answer))
+
     def finish(self, pending: Pending, reply: ChatReply) -> None:
         streamed = "".join(pending.streamed)
         if reply.finish_reason == "cancelled":
             self.note(f"cancelled after {reply.usage.completion_tokens} tokens")
+        elif reply.finish_reason == REASONING_BUDGET:
+            self.note(budget_note(reply))
         else:
+            if pending.thinking and reply.reply:  # an answer whose deltas were all lost
+                self.write("\n" + REPLY)
             if pending.cancelling:
                 self.note("the reply was complete before the cancel reached the worker")
             if not streamed:
-                self.write(reply.reply)
+                self.write(printable(reply.reply))
             elif streamed.strip() != reply.reply.strip():
                 if reply.reply.startswith(streamed):
-                    self.write(reply.reply[len(streamed) :])  # the deltas lost at the end
+                    self.write(printable(reply.reply[len(streamed) :]))  # the deltas lost at the end
                 else:
-                    self.write(f"\n[some streamed text was lost; the whole reply:]\n{reply.reply}")
+                    self.write(f"\n[some streamed text was lost; the whole reply:]\n{printable(reply.reply)}")
             self.write("\n")
             if reply.finish_reason == "truncated":
                 self.note("the reply was cut to fit the broker's maximum packet size")
@@ -285,7 +325,7 @@ class Terminal:
                     self.cancel(self.pending)
             elif command in ("/quit", "/exit"):
                 self.handle(InputEnd())
-            elif command in ("/stats", "/verbose", "/help"):
+            elif command in ("/stats", "/verbose", "/reasoning", "/help"):
                 self.command(stripped)
             elif stripped:
                 self.deferred.append(text)
@@ -304,6 +344,9 @@ class Terminal:
                 max_tokens=self.args.max_tokens,
                 temperature=self.args.temperature,
                 system_prompt=self.args.system_prompt,
+                # Always: while a reasoning model thinks, its reasoning deltas are the only sign
+                # that the worker is at it (--timeout); they are shown only with /reasoning.
+                include_reasoning=True,
             )
         except ValueError as exc:
             self.note(f"not sent: {exc}")
@@ -331,5 +374,8 @@ class Terminal:
         elif name == "/verbose":
             self.verbose = {"on": True, "off": False}.get(rest, not self.verbose)
             self.note(f"stats after each reply: {'on' if self.verbose else 'off'}")
+        elif name == "/reasoning":
+            self.show_reasoning = {"on": True, "off": False}.get(rest, not self.show_reasoning)
+            self.note(f"a reasoning model's thinking: {'shown' if self.show_reasoning else 'hidden'}")
         else:
             self.note(f"unknown command {name}; /help lists them")

@@ -256,6 +256,14 @@ class GenerationConfig(Section):
         flag="--stream-interval-ms",
         ge=0,
     )
+    max_reasoning_tokens: int = opt(
+        0,
+        "Thinking budget of reasoning models: a generation still inside its think block after "
+        "this many tokens is stopped, with finishReason reasoning_budget. 0: no budget of its own "
+        "(maxTokens bounds the reasoning). Also the cap of a request's maxReasoningTokens.",
+        flag="--max-reasoning-tokens",
+        ge=0,
+    )
     stop: list[str] = opt(
         [], "Extra stop strings. The end of turn is detected by the tokenizer's stop tokens.", flag="--stop"
     )

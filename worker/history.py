@@ -177,3 +177,78 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
         reasoning = stripped[len(THINK_OPEN) :] if stripped.startswith(THINK_OPEN) else stripped
         return "", reasoning.strip()
     return text, None
+
+
+def _partial_tag_suffix(text: str, tag: str) -> int:
+    """Length of the longest end of text that is the start of tag (a tag split over deltas)."""
+    for size in range(min(len(text), len(tag) - 1), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+class ReasoningSplitter:
+    """Splits a generation's text, delta by delta, into reasoning and answer.
+
+    When the prompt opened ``<think>`` (QwQ-style templates), the generation starts inside the
+    reasoning: everything until ``</think>`` is reasoning. Otherwise the text is answer and goes
+    out as it comes, so a model that does not think streams with no delay; only a possible
+    ``<think>`` at the very start of the output (after leading whitespace) is held back, and
+    only while it could still be that tag: ``"<thi"`` waits for the next delta, ``"<this"`` is
+    released at once. Leading whitespace is never held. A ``</think>`` split over deltas is held
+    until it is whole (it is reasoning either way). ``feed`` returns ``(is_reasoning, text)``
+    parts in order."""
+
+    def __init__(self, *, opened_in_prompt: bool) -> None:
+        # start: the output may still open <think>; reasoning: inside the think block; answer.
+        self.state = "reasoning" if opened_in_prompt else "start"
+        self.opened = opened_in_prompt  # has the model reasoned (a think block was opened)?
+        self._held = ""
+
+    @property
+    def reasoning(self) -> bool:
+        """Inside the think block now."""
+        return self.state == "reasoning"
+
+    def feed(self, text: str) -> list[tuple[bool, str]]:
+        out: list[tuple[bool, str]] = []
+        held = self._held + text
+        while held:
+            if self.state == "start":
+                body = held.lstrip()
+                if len(body) < len(held):
+                    out.append((False, held[: len(held) - len(body)]))  # whitespace: answer now
+                    held = body
+                if not body:
+                    break
+                if body.startswith(THINK_OPEN):
+                    self.state, held = "reasoning", body[len(THINK_OPEN) :]
+                    self.opened = True
+                elif THINK_OPEN.startswith(body):
+                    break  # a partial "<think>": wait for the next delta
+                else:
+                    self.state = "answer"  # it cannot open a think block any more
+            elif self.state == "reasoning":
+                end = held.find(THINK_CLOSE)
+                if end >= 0:
+                    if end:
+                        out.append((True, held[:end]))
+                    self.state, held = "answer", held[end + len(THINK_CLOSE) :]
+                    continue
+                keep = _partial_tag_suffix(held, THINK_CLOSE)
+                if len(held) > keep:
+                    out.append((True, held[: len(held) - keep]))
+                held = held[len(held) - keep :]
+                break
+            else:
+                out.append((False, held))
+                held = ""
+        self._held = held
+        return out
+
+    def flush(self) -> list[tuple[bool, str]]:
+        """What is still held back, at the end of the generation."""
+        held, self._held = self._held, ""
+        if not held:
+            return []
+        return [(self.state == "reasoning", held)]

@@ -15,6 +15,7 @@ import os
 import secrets
 import signal
 import sys
+import time
 from collections.abc import Awaitable, Callable, Sequence
 
 from loguru import logger
@@ -25,6 +26,7 @@ from .cli import ConfigError, load_config, render_toml
 from .config import WorkerConfig
 from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 from .notify import Notifier
+from .startup import start_phase
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -63,6 +65,7 @@ def warn_about_command_line_secrets(args: argparse.Namespace) -> None:
 
 async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
     """Run the worker until a signal or ``shutdown_trigger`` returns; the exit code."""
+    started = time.monotonic()
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     exit_code = 0
@@ -90,11 +93,12 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         render_toml(config.masked(), comments=False).rstrip(),
     )
 
-    from .metrics import LiveSources, MetricsEndpoint
-    from .store import open_store
-    from .tokenizer import ChatTokenizer
-    from .transport import MqttSettings, MqttTransport
-    from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+    with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
+        from .metrics import LiveSources, MetricsEndpoint
+        from .store import open_store
+        from .tokenizer import ChatTokenizer
+        from .transport import MqttSettings, MqttTransport
+        from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
 
     try:  # before the model load: a port in use fails fast
         metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
@@ -110,17 +114,19 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         return 2
 
     route_library_logging()
-    assert config.engine.model is not None
-    notifier.status(f"Loading {config.engine.model}")
+    model = config.engine.model
+    assert model is not None
     # The engine start holds this thread (and the event loop) until the model is loaded; it
     # must stay on this thread: vLLM's processes die when the thread that started them ends.
     with notifier.extending_timeout():
-        renderer = await asyncio.to_thread(ChatTokenizer, config.engine.model)
-        engine = await VllmEngine.start(
-            config.engine,
-            stop_token_ids=renderer.stop_token_ids,
-            json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
-        )
+        with start_phase(notifier, "Loading the tokenizer", "Tokenizer loaded", detail=model):
+            renderer = await asyncio.to_thread(ChatTokenizer, model)
+        with start_phase(notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}"):
+            engine = await VllmEngine.start(
+                config.engine,
+                stop_token_ids=renderer.stop_token_ids,
+                json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+            )
     route_library_logging()
     notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
 
@@ -196,7 +202,9 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
 
     async def announce_ready() -> None:
         await transport.wait_subscribed()  # a request published from now on is delivered
-        notifier.ready(f"Serving {config.engine.model} as {worker_id} via {config.mqtt.host}:{config.mqtt.port}")
+        serving = f"Serving {model} as {worker_id} via {config.mqtt.host}:{config.mqtt.port}"
+        logger.info("{} (ready {:.1f} s after start)", serving, time.monotonic() - started)
+        notifier.ready(serving)
 
     def health() -> str | None:
         if not transport.loop_alive:

@@ -86,6 +86,8 @@ class ChatRequest(InboundModel):
     request_id: str | None = Field(None, min_length=1, max_length=128)
     stream: bool = False
     response_format: ResponseFormat | None = None
+    include_reasoning: bool = False
+    max_reasoning_tokens: int | None = Field(None, ge=1)
 
 
 class ControlRequest(InboundModel):
@@ -97,6 +99,8 @@ class Usage(WireModel):
     prompt_tokens: int
     completion_tokens: int
     cached_tokens: int
+    # Of completion_tokens, those spent inside the think block (reasoning models only).
+    reasoning_tokens: int | None = None
 
 
 class Latency(WireModel):
@@ -109,6 +113,7 @@ class ChatReply(WireModel):
     session_id: str
     request_id: str
     reply: str
+    reasoning: str | None = None  # the think block, when the request asked for it
     finish_reason: str
     usage: Usage
     latency: Latency
@@ -134,7 +139,8 @@ class ControlReply(WireModel):
 class StreamDelta(WireModel):
     request_id: str
     seq: int
-    delta: str
+    delta: str  # answer text ("" in a delta of reasoning)
+    reasoning: str | None = None  # reasoning text, only with includeReasoning
 
 
 def _load_json(payload: bytes) -> Any:

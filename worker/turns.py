@@ -27,7 +27,15 @@ from .engine import (
     StructuredOutput,
     StructuredOutputRejected,
 )
-from .history import HistoryLimits, PromptRenderer, SessionHistory, Turn, build_prompt, split_reasoning
+from .history import (
+    HistoryLimits,
+    PromptRenderer,
+    ReasoningSplitter,
+    SessionHistory,
+    Turn,
+    build_prompt,
+    split_reasoning,
+)
 from .messages import (
     ChatReply,
     ChatRequest,
@@ -84,6 +92,11 @@ class Outcome:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    reasoning: str | None = None  # the think block, when the request asked for it
+    reasoning_tokens: int | None = None  # completion tokens spent reasoning (a model that thinks)
+
+
+REASONING_BUDGET = "reasoning_budget"  # finishReason: the thinking budget stopped the generation
 
 
 @dataclass
@@ -108,6 +121,17 @@ def structured_output(request: ChatRequest) -> StructuredOutput | None:
     return StructuredOutput()
 
 
+def reasoning_budget(request: ChatRequest, generation: GenerationConfig) -> int:
+    """The request's thinking budget in tokens (0: none): its maxReasoningTokens capped by the
+    configured max_reasoning_tokens, else that. Structured output has no think block."""
+    if request.response_format is not None:
+        return 0
+    configured, asked = generation.max_reasoning_tokens, request.max_reasoning_tokens
+    if asked is None:
+        return configured
+    return min(asked, configured) if configured else asked
+
+
 def ms_between(start: float, end: float) -> float:
     return round((end - start) * 1000, 1)
 
@@ -124,10 +148,14 @@ class _DeltaStream:
         self._request_id = turn.key
         self._interval = runner.generation.stream_interval_ms / 1000
         self._pending: list[str] = []
+        self._reasoning = False  # what the pending text is: reasoning or answer
         self._seq = 0
         self._last = 0.0
 
-    def add(self, text: str) -> None:
+    def add(self, text: str, *, reasoning: bool = False) -> None:
+        if reasoning != self._reasoning:
+            self.flush()  # a delta carries one kind of text
+            self._reasoning = reasoning
         self._pending.append(text)
         if self._seq == 0 or time.monotonic() - self._last >= self._interval:
             self.flush()
@@ -144,6 +172,8 @@ class _DeltaStream:
         self._last = time.monotonic()
 
     def _delta(self, seq: int, text: str) -> bytes:
+        if self._reasoning:
+            return StreamDelta(request_id=self._request_id, seq=seq, delta="", reasoning=text).to_json()
         return StreamDelta(request_id=self._request_id, seq=seq, delta=text).to_json()
 
 
@@ -213,10 +243,14 @@ class TurnRunner:
         )
         logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
         outcome = await self._stream(
-            turn, GenerationRequest(f"{address}/{turn.key}/{next(self._ids)}", prompt.token_ids, sampling)
+            turn,
+            GenerationRequest(f"{address}/{turn.key}/{next(self._ids)}", prompt.token_ids, sampling),
+            reasoning_budget(request, generation),
         )
         if sampling.structured is None:
-            answer, _reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
+            answer, reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
+            if request.include_reasoning:
+                outcome.reasoning = reasoning  # in the reply only: the history keeps the answer
         else:
             # The grammar constrains the reply from its first token: there is no think block to
             # remove, and "</think>" inside a JSON string (or a prompt that opened <think>) must
@@ -228,24 +262,50 @@ class TurnRunner:
         logger.debug("Reply {} of {}: {!r}", turn.key, address, answer)
         return self.reply(turn, outcome)
 
-    async def _stream(self, turn: PendingTurn, request: GenerationRequest) -> Outcome:
-        """Run the generation, publishing deltas if asked; what came out of it."""
+    async def _stream(self, turn: PendingTurn, request: GenerationRequest, budget: int = 0) -> Outcome:
+        """Run the generation, publishing deltas if asked; what came out of it.
+
+        Free text is split into reasoning and answer as it comes: the stream carries the answer,
+        and the reasoning only with includeReasoning. A generation still reasoning after
+        ``budget`` completion tokens (the engine's count) is aborted: finishReason
+        reasoning_budget, and what came after the budget is dropped."""
         outcome = Outcome(submitted=time.monotonic(), prompt_tokens=len(request.prompt_token_ids))
         parts: list[str] = []
         stream = _DeltaStream(self, turn) if turn.request.stream else None
+        show_reasoning = turn.request.include_reasoning
+        splitter = None
+        if request.sampling.structured is None:
+            splitter = ReasoningSplitter(opened_in_prompt=self.renderer.opens_reasoning)
+        over_budget = False
         turn.runtime.running[turn.key] = request.request_id
         try:
             async for update in self.engine.generate(request):
                 if outcome.first_token is None and update.completion_tokens > 0:
                     outcome.first_token = time.monotonic()
-                if update.delta:
-                    parts.append(update.delta)
-                    if stream:
-                        stream.add(update.delta)
                 outcome.completion_tokens = update.completion_tokens
                 outcome.prompt_tokens, outcome.cached_tokens = update.prompt_tokens, update.cached_tokens
                 if update.finished:
                     outcome.finish_reason = update.finish_reason or "stop"
+                if over_budget:
+                    continue  # the abort takes effect within an engine step or two
+                if update.delta:
+                    parts.append(update.delta)
+                    pieces = splitter.feed(update.delta) if splitter else [(False, update.delta)]
+                    for is_reasoning, text in pieces:
+                        if stream and (show_reasoning or not is_reasoning):
+                            stream.add(text, reasoning=is_reasoning)
+                if splitter is None or not splitter.opened:
+                    continue
+                if outcome.reasoning_tokens is None and not splitter.reasoning:  # the think block closed
+                    outcome.reasoning_tokens = update.completion_tokens
+                elif splitter.reasoning and (update.finished or (budget and update.completion_tokens >= budget)):
+                    outcome.reasoning_tokens = update.completion_tokens
+                    if not update.finished:
+                        over_budget = True
+                        logger.info(
+                            "Request {} of {}: reasoning budget of {} tokens reached", turn.key, turn.address, budget
+                        )
+                        await self.engine.abort(request.request_id)
         except EngineDead as exc:
             logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, turn.key)
             self._engine_died(1)
@@ -259,7 +319,13 @@ class TurnRunner:
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
         finally:
             turn.runtime.running.pop(turn.key, None)
+        if over_budget:
+            outcome.finish_reason = REASONING_BUDGET
         if stream:
+            if splitter:
+                for is_reasoning, text in splitter.flush():
+                    if show_reasoning or not is_reasoning:
+                        stream.add(text, reasoning=is_reasoning)
             stream.flush()
         outcome.text = "".join(parts)
         return outcome
@@ -276,6 +342,7 @@ class TurnRunner:
             prompt_tokens=outcome.prompt_tokens,
             completion_tokens=outcome.completion_tokens,
             cached_tokens=outcome.cached_tokens,
+            reasoning_tokens=outcome.reasoning_tokens,
         )
         self.stats.record_reply(usage, latency, finish_reason=outcome.finish_reason)
         logger.info(
@@ -292,6 +359,7 @@ class TurnRunner:
             session_id=turn.address.session,
             request_id=turn.key,
             reply=outcome.text,
+            reasoning=outcome.reasoning,
             finish_reason=outcome.finish_reason,
             usage=usage,
             latency=latency,

@@ -205,7 +205,7 @@ class VllmEngine:
             prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
         )
         logger.info(
-            "Engine ready: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}",
+            "Engine: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}",
             info.max_model_len,
             info.block_size,
             "on" if info.prefix_caching else "OFF",
