@@ -238,9 +238,12 @@ def generate_tiny_model(
 ) -> Path:
     """Write the tiny chat model into ``outdir`` (created if missing); return it.
 
-    With ``rare_end_of_turn`` (the default) the special tokens are almost never sampled, so
-    every reply runs to its maxTokens; without it a reply ends by itself about once in
-    vocab_size/2 tokens."""
+    With ``rare_end_of_turn`` (the default) the special tokens (and, with ``think``,
+    ``</think>``) are almost never sampled, so every reply runs to its maxTokens and a thinking
+    model's reasoning to its budget; without it a reply ends by itself about once in
+    vocab_size/2 tokens. (At temperature 0, a prompt found in vLLM's prefix cache can take a
+    different argmax path than the same prompt computed afresh: a random model that could
+    close its think block did so in one and not the other.)"""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(vocab_size)
@@ -250,8 +253,10 @@ def generate_tiny_model(
     )
     eos_id = int(tok.token_to_id(IM_END))
     pad_id = int(tok.token_to_id(ENDOFTEXT))
-    special_ids = tuple(int(tok.token_to_id(t)) for t in SPECIAL_TOKENS)
-    _write_model(outdir, int(tok.get_vocab_size()), eos_id, pad_id, special_ids if rare_end_of_turn else ())
+    rare_ids = tuple(int(tok.token_to_id(t)) for t in SPECIAL_TOKENS)
+    if think:  # a thinking model that never closes its think block: the budget always ends it
+        rare_ids += (int(tok.token_to_id(THINK_CLOSE)),)
+    _write_model(outdir, int(tok.get_vocab_size()), eos_id, pad_id, rare_ids if rare_end_of_turn else ())
     return outdir
 
 
