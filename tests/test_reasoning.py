@@ -22,6 +22,9 @@ CONFIG_BUDGET = 24  # --max-reasoning-tokens of the worker
 # engine step; vLLM may merge a step's output into the next when the worker reads late).
 STEP_SLACK = 4
 SYSTEM = "You are a careful assistant who thinks first."
+# Its own topic prefix: other modules' workers on the session's broker (the shared worker of
+# test_e2e, on "chat") would answer these requests too, with the plain model's reply.
+PREFIX = "think"
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +46,8 @@ def thinking_worker(
             str(broker.port),
             "--worker-id",
             "thinking",
+            "--topic-prefix",
+            PREFIX,
             "--max-reasoning-tokens",
             str(CONFIG_BUDGET),
             "--stream-interval-ms",
@@ -52,7 +57,7 @@ def thinking_worker(
         ],
         workdir / "worker.log",
     )
-    watcher = Client(broker.port, ["chat/_worker/thinking/status"])
+    watcher = Client(broker.port, [f"{PREFIX}/_worker/thinking/status"])
     try:
         watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
     except TimeoutError:
@@ -66,11 +71,19 @@ def thinking_worker(
     assert code == 0, f"worker exited with {code}"
 
 
+@pytest.fixture
+def client(broker: Mosquitto) -> Iterator[Client]:
+    """conftest's client, on this module's prefix."""
+    chat_client = Client(broker.port, [f"{PREFIX}/+/+/reply", f"{PREFIX}/+/+/stream", f"{PREFIX}/_worker/+/stats"])
+    yield chat_client
+    chat_client.close()
+
+
 def ask(client: Client, user: str, session: str, request: dict[str, Any]) -> dict[str, Any]:
     """Greedy: the random model then writes the same tokens every time (after "<think>\n" it
     writes newlines, never "</think>")."""
-    client.publish(f"chat/{user}/{session}/request", {"temperature": 0.0, **request})
-    reply: dict[str, Any] = client.wait_topic(f"chat/{user}/{session}/reply", timeout=180).json()
+    client.publish(f"{PREFIX}/{user}/{session}/request", {"temperature": 0.0, **request})
+    reply: dict[str, Any] = client.wait_topic(f"{PREFIX}/{user}/{session}/reply", timeout=180).json()
     assert "error" not in reply, reply
     return reply
 
@@ -156,7 +169,9 @@ def test_the_chat_client_shows_that_the_model_thinks(thinking_worker: WorkerProc
     while the model thinks) and shows it only when told to."""
     session = "s-" + uuid.uuid4().hex[:12]
     one_shot = run_chat(
-        broker.port, "--session", session, "--message", "Think.", "--temperature", "0", "--show-reasoning"
+        broker.port,
+        *("--topic-prefix", PREFIX, "--session", session, "--message", "Think."),
+        *("--temperature", "0", "--show-reasoning"),
     )
     # No answer before the budget ran out: exit 1, an empty stdout, the reasoning on stderr.
     assert one_shot.returncode == 1 and one_shot.stdout == "\n", one_shot.stderr
@@ -164,7 +179,7 @@ def test_the_chat_client_shows_that_the_model_thinks(thinking_worker: WorkerProc
     spent = re.search(r"the thinking budget ran out after (\d+) tokens", one_shot.stderr)
     assert spent and CONFIG_BUDGET <= int(spent[1]) <= CONFIG_BUDGET + STEP_SLACK, one_shot.stderr
 
-    chat = Chat(broker.port, "--session", "t-" + uuid.uuid4().hex[:12], "--temperature", "0")
+    chat = Chat(broker.port, "--topic-prefix", PREFIX, "--session", "t-" + uuid.uuid4().hex[:12], "--temperature", "0")
     try:
         chat.send("Think.")
         chat.child.expect_exact("(thinking; /reasoning shows it)")  # hidden, but said

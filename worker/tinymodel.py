@@ -241,9 +241,7 @@ def generate_tiny_model(
     With ``rare_end_of_turn`` (the default) the special tokens (and, with ``think``,
     ``</think>``) are almost never sampled, so every reply runs to its maxTokens and a thinking
     model's reasoning to its budget; without it a reply ends by itself about once in
-    vocab_size/2 tokens. (At temperature 0, a prompt found in vLLM's prefix cache can take a
-    different argmax path than the same prompt computed afresh: a random model that could
-    close its think block did so in one and not the other.)"""
+    vocab_size/2 tokens."""
     outdir = Path(outdir)
     outdir.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(vocab_size)
