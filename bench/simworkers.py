@@ -122,23 +122,7 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
         transport = MqttTransport(settings, loop)
         intake = None
         if redis_url:
-            from worker.redisstore import RedisStreams
-
-            streams = RedisStreams(
-                redis_url,
-                PREFIX,
-                f"{worker_id}.{index}",
-                worker_lease=config.redis.worker_lease,
-                owner_lease=config.redis.owner_lease,
-            )
-            intake = Intake(
-                streams,
-                transport,
-                topics,
-                worker_lease=config.redis.worker_lease,
-                route_to_owner=True,
-                stop_requested=lambda code: stop.set(),
-            )
+            intake = Intake.for_group(config, transport, topics, f"{worker_id}.{index}", lambda code: stop.set())
         store = open_store(config.history, config.redis, PREFIX)
         engine = ZeroCostEngine(**options)
         service = Service(config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store)

@@ -34,6 +34,7 @@ from typing import Protocol
 
 from loguru import logger
 
+from .config import WorkerConfig
 from .topics import InvalidTopic, Topics
 from .transport import InboundMessage
 
@@ -133,6 +134,31 @@ class Intake:
         # slots). Entries beyond it wait in this worker's stream, as they would in the broker
         # behind Receive Maximum, instead of being refused busy.
         self.room: Callable[[], int] = lambda: READ_BATCH
+
+    @classmethod
+    def for_group(
+        cls, config: WorkerConfig, broker: Broker, topics: Topics, instance: str, stop_requested: Callable[[int], None]
+    ) -> Intake:
+        """The intake of a worker instance, on the Redis of ``config`` (redis is imported here
+        only: a worker without the Redis store never loads it)."""
+        from .redisstore import RedisStreams
+
+        redis = config.redis
+        streams = RedisStreams(
+            redis.url,
+            config.mqtt.topic_prefix,
+            instance,
+            worker_lease=redis.worker_lease,
+            owner_lease=redis.owner_lease,
+        )
+        return cls(
+            streams,
+            broker,
+            topics,
+            worker_lease=redis.worker_lease,
+            route_to_owner=redis.route_to_owner,
+            stop_requested=stop_requested,
+        )
 
     async def start(self) -> None:
         await self.streams.register()

@@ -158,23 +158,9 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     intake = None
     if config.history.store == "redis":
         from .intake import Intake
-        from .redisstore import RedisStreams
 
-        streams = RedisStreams(
-            config.redis.url,
-            config.mqtt.topic_prefix,
-            f"{worker_id}.{secrets.token_hex(4)}",  # one instance per start: a restart is a new one
-            worker_lease=config.redis.worker_lease,
-            owner_lease=config.redis.owner_lease,
-        )
-        intake = Intake(
-            streams,
-            transport,
-            topics,
-            worker_lease=config.redis.worker_lease,
-            route_to_owner=config.redis.route_to_owner,
-            stop_requested=request_stop,
-        )
+        # One instance per start: a restart is a new one.
+        intake = Intake.for_group(config, transport, topics, f"{worker_id}.{secrets.token_hex(4)}", request_stop)
     service = Service(config, engine, renderer, intake or transport, request_stop, store)
     if intake is not None:
         intake.room = lambda: config.limits.max_pending_requests - service.pending
