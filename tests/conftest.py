@@ -5,7 +5,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from support import REPO, Client, Mosquitto, RedisServer, WorkerProcess, free_port
+from support import REPO, Client, Mosquitto, RedisServer, WorkerProcess, free_port, serving
 
 # One compile cache for every engine the tests start (and for reruns on this machine).
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
@@ -98,18 +98,8 @@ def shared_worker(
         ],
         log,
     )
-    watcher = Client(broker.port, ["chat/_worker/shared/status"])
-    try:
-        watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
-    except TimeoutError:
-        worker.stop(5)
-        raise RuntimeError(f"worker did not come online; its log:\n{worker.log()[-6000:]}") from None
-    finally:
-        watcher.close()
-    yield worker
-    code = worker.stop()
-    print(worker.log()[-3000:])
-    assert code == 0, f"worker exited with {code}"
+    with serving(worker, broker.port, "chat/_worker/shared/status"):
+        yield worker
 
 
 @pytest.fixture

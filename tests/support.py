@@ -14,7 +14,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -348,3 +348,20 @@ class NotifyListener:
         self._closed = True
         self._thread.join(1)
         self._sock.close()
+
+
+@contextlib.contextmanager
+def serving(worker: WorkerProcess, port: int, status_topic: str) -> Iterator[WorkerProcess]:
+    """The worker once its retained status is online; stopped after, which must be clean."""
+    watcher = Client(port, [status_topic])
+    try:
+        watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
+    except TimeoutError:
+        worker.stop(5)
+        raise RuntimeError(f"worker did not come online; its log:\n{worker.log()[-6000:]}") from None
+    finally:
+        watcher.close()
+    yield worker
+    code = worker.stop()
+    print(worker.log()[-3000:])
+    assert code == 0, f"worker exited with {code}"

@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 from conftest import engine_args
-from support import Client, Mosquitto, WorkerProcess
+from support import Client, Mosquitto, WorkerProcess, serving
 from test_chat import PROMPT, Chat, run_chat
 
 pytestmark = pytest.mark.e2e
@@ -57,18 +57,8 @@ def thinking_worker(
         ],
         workdir / "worker.log",
     )
-    watcher = Client(broker.port, [f"{PREFIX}/_worker/thinking/status"])
-    try:
-        watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
-    except TimeoutError:
-        worker.stop(5)
-        raise RuntimeError(f"worker did not come online; its log:\n{worker.log()[-6000:]}") from None
-    finally:
-        watcher.close()
-    yield worker
-    code = worker.stop()
-    print(worker.log()[-3000:])
-    assert code == 0, f"worker exited with {code}"
+    with serving(worker, broker.port, f"{PREFIX}/_worker/thinking/status"):
+        yield worker
 
 
 @pytest.fixture
