@@ -47,6 +47,15 @@ class Workload:
         return text_of_tokens(target, rng, count_tokens)
 
 
+def think_time(mean_s: float, session: int, turn: int) -> float:
+    """How long a user thinks before sending ``turn`` (seconds): uniform over [0, 2 * mean_s],
+    seeded by session and turn, so the worker and the in-process ceiling see the same arrivals.
+    Spread, not constant: a constant pause keeps sessions whose replies end together in lockstep."""
+    if mean_s <= 0:
+        return 0.0
+    return random.Random(session * 7919 + turn * 104729 + 17).uniform(0, 2 * mean_s)
+
+
 def text_of_tokens(target: int, rng: random.Random, count_tokens: Any) -> str:
     """Words drawn from rng until the text is ``target`` tokens long (by the model's tokenizer)."""
     words: list[str] = []
@@ -107,12 +116,15 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
     latencies = [r.client_ms for r in records]
     completion = sum(r.completion_tokens for r in records)
     ttfts = [r.client_ttft_ms for r in records if r.client_ttft_ms is not None]
+    # Later turns (cached prefix, arriving as earlier replies end) show queueing for prefill.
+    later_ttfts = [r.client_ttft_ms for r in records if r.client_ttft_ms is not None and r.turn > 0]
     return {
         "requests": len(records),
         "wall_s": round(wall_s, 3),
         "p50_ms": round(percentile(latencies, 50), 1),
         "p95_ms": round(percentile(latencies, 95), 1),
         "p50_ttft_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
+        "p50_ttft_later_turns_ms": round(percentile(later_ttfts, 50), 1) if later_ttfts else None,
         "completion_tokens": completion,
         "tokens_per_s": round(completion / wall_s, 1) if wall_s > 0 else None,
         "requests_per_s": round(len(records) / wall_s, 2) if wall_s > 0 else None,

@@ -207,7 +207,11 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
         ["--model", str(model), "--stats-interval", "2", *profile.worker_args], broker.port, out / "worker.log"
     )
     driver = MqttDriver("127.0.0.1", broker.port)
-    result: dict[str, Any] = {"start_to_ready_s": worker.start_to_ready_s, "compile_cache_was_empty": cache_empty}
+    result: dict[str, Any] = {
+        "start_to_ready_s": worker.start_to_ready_s,
+        "compile_cache_was_empty": cache_empty,
+        "think_s": think_s,
+    }
     total = (
         profile.multi_turns
         + sum(c * profile.turns for c in profile.concurrency)
@@ -324,7 +328,7 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
     return result
 
 
-async def inprocess_phase(profile: Profile, model: Path) -> dict[str, Any]:
+async def inprocess_phase(profile: Profile, model: Path, think_s: float = 0.0) -> dict[str, Any]:
     from worker.tokenizer import ChatTokenizer
 
     from .inprocess import InProcess
@@ -332,7 +336,12 @@ async def inprocess_phase(profile: Profile, model: Path) -> dict[str, Any]:
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
     engine = InProcess(profile.engine_config(model), tokenizer)
-    result: dict[str, Any] = {"engine_start_s": engine.start_s, "block_size": engine.block_size, "ceiling": {}}
+    result: dict[str, Any] = {
+        "engine_start_s": engine.start_s,
+        "block_size": engine.block_size,
+        "think_s": think_s,
+        "ceiling": {},
+    }
     total = profile.multi_turns + sum(c * profile.turns for c in profile.concurrency)
     try:
         with tqdm(total=total, desc="in-process", unit="req") as bar:
@@ -343,7 +352,7 @@ async def inprocess_phase(profile: Profile, model: Path) -> dict[str, Any]:
             for count in profile.concurrency:
                 started = time.perf_counter()
                 records = await engine.sessions(
-                    "ceiling", workload, sessions=count, turns=profile.turns, progress=bar.update
+                    "ceiling", workload, sessions=count, turns=profile.turns, think_s=think_s, progress=bar.update
                 )
                 result["ceiling"][count] = {
                     "summary": summarize(records, time.perf_counter() - started),
@@ -402,7 +411,8 @@ def main(argv: list[str] | None = None) -> int:
         "--think-time",
         type=float,
         default=0.0,
-        help="seconds a user waits after a reply before the next turn (concurrency runs)",
+        help="mean seconds a user thinks after a reply before the next turn (uniform over 0 to twice this;"
+        " the worker's and the ceiling's concurrency runs draw the same times)",
     )
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
@@ -432,7 +442,7 @@ def main(argv: list[str] | None = None) -> int:
         elif phase == "structured":
             save(path, stamped(structured_phase(profile, model, out, args.mosquitto)))
         elif phase == "inprocess":
-            save(path, stamped(asyncio.run(inprocess_phase(profile, model))))
+            save(path, stamped(asyncio.run(inprocess_phase(profile, model, think_s=args.think_time))))
         elif phase == "restart":
             save(path, stamped(restart_phase(profile, model, out, args.mosquitto)))
         elif phase == "ablation" and profile.ablation:

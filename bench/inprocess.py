@@ -12,7 +12,7 @@ from typing import Any
 from worker.config import EngineConfig
 from worker.tokenizer import ChatTokenizer
 
-from .common import Record, Workload, history_messages
+from .common import Record, Workload, history_messages, think_time
 from .mqtt_driver import Progress
 
 
@@ -104,14 +104,17 @@ class InProcess:
         sessions: int,
         turns: int,
         max_tokens: int | None = None,
+        think_s: float = 0.0,
         progress: Progress | None = None,
     ) -> list[Record]:
-        """The worker's concurrent workload, minus MQTT and the worker."""
+        """The worker's concurrent workload, minus MQTT and the worker (the same think times)."""
         records: list[Record] = []
 
         async def session(index: int) -> None:
             history: list[tuple[str, str]] = []
             for turn in range(turns):
+                if turn:
+                    await asyncio.sleep(think_time(think_s, index, turn))
                 records.append(
                     await self._turn(label, sessions, index, turn, workload, history, max_tokens or workload.max_tokens)
                 )

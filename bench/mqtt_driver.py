@@ -17,7 +17,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from worker.transport import set_tcp_nodelay
 
-from .common import Record, Workload
+from .common import Record, Workload, think_time
 
 Progress = Callable[[int], None]
 
@@ -113,8 +113,8 @@ class MqttDriver:
         extra: dict[str, Any] | None = None,
         progress: Progress | None = None,
     ) -> list[Record]:
-        """``sessions`` chat sessions at once; each sends its next turn (after ``think_s``)
-        when its reply arrives."""
+        """``sessions`` chat sessions at once; each sends its next turn when its reply arrives
+        (after a think time drawn around ``think_s``, see common.think_time)."""
         max_tokens = max_tokens or workload.max_tokens
         names = self._session_names(label, sessions)
         index_of = {name: i for i, name in enumerate(names)}
@@ -154,7 +154,8 @@ class MqttDriver:
                 progress(1)
             turn_of[name] += 1
             if turn_of[name] < turns:
-                heapq.heappush(due, (time.perf_counter() + think_s, name))
+                pause = think_time(think_s, index_of[name], turn_of[name])
+                heapq.heappush(due, (time.perf_counter() + pause, name))
         return records
 
     def run_one_at_a_time(

@@ -93,6 +93,7 @@ def summarize_run(out: Path) -> dict[str, Any]:
             "decode_tok_per_s_per_request"
         ]
     result["concurrency"] = _concurrency_table(worker, inproc)
+    result["think_s"] = worker.get("think_s", 0.0)
     first = result["concurrency"][0] if result["concurrency"] else {}
     if first.get("sessions") == 1 and "worker" in first and "one_at_a_time" in first:
         # The one-at-a-time baseline is the same worker: at one session the two must agree.
@@ -176,7 +177,8 @@ def _concurrency_table(worker: dict[str, Any], inproc: dict[str, Any]) -> list[d
         ):
             summary = source.get(str(count), source.get(count, {})).get("summary")  # type: ignore[call-overload]
             if summary:
-                row[name] = {k: summary[k] for k in ("p50_ms", "p95_ms", "tokens_per_s", "requests")}
+                keys = ("p50_ms", "p95_ms", "tokens_per_s", "requests", "p50_ttft_later_turns_ms")
+                row[name] = {k: summary.get(k) for k in keys}
         if "worker" in row and "ceiling" in row:
             row["worker_over_ceiling"] = _ratio(row["worker"]["tokens_per_s"], row["ceiling"]["tokens_per_s"])
         if "worker" in row and "one_at_a_time" in row:
@@ -228,11 +230,13 @@ def markdown(result: dict[str, Any]) -> str:
         lines += ["", f"Worker turn {last} / turn 2: {_fmt(turns.get('worker_last_over_turn2'))}", ""]
     if result.get("concurrency"):
         lines += [
-            "## Concurrency (3 turns per session)",
+            "## Concurrency (3 turns per session"
+            + (f"; users think {result['think_s']:g} s on average between turns)" if result.get("think_s") else ")"),
             "",
             "| sessions | worker p50 / p95 ms | worker tok/s | ceiling p50 / p95 ms | ceiling tok/s | worker / ceiling"
+            " | TTFT p50 of turns 2+, worker / ceiling ms"
             " | one-at-a-time p50 / p95 ms | one-at-a-time tok/s | worker / one-at-a-time |",
-            "|---|---|---|---|---|---|---|---|---|",
+            "|---|---|---|---|---|---|---|---|---|---|",
         ]
         for row in result["concurrency"]:
             cells = [str(row["sessions"])]
@@ -240,6 +244,8 @@ def markdown(result: dict[str, Any]) -> str:
                 part = row.get(name, {})
                 cells += [f"{_fmt(part.get('p50_ms'))} / {_fmt(part.get('p95_ms'))}", _fmt(part.get("tokens_per_s"))]
             cells.append(_fmt(row.get("worker_over_ceiling")))
+            later = [row.get(name, {}).get("p50_ttft_later_turns_ms") for name in ("worker", "ceiling")]
+            cells.append(f"{_fmt(later[0])} / {_fmt(later[1])}")
             part = row.get("one_at_a_time", {})
             cells += [
                 f"{_fmt(part.get('p50_ms'))} / {_fmt(part.get('p95_ms'))}" if part else "–",

@@ -13,9 +13,9 @@ echo "==> mypy"
 if [ $# -eq 0 ]; then
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
-  .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured >"$smoke/bench.out" 2>&1 \
+  .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured --think-time 0.05 >"$smoke/bench.out" 2>&1 \
     || { tail -50 "$smoke/bench.out"; exit 1; }
-  grep -q "## Concurrency" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
+  grep -q "## Concurrency (3 turns per session; users think" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
   echo "benchmark smoke run: ok ($smoke/results.md)"
   echo "==> several-GPU benchmark smoke run (two CPU workers in one share group, Redis store, tiny model)"
   .venv/bin/python -m bench.multigpu --profile smoke --out "$smoke/multi" --phases single,dp,tp \
