@@ -79,9 +79,15 @@ class MqttDriver:
         return out
 
     def _wait_reply(self, first_delta: dict[str, float], timeout: float = 900) -> tuple[float, str, dict[str, Any]]:
-        """The next reply; stream deltas seen on the way are noted as first-delta times."""
+        """The next reply; stream deltas seen on the way are noted as first-delta times.
+        Raises queue.Empty once ``timeout`` has passed, even while deltas keep arriving: a
+        caller with a turn due (think time) must get control back to send it on time."""
+        deadline = time.perf_counter() + timeout
         while True:
-            received, topic, raw = self.events.get(timeout=timeout)
+            remaining = deadline - time.perf_counter()
+            if remaining <= 0:
+                raise queue.Empty
+            received, topic, raw = self.events.get(timeout=remaining)
             data = json.loads(raw)
             if topic.endswith("/stream"):
                 first_delta.setdefault(data["requestId"], received)

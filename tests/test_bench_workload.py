@@ -1,8 +1,16 @@
-"""The benchmark's think times and summaries (no engine, no broker)."""
+"""The benchmark's think times, summaries and reply wait (no engine, no broker)."""
 
 from __future__ import annotations
 
+import json
+import queue
+import threading
+import time
+
+import pytest
+
 from bench.common import Record, summarize, think_time
+from bench.mqtt_driver import MqttDriver
 
 
 def test_no_think_time_means_no_pause() -> None:
@@ -29,3 +37,31 @@ def test_the_summary_separates_later_turns_time_to_first_token() -> None:
     assert summary["p50_ttft_ms"] == 60.0
     assert summary["p50_ttft_later_turns_ms"] == 500.0
     assert summary["tokens_per_s"] == 20.0
+
+
+def test_waiting_for_a_reply_gives_control_back_while_deltas_keep_arriving() -> None:
+    # A session's next turn falls due while other sessions stream: the driver must return by
+    # the due time to send it, not when the next whole reply happens to arrive.
+    driver = MqttDriver.__new__(MqttDriver)  # no broker: only its inbox is used
+    driver.events = queue.Queue()
+    stop = threading.Event()
+
+    def stream() -> None:
+        ends = time.perf_counter() + 2.0  # then stops, so a driver that misses its due time fails, not hangs
+        while not stop.is_set() and time.perf_counter() < ends:
+            delta = json.dumps({"requestId": "other-t0", "delta": "x"}).encode()
+            driver.events.put((time.perf_counter(), "chat/u/other/stream", delta))
+            time.sleep(0.005)
+
+    feeder = threading.Thread(target=stream)
+    feeder.start()
+    try:
+        first_delta: dict[str, float] = {}
+        started = time.perf_counter()
+        with pytest.raises(queue.Empty):
+            driver._wait_reply(first_delta, timeout=0.2)
+        assert time.perf_counter() - started < 1.0
+        assert "other-t0" in first_delta
+    finally:
+        stop.set()
+        feeder.join()
