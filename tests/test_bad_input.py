@@ -15,6 +15,7 @@ from test_service import Harness
 
 import worker.transport
 from worker.engine import EngineInfo
+from worker.messages import log_ref
 
 PAYLOAD_LIMIT = 120_000
 
@@ -125,7 +126,7 @@ def test_every_bad_request_gets_one_error_is_acked_and_generates_nothing(live: L
         assert acked_topics.count(live.topic("eve", name)) == 1, name
     for name, _, _ in BAD_CONTROLS:
         assert acked_topics.count(live.topic("eve", name, "control")) == 1, name
-    assert [r.request_id.split("/")[-2] for r in live.engine.requests] == ["after"]
+    assert [r.request_id.split("/")[-2] for r in live.engine.requests] == [log_ref("after")]
     assert sum(live.call(lambda: dict(live.service.stats.errors_by_code)).values()) == len(BAD_REQUESTS + BAD_CONTROLS)
     live.wait_idle()
 
@@ -211,8 +212,11 @@ def test_an_exception_while_dispatching_does_not_stop_the_worker(broker: Mosquit
 
     live.service.dispatch = failing  # type: ignore[method-assign]
     try:
-        client.publish(live.topic("eve", "s1"), {"message": "boom"})
+        client.publish(live.topic("eve", "s1"), {"message": "boom", "requestId": "r0"})
         client.publish(live.topic("eve", "s1"), {"message": "still there?", "requestId": "r1"})
+        # The failed message is answered (never acknowledged in silence), and the next one runs.
+        failed = client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()
+        assert (failed["requestId"], failed["error"]["code"]) == ("r0", "internal_error")
         assert client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()["requestId"] == "r1"
         assert len(live.wait_acked(2)) == 2
     finally:

@@ -31,6 +31,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from support import Mosquitto
 
+from worker.messages import log_ref
+
 LONG = 250  # tokens: ~2.5 s with the fake engine
 SHORT = 5
 
@@ -74,7 +76,7 @@ class Worker(LiveWorker):
 
     def generations(self, request_id: str) -> int:
         """How often the engine was asked to generate request_id."""
-        return sum(f"/{request_id}/" in started for started in list(self.engine.started))
+        return sum(f"/{log_ref(request_id)}/" in started for started in list(self.engine.started))
 
     def wait_generating(self, request_id: str, timeout: float = 10) -> None:
         deadline = time.monotonic() + timeout

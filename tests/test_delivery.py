@@ -67,17 +67,24 @@ def test_an_answered_request_is_answered_from_the_store_after_a_restart(tmp_path
     asyncio.run(scenario())
 
 
-def test_a_redelivery_after_a_reset_is_acknowledged_without_generating() -> None:
+def test_a_request_id_answered_before_a_reset_gets_duplicate_request_and_never_generates() -> None:
+    """The reply's text is gone with the reset: a redelivery, or a new message with the old
+    requestId, is told so (never dropped in silence, never generated again)."""
+
     async def scenario() -> None:
         h = Harness()
-        h.transport.deliver(TOPIC, REQUEST)
+        first = h.transport.deliver(TOPIC, REQUEST)
         await h.run_until(lambda: h.transport.acked)
         h.transport.deliver("chat/u/s1/control", {"action": "reset"})
         await h.run_until(lambda: len(h.transport.acked) == 2)
-        h.transport.deliver(TOPIC, REQUEST)
-        await h.run_until(lambda: len(h.transport.acked) == 3)
+        h.transport.deliver(TOPIC, REQUEST, mid=first, dup=True)  # the broker redelivers it
+        h.transport.deliver(TOPIC, {**REQUEST, "message": "a new question"})  # a client reusing r1
+        await h.run_until(lambda: len(h.transport.acked) == 4)
         assert len(h.engine.started) == 1
-        assert len(h.transport.replies("s1")) == 2  # the reply and the reset's; nothing more
+        _, reset, *duplicates = h.transport.replies("s1")
+        assert reset == {"sessionId": "s1", "action": "reset", "ok": True}
+        assert [d["error"]["code"] for d in duplicates] == ["duplicate_request", "duplicate_request"]
+        assert all(d["requestId"] == "r1" for d in duplicates)
         history = h.service.sessions.get("u/s1")
         assert history.turns == [] and history.answered == {"r1": None}
 

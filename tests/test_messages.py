@@ -137,10 +137,13 @@ def test_control_payloads() -> None:
 
 def test_request_key() -> None:
     assert request_key("t", b"{}", "client-id") == "client-id"
-    key = request_key("chat/u/s/request", b'{"message": "hi"}', None)
-    assert key == request_key("chat/u/s/request", b'{"message": "hi"}', None)  # a redelivery
-    assert key != request_key("chat/u/s2/request", b'{"message": "hi"}', None)
-    assert key != request_key("chat/u/s/request", b'{"message": "hi!"}', None)
+    key = request_key("chat/u/s/request", b'{"message": "hi"}', None, mid=5)
+    assert key == request_key("chat/u/s/request", b'{"message": "hi"}', None, mid=5)  # a redelivery
+    assert key != request_key("chat/u/s/request", b'{"message": "hi"}', None, mid=6)  # sent again: a new turn
+    assert key != request_key("chat/u/s2/request", b'{"message": "hi"}', None, mid=5)
+    assert key != request_key("chat/u/s/request", b'{"message": "hi!"}', None, mid=5)
+    # QoS 0 (no packet id): never redelivered, so every message is a new one.
+    assert request_key("t", b"{}", None) != request_key("t", b"{}", None)
     assert best_effort_request_id(b'{"requestId": "r9", "bad": true}') == "r9"
     assert best_effort_request_id(b"garbage") is None
 

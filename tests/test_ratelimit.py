@@ -7,6 +7,7 @@ from inproc import LiveWorker
 from support import Client, Mosquitto
 
 from worker.config import LimitsConfig
+from worker.messages import log_ref
 from worker.ratelimit import RateLimiter
 
 
@@ -90,7 +91,7 @@ def test_the_sixth_request_of_a_user_in_a_minute_is_rate_limited(broker: Mosquit
         assert "error" not in client.wait_topic(live.topic("bob", "s0", "reply"), 15).json()
         live.wait_idle()
         assert sorted(started.split("/")[2] for started in live.engine.started) == sorted(
-            [f"a{i}" for i in range(5)] + ["b0"]
+            log_ref(key) for key in [f"a{i}" for i in range(5)] + ["b0"]
         )
         assert live.call(lambda: len(live.service.rate_limiter)) == 2
     finally:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from worker.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
-from worker.store import DATABASE_NAME, HistoryStore, MemoryStore, SessionCache, SqliteStore
+from worker.store import DATABASE_NAME, HistoryStore, MemoryStore, SessionCache, SqliteStore, StoreUnavailable
 
 Factory = Callable[[Path], HistoryStore]
 STORES: dict[str, Factory] = {"sqlite": SqliteStore, "memory": lambda _: MemoryStore()}
@@ -157,15 +157,19 @@ def test_a_turn_finished_after_its_session_left_memory_is_not_lost(tmp_path: Pat
     assert cache.get("a").turns == [Turn("k", "hi", "hello")]
 
 
-@pytest.mark.parametrize("damage", ["garbage", "newer schema"])
-def test_an_unreadable_database_is_moved_aside(tmp_path: Path, damage: str) -> None:
+def test_a_newer_workers_database_is_refused_and_kept(tmp_path: Path) -> None:
     path = tmp_path / DATABASE_NAME
-    if damage == "garbage":
-        path.write_bytes(b"this is not a database" * 100)
-    else:
-        db = sqlite3.connect(path)
-        db.execute("PRAGMA user_version=99")
-        db.close()
+    db = sqlite3.connect(path)
+    db.execute("PRAGMA user_version=99")
+    db.close()
+    before = path.read_bytes()
+    with pytest.raises(StoreUnavailable, match="schema version 99"):
+        SqliteStore(tmp_path)
+    assert path.read_bytes() == before and not [p for p in tmp_path.iterdir() if ".corrupt-" in p.name]
+
+
+def test_a_corrupt_database_is_moved_aside(tmp_path: Path) -> None:
+    (tmp_path / DATABASE_NAME).write_bytes(b"this is not a database" * 100)
     store = SqliteStore(tmp_path)  # no exception: a worker that cannot start would loop
     store.save("u/s", two_turns(), "k", b"{}")
     assert store.load("u/s") is not None

@@ -67,6 +67,12 @@ class SessionHistory:
             out.append({"role": "assistant", "content": turn.assistant})
         return out
 
+    def draft(self) -> SessionHistory:
+        """A copy for a turn to work on (its system prompt, trimming, the new turn): the
+        session itself changes only when the answered turn is committed, so a refused or
+        failed request leaves it as it was."""
+        return SessionHistory(self.system_prompt, list(self.turns), self.answered.copy())
+
     def remember_answer(self, key: str, reply_payload: bytes) -> None:
         self.answered[key] = reply_payload
         self.answered.move_to_end(key)

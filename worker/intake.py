@@ -34,9 +34,10 @@ from typing import Protocol
 
 from loguru import logger
 
+from .broker import InboundMessage
+from .broker import Transport as Broker
 from .config import WorkerConfig
 from .topics import InvalidTopic, Topics
-from .transport import InboundMessage
 
 READ_BATCH = 64
 READ_BLOCK_MS = 1000
@@ -60,25 +61,15 @@ class Streams(Protocol):
     async def close(self) -> None: ...
 
 
-class Broker(Protocol):
-    """The MQTT transport's side the intake uses."""
-
-    inbox: asyncio.Queue[InboundMessage]
-
-    def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> asyncio.Future[None]: ...
-
-    def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None: ...
-
-    def ack(self, message: InboundMessage) -> None: ...
-
-
 def encode(message: InboundMessage) -> dict[str, bytes]:
     """A stream entry's fields: what the service needs of the MQTT message. Times as wall
     clock (another host's monotonic clock means nothing here)."""
     now_wall, now = time.time(), time.monotonic()
     fields = {"topic": message.topic.encode(), "payload": message.payload}
+    # The packet id and DUP flag make a request's idempotency key (messages.request_key).
+    fields["mid"] = str(message.mid).encode()
+    if message.dup:
+        fields["dup"] = b"1"
     fields["received"] = repr(now_wall - (now - message.received_at)).encode()
     if message.response_topic is not None:
         fields["response_topic"] = message.response_topic.encode()
@@ -98,13 +89,14 @@ def decode(entry_id: str, fields: dict[str, bytes]) -> InboundMessage:
         topic=fields["topic"].decode(),
         payload=fields["payload"],
         qos=1,
-        mid=0,
+        mid=int(fields.get("mid", b"0")),
         retain=False,
         response_topic=response_topic.decode() if response_topic is not None else None,
         correlation_data=fields.get("correlation_data"),
         received_at=received,
         expires_at=now + (float(expires) - now_wall) if expires is not None else None,
         entry=entry_id,
+        dup=fields.get("dup") == b"1",
     )
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import secrets
 from enum import Enum
 from typing import Annotated, Any, Literal
 
@@ -34,6 +35,10 @@ class ErrorCode(str, Enum):
     INVALID_SCHEMA = "invalid_schema"  # responseFormat schema unusable
     UNSUPPORTED_ACTION = "unsupported_action"  # unknown control action
     ENGINE_ERROR = "engine_error"  # the engine failed this request
+    INTERNAL_ERROR = "internal_error"  # an unexpected error in the worker; sending again may work
+    STORE_UNAVAILABLE = "store_unavailable"  # the session store cannot be used now; send again later
+    SESSION_UNREADABLE = "session_unreadable"  # the session's stored history is damaged; reset it
+    DUPLICATE_REQUEST = "duplicate_request"  # requestId answered before a reset; send a new requestId
 
 
 class RequestError(Exception):
@@ -216,14 +221,44 @@ def _schema_shape(schema: Any) -> tuple[int, int]:
     return depth, values
 
 
+REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
+
+
+def _non_local_reference(node: Any) -> str | None:
+    """The first reference keyword in a schema whose value is not a local JSON pointer or
+    anchor ("#..."): one that names another document, which would have to be fetched."""
+    stack = [node]
+    while stack:
+        current = stack.pop()
+        if isinstance(current, dict):
+            for name in REFERENCE_KEYWORDS:
+                value = current.get(name)
+                # Not a string: a property named "$ref" (its value is a schema), or an invalid
+                # reference that the metaschema check refuses.
+                if isinstance(value, str) and not value.startswith("#"):
+                    return name
+            stack.extend(current.values())
+        elif isinstance(current, list):
+            stack.extend(current)
+    return None
+
+
 def check_json_schema(schema: dict[str, Any]) -> None:
-    """Refuse (invalid_schema) a responseFormat schema that is not a valid JSON Schema, or
-    too large or deep to be compiled into a grammar in reasonable time."""
+    """Refuse (invalid_schema) a responseFormat schema that is not a valid JSON Schema, that
+    refers to another document (only local references, "#/$defs/..." or "#anchor", are
+    allowed: nothing is ever fetched), or that is too large or deep to be compiled into a
+    grammar in reasonable time."""
     depth, values = _schema_shape(schema)
     if depth > MAX_SCHEMA_DEPTH:
         raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
     if values > MAX_SCHEMA_NODES:
         raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema has more than {MAX_SCHEMA_NODES} values")
+    keyword = _non_local_reference(schema)
+    if keyword is not None:
+        raise RequestError(
+            ErrorCode.INVALID_SCHEMA,
+            f"schema has a {keyword} to another document; only local references (#/...) are allowed",
+        )
     try:
         jsonschema.validators.validator_for(schema).check_schema(schema)
     except jsonschema.SchemaError as exc:
@@ -242,13 +277,29 @@ def parse_control(payload: bytes, max_payload_bytes: int) -> ControlRequest:
         raise RequestError(ErrorCode.INVALID_REQUEST, _validation_message(exc)) from None
 
 
-def request_key(topic: str, payload: bytes, request_id: str | None) -> str:
-    """The idempotency key: the client's requestId, else a hash of topic and payload, so a
-    redelivered copy of the same message is recognised."""
+def request_key(topic: str, payload: bytes, request_id: str | None, mid: int = 0) -> str:
+    """The idempotency key: the client's requestId; else a hash of topic and payload with the
+    MQTT packet id, which a redelivery of the message keeps (and a new message of the same
+    text does not get: two publishes of "continue" are two turns). A QoS 0 message (no packet
+    id) is never redelivered: its key is unique. The service tells a new message that reuses
+    an answered key (a packet id used again) by MQTT's DUP flag."""
     if request_id:
         return request_id
-    digest = hashlib.sha256(topic.encode() + b"\x00" + payload).hexdigest()
-    return f"h-{digest[:32]}"
+    digest = hashlib.sha256(topic.encode() + b"\x00" + payload).hexdigest()[:24]
+    return f"h-{digest}-{mid}" if mid else f"h-{digest}-{secrets.token_hex(4)}"
+
+
+def fresh_key(key: str) -> str:
+    """Another key for a new message whose hash key is already taken (see request_key)."""
+    return f"{key}-{secrets.token_hex(4)}"
+
+
+def log_ref(key: str | None) -> str:
+    """How logs at INFO and above name a request: a short hash, since a requestId is the
+    client's text (which is logged at DEBUG only)."""
+    if key is None:
+        return "-"
+    return "r:" + hashlib.sha256(key.encode()).hexdigest()[:10]
 
 
 def best_effort_request_id(payload: bytes, max_payload_bytes: int | None = None) -> str | None:

@@ -24,15 +24,18 @@ Every multi-key change is one Lua script: atomic, no home-made locking.
 
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import OrderedDict
-from typing import Any
+from collections.abc import Callable
+from typing import Any, TypeVar
 
 import redis
 import redis.asyncio as aioredis
 
-from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory
+from .store import StoreUnavailable, parse_state
 
 GROUP = "workers"
 
@@ -129,6 +132,22 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
+T = TypeVar("T")
+
+
+def _guarded(method: Callable[..., T]) -> Callable[..., T]:
+    """RedisStore methods: Redis unreachable or failing is StoreUnavailable (store.py)."""
+
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        try:
+            return method(*args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"the Redis store failed: {exc}") from exc
+
+    return guarded
+
+
 ASYNC_CONNECTIONS = 64  # per worker, for the intake's concurrent operations
 
 
@@ -154,6 +173,7 @@ class RedisStore:
         tag = f"{self._prefix}:{{{session}}}"
         return [f"{tag}:state", f"{tag}:answers", f"{tag}:order", f"{tag}:deliveries"]
 
+    @_guarded
     def load(self, session: str) -> SessionHistory | None:
         state_key, answers_key, order_key, _ = self._keys(session)
         pipe = self._db.pipeline(transaction=True)
@@ -165,9 +185,7 @@ class RedisStore:
             return None
         history = SessionHistory()
         if state is not None:
-            data = json.loads(state)
-            history.system_prompt = data["systemPrompt"]
-            history.turns = [Turn(t["key"], t["user"], t["assistant"]) for t in data["turns"]]
+            history.system_prompt, history.turns = parse_state(session, state)
         answered: OrderedDict[str, bytes | None] = OrderedDict()
         for key in order:
             payload = answers.get(key)
@@ -176,6 +194,7 @@ class RedisStore:
         history.answered = answered
         return history
 
+    @_guarded
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         turns = [{"key": t.key, "user": t.user, "assistant": t.assistant} for t in history.turns]
         state = json.dumps({"systemPrompt": history.system_prompt, "turns": turns}, ensure_ascii=False)
@@ -190,9 +209,11 @@ class RedisStore:
         stored = self._save(keys=self._keys(session), args=args)
         return bytes(stored) if stored else None
 
+    @_guarded
     def reset(self, session: str) -> None:
         self._reset(keys=self._keys(session)[:2])
 
+    @_guarded
     def count_delivery(self, session: str, key: str) -> int:
         deliveries = self._keys(session)[3]
         pipe = self._db.pipeline(transaction=True)
@@ -201,6 +222,7 @@ class RedisStore:
             pipe.pexpire(deliveries, self._ttl_ms)
         return int(pipe.execute()[0])
 
+    @_guarded
     def uncount_delivery(self, session: str, key: str) -> None:
         deliveries = self._keys(session)[3]
         if int(self._db.hget(deliveries, key) or 0) > 0:

@@ -3,17 +3,26 @@
 One asyncio loop owns all state. Each request becomes a task that waits for its session's
 lock (asyncio locks are FIFO, so a session's turns run in arrival order) and then streams
 from the engine; tasks of different sessions run at once, and the engine batches them
-continuously. Every inbound message is acknowledged exactly when it has been answered.
+continuously.
+
+The delivery invariant (docs/reliability.md) lives here, in ``_acknowledge``, the one place
+that acknowledges: a message is acknowledged after its answer (reply or error) was taken by
+the broker, or when it is one of the documented messages that get no answer (an invalid
+topic, a retained request, a cancel). A turn works on a draft of its session, and only the
+answered turn is committed (one store transaction): a refused or failed request leaves the
+session as it was.
 """
 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Coroutine
-from typing import Any, Protocol
+import contextlib
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any
 
 from loguru import logger
 
+from .broker import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .config import WorkerConfig
 from .engine import Engine, EngineDead
 from .history import HistoryLimits, PromptRenderer
@@ -25,6 +34,8 @@ from .messages import (
     ErrorReply,
     RequestError,
     best_effort_request_id,
+    fresh_key,
+    log_ref,
     parse_chat_request,
     parse_control,
     request_key,
@@ -32,18 +43,21 @@ from .messages import (
 from .packets import fit_answer
 from .ratelimit import RateLimiter
 from .stats import StatsCollector
-from .store import HistoryStore, MemoryStore, SessionCache
+from .store import HistoryStore, MemoryStore, SessionCache, SessionUnreadable, StoreError, StoreUnavailable
 from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
-from .transport import InboundMessage
-from .turns import PendingTurn, Publisher, ReplyTarget, SessionRuntime, TurnRunner
+from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
 
 DISPATCH_TRIES = 60
 
 
-class Transport(Publisher, Protocol):
-    inbox: asyncio.Queue[InboundMessage]
-
-    def ack(self, message: InboundMessage) -> None: ...
+def store_refusal(exc: StoreError) -> RequestError:
+    """The answer to a request whose session store failed (StoreError)."""
+    if isinstance(exc, SessionUnreadable):
+        return RequestError(
+            ErrorCode.SESSION_UNREADABLE,
+            "this session's stored history cannot be read; reset the session (action reset) to start it again",
+        )
+    return RequestError(ErrorCode.STORE_UNAVAILABLE, "the session store is unavailable; send the request again later")
 
 
 class Service:
@@ -94,21 +108,25 @@ class Service:
             message = await self.transport.inbox.get()
             if self._draining:
                 # Left unacknowledged: the broker delivers it again after the restart.
-                logger.info("Stopping: {} left unacknowledged for the next start", message.topic)
+                logger.info("Stopping: a message left unacknowledged for the next start")
                 continue
             try:
                 self.dispatch(message)
-            except Exception:  # one bad message must not stop the worker
-                logger.exception("unexpected error handling a message on {}", message.topic)
-                self._after_failure(message)
+            except StoreUnavailable as exc:  # from the intake only: its entry is tried again
+                self._after_failure(message, exc)
+            except Exception as exc:  # one bad message must not stop the worker
+                logger.exception("Unexpected error handling a message")
+                self._after_failure(message, exc)
             else:
                 if self._failures and message.entry is not None:
                     self._failures.pop(message.entry, None)
 
-    def _after_failure(self, message: InboundMessage) -> None:
-        """Drop a message that could not be handled (acknowledged, unanswered), unless it came
-        from the Redis intake and has tries left: it is handed in again a second later, so an
-        unreachable store for a while (up to DISPATCH_TRIES s) loses no request."""
+    def _after_failure(self, message: InboundMessage, exc: Exception) -> None:
+        """A message whose handling raised unexpectedly. From the Redis intake, with tries
+        left, it is handed in again a second later, so an unreachable store for a while (up to
+        DISPATCH_TRIES s) loses no request. Otherwise it is answered with internal_error; if
+        not even that can be built, it stays unacknowledged (the broker delivers it again
+        after a reconnect): never acknowledged in silence."""
         if message.entry is not None:
             tries = self._failures.get(message.entry, 0) + 1
             if tries < DISPATCH_TRIES:
@@ -116,7 +134,16 @@ class Service:
                 asyncio.get_running_loop().call_later(1.0, self.transport.inbox.put_nowait, message)
                 return
             self._failures.pop(message.entry, None)
-        self.transport.ack(message)
+        try:
+            address, _ = self.topics.parse(message.topic)
+            request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
+            if isinstance(exc, StoreError):
+                error = store_refusal(exc)
+            else:
+                error = RequestError(ErrorCode.INTERNAL_ERROR, "internal error; sending the request again may work")
+            self._answer_error(message, address, self._reply_target(message, address), request_id, error)
+        except Exception:
+            logger.exception("Cannot answer a message that failed: it stays unacknowledged")
 
     async def publish_stats_forever(self) -> None:
         interval = self.config.stats.interval
@@ -141,7 +168,8 @@ class Service:
     def publish_stats(self) -> None:
         report = self.stats.report(self.engine.take_stats(), sessions=len(self.sessions), pending=self.pending)
         logger.info(report.log_line())
-        self.transport.publish(self.topics.stats(self.worker_id), report.to_json(), qos=1, retain=True)
+        done = self.transport.publish(self.topics.stats(self.worker_id), report.to_json(), qos=1, retain=True)
+        log_publish_failure(done, "the stats")
 
     async def drain(self, timeout: float) -> None:
         """Let running generations finish (up to timeout), then abort the rest unanswered:
@@ -164,14 +192,16 @@ class Service:
         try:
             address, kind = self.topics.parse(message.topic)
         except InvalidTopic as exc:
-            logger.warning("Ignoring message on invalid topic {!r}: {}", message.topic[:300], exc)
+            # The topic is the sender's text: only its size at WARNING.
+            logger.warning("Ignoring a message on an invalid topic ({} bytes)", len(message.topic.encode()))
+            logger.debug("Invalid topic {!r}: {}", message.topic[:300], exc)
             self.stats.record_invalid_topic()
-            self.transport.ack(message)
+            self._acknowledge([message])
             return
         if message.retain:
             # A retained request would be replayed to every worker that subscribes: never run it.
-            logger.warning("Ignoring retained message on {}", message.topic)
-            self.transport.ack(message)
+            logger.warning("Ignoring a retained message on {}'s {} topic", address, kind.value)
+            self._acknowledge([message])
             return
         if kind is Inbound.CONTROL:
             self._dispatch_control(message, address)
@@ -199,36 +229,57 @@ class Service:
 
     def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
         request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
-        key = request_key(message.topic, message.payload, request_id)
         target = self._reply_target(message, address)
-        history = self.sessions.get(str(address))
+        name = str(address)
+        runtime = self._runtime_for(address)
+        key = request_key(message.topic, message.payload, request_id, message.mid if message.qos else 0)
+        try:
+            history = self.sessions.get(name)
+        except StoreError as exc:
+            if message.entry is not None and isinstance(exc, StoreUnavailable):
+                raise  # the intake's entry is tried again for a while (_after_failure)
+            self._answer_error(message, address, target, request_id or key, store_refusal(exc))
+            self._forget_if_idle(address, runtime)
+            return
+        if request_id is None and not message.dup and (key in history.answered or key in runtime.messages):
+            # Not a redelivery (no DUP flag), yet its hash key is taken: the same text again
+            # with a packet id the broker used before (ids wrap, or a broker session was lost).
+            key = fresh_key(key)
         if key in history.answered:
             stored = history.answered[key]
-            if stored is None:  # answered before a reset deleted the text: nothing to resend
-                logger.info("Request {} of {} was answered before the session's reset: acknowledged", key, address)
-                self.transport.ack(message)
+            if stored is None:  # answered before a reset deleted the reply: never generated again
+                duplicate = RequestError(
+                    ErrorCode.DUPLICATE_REQUEST,
+                    "this request was answered before the session was reset, and its reply was deleted; "
+                    "to ask again, send it with a new requestId",
+                )
+                self._answer_error(message, address, target, key, duplicate)
             else:
-                logger.info("Request {} of {} already answered: publishing the stored reply", key, address)
+                logger.info("Request {} of {} already answered: publishing the stored reply", log_ref(key), address)
                 self._answer([message], target, stored)
             return
-        runtime = self._runtime_for(address)
         if key in runtime.messages:
-            logger.info("Request {} of {} is a redelivery of one in progress", key, address)
+            logger.info("Request {} of {} is a redelivery of one in progress", log_ref(key), address)
             runtime.messages[key].append(message)
             return
         try:
             self._check_rate(address)
             request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
             self._admit(request, runtime)
-        except RequestError as exc:
-            self._answer_error(message, address, target, key, exc)
+            deliveries = self.sessions.store.count_delivery(name, key)
+        except (RequestError, StoreError) as exc:
+            if message.entry is not None and isinstance(exc, StoreUnavailable):
+                raise
+            refusal = store_refusal(exc) if isinstance(exc, StoreError) else exc
+            self._answer_error(message, address, target, key, refusal)
             self._forget_if_idle(address, runtime)  # else every refused session would stay
             return
-        deliveries = self.sessions.store.count_delivery(str(address), key)
         if deliveries > self.config.limits.max_deliveries:
             # Delivered again and again without an answer: it crashed the worker (or its
             # engine) each time. A final error ends the loop.
-            logger.error("Request {} of {} is poison ({} deliveries without an answer)", key, address, deliveries - 1)
+            logger.error(
+                "Request {} of {} is poison ({} deliveries without an answer)", log_ref(key), address, deliveries - 1
+            )
             poison = RequestError(
                 ErrorCode.ENGINE_ERROR,
                 f"the request was tried {deliveries - 1} times and never completed; it is not tried again",
@@ -291,80 +342,82 @@ class Service:
             return
         runtime = self._runtime_for(address)
         if control.action == "cancel":
-            self._cancel(address, runtime, control.request_id)
-            self.transport.ack(message)
+            if control.request_id is None:
+                missing = RequestError(ErrorCode.INVALID_REQUEST, "cancel needs the requestId of the request to cancel")
+                self._answer_error(message, address, target, None, missing)
+            else:
+                # Answered by the cancelled request's reply (finishReason cancelled); a cancel of
+                # nothing in flight (answered already, or unknown) has nothing to answer.
+                self._cancel(address, runtime, control.request_id)
+                self._acknowledge([message])
         elif control.action == "reset":
             runtime.waiting += 1
-            self._spawn(self._reset(message, address, target, runtime), request=True)
+            self._spawn(self._reset(message, address, target, runtime, control.request_id), request=True)
         else:
-            unsupported = RequestError(
-                ErrorCode.UNSUPPORTED_ACTION, f"unknown action {control.action[:40]!r}; use reset or cancel"
-            )
+            unsupported = RequestError(ErrorCode.UNSUPPORTED_ACTION, "unknown action; use reset or cancel")
             self._answer_error(message, address, target, control.request_id, unsupported)
         self._forget_if_idle(address, runtime)
 
-    def _cancel(self, address: SessionAddress, runtime: SessionRuntime, key: str | None) -> None:
-        if key is None:
-            logger.info("Cancel for {} without requestId ignored", address)
-        elif key in runtime.running:
-            logger.info("Cancelling running request {} of {}", key, address)
+    def _cancel(self, address: SessionAddress, runtime: SessionRuntime, key: str) -> None:
+        if key in runtime.running:
+            logger.info("Cancelling running request {} of {}", log_ref(key), address)
             self._spawn(self.engine.abort(runtime.running[key]))
         elif key in runtime.messages:
-            logger.info("Cancelling queued request {} of {}", key, address)
+            logger.info("Cancelling queued request {} of {}", log_ref(key), address)
             runtime.cancelled.add(key)
         else:
-            logger.info("Cancel for {} of {}: nothing in flight", key, address)
+            logger.info("Cancel for {} of {}: nothing in flight", log_ref(key), address)
 
     async def _reset(
-        self, message: InboundMessage, address: SessionAddress, target: ReplyTarget, runtime: SessionRuntime
+        self,
+        message: InboundMessage,
+        address: SessionAddress,
+        target: ReplyTarget,
+        runtime: SessionRuntime,
+        request_id: str | None,
     ) -> None:
+        """A reset runs in order with the session's requests: after those that arrived before
+        it (they are answered with the old history), before those that arrive after it."""
         try:
-            async with runtime.lock:  # in order with the session's turns
+            async with runtime.lock:
                 runtime.waiting -= 1
-                self.sessions.reset(str(address))
-                logger.info("Session {} reset", address)
-            await self._confirmed_answer(
-                [message], target, ControlReply(session_id=address.session, action="reset").to_json()
-            )
+                try:
+                    self.sessions.reset(str(address))
+                except StoreError as exc:
+                    payload = self._error_payload(address, request_id, store_refusal(exc))
+                else:
+                    logger.info("Session {} reset", address)
+                    payload = ControlReply(session_id=address.session, action="reset").to_json()
+            await self._confirmed_answer([message], target, payload)
         finally:
             self._forget_if_idle(address, runtime)
 
     # -- one turn -----------------------------------------------------------------------
 
     async def _run_turn(self, turn: PendingTurn) -> None:
-        """Generate, store the turn with its answer (one transaction), publish the answer,
-        and acknowledge the request only once the broker has the answer (its PUBACK)."""
+        """Generate, commit the answered turn with its answer (one transaction), publish the
+        answer, and acknowledge the request only once the broker has the answer."""
         message, address, target, key, runtime = turn.message, turn.address, turn.target, turn.key, turn.runtime
         name = str(address)
-        stored = False
+        settled = False  # the delivery has its outcome: an answer committed, or a refusal
         try:
             async with runtime.lock:
                 runtime.waiting -= 1
-                history = self.sessions.get(name)
-                try:
-                    payload = await self.turns.run(turn, history)
-                except RequestError as exc:
-                    payload = self._error_payload(address, key, exc)
-                    self.sessions.save(name, history, key, None)  # an error is not a stored answer
-                else:
-                    first = self.sessions.save(name, history, key, payload)
-                    if first is not None:  # a worker taken for dead answered it too, first
-                        logger.warning("Request {} of {} was answered by another worker first", key, address)
-                        payload = first
-                stored = True
+                payload = await self._answer_turn(turn, name)
+                settled = True
             await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
         except asyncio.CancelledError:
             # Shutting down: the work was interrupted and has no answer yet (or its answer is
             # stored but not confirmed). Left unacknowledged, the broker redelivers it after
             # the restart; a stop is not the request's fault, so it does not count as a try.
-            if not stored:
-                self.sessions.store.uncount_delivery(name, key)
+            if not settled:
+                self._uncount_delivery(name, key)
             raise
         except EngineDead:
             raise  # left unacknowledged and counted: the request may be what killed the engine
         except Exception:  # a bug of ours: answer rather than leave the client waiting
-            logger.exception("Unexpected error on request {} of {}", key, address)
-            error = RequestError(ErrorCode.ENGINE_ERROR, "internal error")
+            logger.exception("Unexpected error on request {} of {}", log_ref(key), address)
+            error = RequestError(ErrorCode.INTERNAL_ERROR, "internal error; sending the request again may work")
             await self._confirmed_answer(
                 runtime.messages.get(key, [message]), target, self._error_payload(address, key, error)
             )
@@ -372,6 +425,34 @@ class Service:
             runtime.messages.pop(key, None)
             runtime.cancelled.discard(key)
             self._forget_if_idle(address, runtime)
+
+    async def _answer_turn(self, turn: PendingTurn, name: str) -> bytes:
+        """The turn's answer: its reply, with the session's new state committed, or an error
+        with the session left as it was."""
+        address, key = turn.address, turn.key
+        try:
+            history = self.sessions.get(name)
+            answer = await self.turns.run(turn, history.draft())
+            if answer.state is None:  # cancelled before it ran: no turn, nothing to commit
+                self._uncount_delivery(name, key)
+                return answer.payload
+            first = self.sessions.save(name, answer.state, key, answer.payload)
+        except RequestError as exc:
+            self._uncount_delivery(name, key)  # answered: not a try that failed
+            return self._error_payload(address, key, exc)
+        except StoreError as exc:
+            # Nothing committed, so nothing is published as answered: the turn would be
+            # missing from the history the next turn sees.
+            return self._error_payload(address, key, store_refusal(exc))
+        if first is not None:  # a worker taken for dead answered it too, first
+            logger.warning("Request {} of {} was answered by another worker first", log_ref(key), address)
+            return first
+        return answer.payload
+
+    def _uncount_delivery(self, name: str, key: str) -> None:
+        # A store error is logged by the store; the count only matters if the request comes back.
+        with contextlib.suppress(StoreError):
+            self.sessions.store.uncount_delivery(name, key)
 
     # -- replies ------------------------------------------------------------------------
 
@@ -383,7 +464,8 @@ class Service:
                 topic_matches(pattern, wanted) for pattern in self.config.mqtt.allowed_response_topics
             )
             if not allowed:
-                logger.warning("ResponseTopic {!r} of {} is not allowed; replying on {}", wanted[:300], address, own)
+                logger.warning("A ResponseTopic of {} is not allowed; replying on the session's own topic", address)
+                logger.debug("ResponseTopic {!r} not allowed", wanted[:300])
                 wanted = None
         return ReplyTarget(wanted or own, message.correlation_data)
 
@@ -391,27 +473,42 @@ class Service:
         limit = self.transport.payload_limit(target.topic, qos=1, correlation_data=target.correlation_data)
         fitted = fit_answer(payload, limit)
         if fitted is None:
-            logger.error("An answer on {} does not fit the broker's maximum packet size: not sent", target.topic)
             nothing: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            nothing.set_result(None)
+            nothing.set_exception(PublishRefused("not even an error fits the broker's maximum packet size"))
             return nothing
         if fitted is not payload:
-            logger.warning("An answer on {} was cut to the broker's maximum packet size", target.topic)
+            logger.warning("An answer was cut to the broker's maximum packet size")
         return self.transport.publish(target.topic, fitted, qos=1, correlation_data=target.correlation_data)
 
     async def _confirmed_answer(self, messages: list[InboundMessage], target: ReplyTarget, payload: bytes) -> None:
         """Publish an answer; acknowledge the request (and its redelivered copies) once the
-        broker has taken the answer. Until then a crash leaves the request to be delivered
-        again, and it is answered from the store."""
-        await self._publish(target, payload)
-        for copy in messages:
-            self.transport.ack(copy)
+        broker has taken it. Until then a crash leaves the request to be delivered again, and
+        it is answered from the store. An answer the broker refuses is final (it would be
+        refused again): the request is acknowledged, with an error in the log. One not sent
+        leaves the request unacknowledged, for the broker to deliver again."""
+        try:
+            await self._publish(target, payload)
+        except PublishRefused as exc:
+            logger.error("An answer was refused ({}); its request is acknowledged: it would be refused again", exc)
+        except PublishNotSent as exc:
+            logger.warning("An answer was not sent ({}); its request is left to be delivered again", exc)
+            return
+        self._acknowledge(messages)
+
+    def _acknowledge(self, messages: Iterable[InboundMessage]) -> None:
+        """The one place that acknowledges a message (docs/reliability.md): after its answer
+        was taken by the broker, or for a message that gets no answer by design (an invalid
+        topic, a retained request, a cancel)."""
+        for message in messages:
+            self.transport.ack(message)
 
     def _answer(self, messages: list[InboundMessage], target: ReplyTarget, payload: bytes) -> None:
         self._spawn(self._confirmed_answer(messages, target, payload))
 
     def _error_payload(self, address: SessionAddress, key: str | None, exc: RequestError) -> bytes:
-        logger.info("Request {} of {} refused: {} ({})", key, address, exc.code.value, exc.message)
+        # The message can quote the client's text (a field's name, an action): DEBUG only.
+        logger.info("Request {} of {} refused: {}", log_ref(key), address, exc.code.value)
+        logger.debug("Request {} refused: {}", key, exc.message)
         self.stats.record_error(exc.code.value)
         reply = ErrorReply(
             session_id=address.session, request_id=key, error=ErrorBody(code=exc.code, message=exc.message)
@@ -433,7 +530,9 @@ class Service:
         payload = self._error_payload(address, key, exc)
         if store and key is not None:
             name = str(address)
-            self.sessions.save(name, self.sessions.get(name), key, payload)
+            # A store error is logged by the store: answered all the same, a redelivery decides again.
+            with contextlib.suppress(StoreError):
+                self.sessions.save(name, self.sessions.get(name).draft(), key, payload)
         self._answer([message], target, payload)
 
     def _forget_if_idle(self, address: SessionAddress, runtime: SessionRuntime) -> None:

@@ -9,9 +9,15 @@ answer: a request that keeps killing the worker is recognised (a poison request)
 
 SQLite runs in WAL mode with ``synchronous=NORMAL``: a turn is one transaction, and a
 committed transaction survives the worker's crash or SIGKILL (it is in the OS's page cache
-and the WAL); only a power loss can take the last transactions since a checkpoint. A
-database that cannot be opened or read is moved aside with an error log and a new one is
-started: losing history beats a worker that cannot start (systemd would restart it forever).
+and the WAL); only a power loss can take the last transactions since a checkpoint.
+
+Faults are typed (docs/reliability.md): a database locked by another connection (an
+operator's sqlite3 shell, a backup) is waited for, within a busy timeout and a few retries,
+then StoreUnavailable; so are a full disk, a read-only state directory and I/O errors, and the
+request gets a ``store_unavailable`` answer. A database is moved aside (and a new one started)
+only when SQLite itself proves it corrupt (not a database, malformed, failed integrity check):
+never for a lock. One session whose stored state cannot be parsed raises SessionUnreadable for
+that session alone; its reset still works (it deletes the row without reading it).
 
 Deleting means the text is gone from the files, not only from the tables: ``secure_delete``
 overwrites deleted rows with zeros, and a reset or an expiry checkpoints and truncates the
@@ -20,12 +26,14 @@ WAL, which still holds the pages as they were before.
 
 from __future__ import annotations
 
+import functools
 import json
 import sqlite3
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
 from loguru import logger
 
@@ -33,6 +41,79 @@ from .config import HistoryConfig, RedisConfig
 from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 
 DATABASE_NAME = "sessions.sqlite3"
+# How long one statement waits for another connection's lock, and how often it is tried: the
+# store runs on the event loop, so a wait holds every session's streaming. 1 s x 3 tries
+# rides out a backup's or a shell's short transaction; a lock held longer gets
+# store_unavailable answers until it is released.
+BUSY_TIMEOUT = 1.0
+BUSY_TRIES = 3
+# At start a lock is waited for longer (nothing is being served yet), then the start fails
+# with a clear error: systemd restarts it, and the database is left as it is.
+OPEN_LOCKED_TIMEOUT = 60.0
+_CORRUPTION = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB: the only errors that prove a damaged file
+_BUSY = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED
+
+
+class StoreError(Exception):
+    """A store operation failed. The request it served gets an error answer, never silence."""
+
+
+class StoreUnavailable(StoreError):
+    """The store cannot be used now (locked past the busy timeout, disk full, read-only, I/O
+    error, Redis unreachable). It may recover by itself; the request can be sent again."""
+
+
+class SessionUnreadable(StoreError):
+    """One session's stored state cannot be parsed: that session alone is affected."""
+
+    def __init__(self, session: str, detail: str) -> None:
+        super().__init__(f"the stored state of session {session} cannot be read: {detail}")
+        self.session = session
+
+
+def _sqlite_code(exc: sqlite3.Error) -> int | None:
+    code = getattr(exc, "sqlite_errorcode", None)  # Python >= 3.11
+    return code & 0xFF if isinstance(code, int) else None
+
+
+def is_corruption(exc: sqlite3.Error) -> bool:
+    code = _sqlite_code(exc)
+    if code is not None:
+        return code in _CORRUPTION
+    # Python 3.10 has no error codes: sqlite3 raises the bare DatabaseError for exactly these.
+    return type(exc) is sqlite3.DatabaseError
+
+
+def is_busy(exc: sqlite3.Error) -> bool:
+    code = _sqlite_code(exc)
+    if code is not None:
+        return code in _BUSY
+    return isinstance(exc, sqlite3.OperationalError) and ("locked" in str(exc) or "busy" in str(exc))
+
+
+T = TypeVar("T")
+
+
+def _guarded(method: Callable[..., T]) -> Callable[..., T]:
+    """SqliteStore methods: a lock is retried (BUSY_TRIES, each waiting BUSY_TIMEOUT), and
+    every SQLite error ends as StoreUnavailable."""
+
+    @functools.wraps(method)
+    def guarded(self: SqliteStore, *args: Any, **kwargs: Any) -> T:
+        for attempt in range(1, BUSY_TRIES + 1):
+            try:
+                return method(self, *args, **kwargs)
+            except sqlite3.Error as exc:
+                if is_busy(exc) and attempt < BUSY_TRIES:
+                    logger.warning("Session database is locked by another connection; retrying ({})", attempt)
+                    continue
+                logger.error("Session database error in {}: {}", method.__name__, exc)
+                raise StoreUnavailable(f"the session store failed: {exc}") from exc
+        raise AssertionError("unreachable")
+
+    return guarded
+
+
 SCHEMA_VERSION = 1
 _SCHEMA = """
 CREATE TABLE IF NOT EXISTS sessions (
@@ -103,39 +184,74 @@ def _state(history: SessionHistory) -> str:
     return json.dumps({"systemPrompt": history.system_prompt, "turns": turns}, ensure_ascii=False)
 
 
-def _history(state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    data = json.loads(state)
-    turns = [Turn(t["key"], t["user"], t["assistant"]) for t in data["turns"]]
-    return SessionHistory(data["systemPrompt"], turns, OrderedDict(answers))
+def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn]]:
+    """The system prompt and turns of a stored state; SessionUnreadable when it is damaged."""
+    try:
+        data = json.loads(state)
+        turns = [Turn(str(t["key"]), str(t["user"]), str(t["assistant"])) for t in data["turns"]]
+        system_prompt = data["systemPrompt"]
+        if system_prompt is not None and not isinstance(system_prompt, str):
+            raise TypeError("systemPrompt is not a string")
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SessionUnreadable(session, f"{type(exc).__name__}: {str(exc)[:200]}") from None
+    return system_prompt, turns
+
+
+def _history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
+    system_prompt, turns = parse_state(session, state)
+    return SessionHistory(system_prompt, turns, OrderedDict(answers))
 
 
 class SqliteStore:
     shared = False
 
-    def __init__(self, state_dir: Path) -> None:
-        state_dir.mkdir(parents=True, exist_ok=True)
+    def __init__(self, state_dir: Path, *, open_locked_timeout: float = OPEN_LOCKED_TIMEOUT) -> None:
         self.path = state_dir / DATABASE_NAME
         try:
+            state_dir.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise StoreUnavailable(f"cannot create the state directory {state_dir}: {exc}") from exc
+        deadline = time.monotonic() + open_locked_timeout
+        while True:
+            try:
+                self._db = self._open()
+                return
+            except sqlite3.Error as exc:
+                if is_corruption(exc):
+                    damage = exc
+                    break
+                if is_busy(exc) and time.monotonic() < deadline:
+                    logger.warning("Session database {} is locked by another connection ({}); waiting", self.path, exc)
+                    time.sleep(1.0)
+                    continue
+                raise StoreUnavailable(f"cannot open the session database {self.path}: {exc}") from exc
+        aside = self._move_aside()
+        logger.error("Session database {} is corrupt ({}); moved to {}, starting empty", self.path, damage, aside)
+        try:
             self._db = self._open()
-        except sqlite3.DatabaseError as exc:
-            aside = self._move_aside()
-            logger.error("Session database {} is unreadable ({}); moved to {}, starting empty", self.path, exc, aside)
-            self._db = self._open()
+        except sqlite3.Error as exc:
+            raise StoreUnavailable(f"cannot open the session database {self.path}: {exc}") from exc
 
     def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.path, isolation_level=None, check_same_thread=False)
+        db = sqlite3.connect(self.path, timeout=BUSY_TIMEOUT, isolation_level=None, check_same_thread=False)
         try:
-            db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
-            db.execute("PRAGMA secure_delete=ON")
-            check = db.execute("PRAGMA quick_check").fetchone()
-            if check is None or check[0] != "ok":
-                raise sqlite3.DatabaseError(f"integrity check failed: {check}")
+            # Read-only checks first: a database this worker must not use is left untouched.
             version = db.execute("PRAGMA user_version").fetchone()[0]
             if version not in (0, SCHEMA_VERSION):
-                raise sqlite3.DatabaseError(f"schema version {version}; this worker knows {SCHEMA_VERSION}")
-            db.executescript(_SCHEMA)
-            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                # A newer worker's database: refuse to start rather than throw it away.
+                raise StoreUnavailable(
+                    f"{self.path} has schema version {version}; this worker knows {SCHEMA_VERSION} (a newer worker's?)"
+                )
+            check = db.execute("PRAGMA quick_check").fetchone()
+            if check is None or check[0] != "ok":
+                raise sqlite3.DatabaseError(f"integrity check failed: {check}")  # corruption, proven
+            if db.execute("PRAGMA journal_mode").fetchone()[0] != "wal":  # changing it takes a lock
+                db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA secure_delete=ON")
+            if version != SCHEMA_VERSION:  # a new database: writing takes the lock, so only then
+                db.executescript(_SCHEMA)
+                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
             db.close()
             raise
@@ -149,6 +265,7 @@ class SqliteStore:
                 part.rename(Path(f"{aside}{suffix}"))
         return aside
 
+    @_guarded
     def load(self, session: str) -> SessionHistory | None:
         row = self._db.execute("SELECT state FROM sessions WHERE name = ?", (session,)).fetchone()
         answers = self._db.execute(
@@ -157,8 +274,9 @@ class SqliteStore:
         ).fetchall()
         if row is None and not answers:
             return None
-        return _history(row[0] if row else _state(SessionHistory()), list(reversed(answers)))
+        return _history(session, row[0] if row else _state(SessionHistory()), list(reversed(answers)))
 
+    @_guarded
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         now = time.time()
         with self._transaction():
@@ -180,12 +298,14 @@ class SqliteStore:
             self._db.execute("DELETE FROM deliveries WHERE session = ? AND key = ?", (session, key))
         return None
 
+    @_guarded
     def reset(self, session: str) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM sessions WHERE name = ?", (session,))
             self._db.execute("UPDATE answers SET payload = NULL WHERE session = ?", (session,))
         self._purge_wal()
 
+    @_guarded
     def count_delivery(self, session: str, key: str) -> int:
         row = self._db.execute(
             "INSERT INTO deliveries (session, key, count, updated) VALUES (?, ?, 1, ?) "
@@ -195,11 +315,13 @@ class SqliteStore:
         ).fetchone()
         return int(row[0])
 
+    @_guarded
     def uncount_delivery(self, session: str, key: str) -> None:
         self._db.execute(
             "UPDATE deliveries SET count = count - 1 WHERE session = ? AND key = ? AND count > 0", (session, key)
         )
 
+    @_guarded
     def expire(self, idle_seconds: float) -> list[str]:
         cutoff = time.time() - idle_seconds
         with self._transaction():
@@ -309,20 +431,25 @@ class SessionCache:
             self._sessions.popitem(last=False)
 
     def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
-        """Store the session as it is now, with the answer to key (one transaction). The
-        history object is the one the turn ran on: had the session been dropped from memory
-        meanwhile, loading it again would lose that turn. None, or the answer another worker
-        stored for key first (HistoryStore.save)."""
+        """Commit a session's new state with the answer to key: in the store (one
+        transaction) first, then in memory, so a store that fails (StoreError) leaves both as
+        they were. ``history`` is the draft the turn ran on (SessionHistory.draft). None, or
+        the answer another worker stored for key first (HistoryStore.save)."""
+        first = self.store.save(name, history, key, payload)
+        if payload is not None:
+            history.remember_answer(key, first if first is not None else payload)
         self._sessions[name] = history
         self._sessions.move_to_end(name)
-        self._evict()  # it may have been dropped meanwhile: putting it back must not exceed capacity
-        if payload is not None:
-            history.remember_answer(key, payload)
-        return self.store.save(name, history, key, payload)
+        self._evict()
+        return first
 
     def reset(self, name: str) -> None:
-        self.get(name).reset()
+        """Forget the conversation, in the store first. The stored state is not read: a session
+        whose row is unreadable can be reset."""
         self.store.reset(name)
+        cached = self._sessions.get(name)
+        if cached is not None:
+            cached.reset()
 
     def expire(self, idle_seconds: float) -> int:
         names = self.store.expire(idle_seconds)

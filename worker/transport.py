@@ -1,4 +1,5 @@
-"""MQTT transport on paho-mqtt 2.x (MQTT v5), handing messages to one asyncio loop.
+"""MQTT transport on paho-mqtt 2.x (MQTT v5), handing messages to one asyncio loop: the
+broker port of broker.py.
 
 paho runs its own network thread. Its callbacks do no work: they put what arrived on the
 event loop's queue with ``call_soon_threadsafe`` and return; anything they raise is logged
@@ -23,29 +24,12 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+from .broker import InboundMessage, PublishNotSent, PublishRefused
 
 ONLINE = b"online"
 OFFLINE = b"offline"
-
-
-@dataclass(frozen=True)
-class InboundMessage:
-    topic: str
-    payload: bytes
-    qos: int
-    mid: int
-    retain: bool
-    response_topic: str | None
-    correlation_data: bytes | None
-    received_at: float  # time.monotonic() when paho handed it over
-    # time.monotonic() past which the sender no longer wants it: its MQTT 5 Message Expiry
-    # Interval is the remaining lifetime (the broker counts down the time it held it).
-    expires_at: float | None = None
-    # Which broker session delivered it (see MqttTransport._session): packet ids are only
-    # meaningful within one.
-    session: int = 0
-    # The Redis stream entry it was read from (intake.py): acknowledged there, not to the broker.
-    entry: str | None = None
 
 
 @dataclass(frozen=True)
@@ -196,7 +180,13 @@ class MqttTransport:
             self.max_packet_size = int(limit) if limit else None
             # Subscribing here (not in the loop) makes every reconnect resubscribe at once.
             if not self._unsubscribed:
-                _, self._subscribe_mid = client.subscribe([(topic, 1) for topic in self.settings.subscriptions])
+                # Retain As Published: the broker keeps the retain flag of a live delivery as the
+                # publisher set it (it clears it by default), so a retained request is
+                # recognised and ignored while the worker is online too, not only at
+                # subscribe time. It works for MQTT 3.1.1 publishers as well: the flag is
+                # the publisher's, the option is this subscription's.
+                options = SubscribeOptions(qos=1, retainAsPublished=True)  # type: ignore[no-untyped-call]
+                _, self._subscribe_mid = client.subscribe([(topic, options) for topic in self.settings.subscriptions])
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
             logger.info(
                 "MQTT connected to {}:{} (session {})",
@@ -237,9 +227,10 @@ class MqttTransport:
         self, client: mqtt.Client, userdata: Any, mid: int, reason: ReasonCode, properties: Properties | None
     ) -> None:
         try:
-            if reason.is_failure:  # e.g. not authorized: the broker took it and will not deliver it
-                logger.warning("MQTT publish {} refused by the broker: {}", mid, reason)
-            self._loop.call_soon_threadsafe(self._confirmed, mid)
+            refused = str(reason) if reason.is_failure else None  # e.g. not authorized: never delivered
+            if refused is not None:
+                logger.warning("MQTT publish {} refused by the broker: {}", mid, refused)
+            self._loop.call_soon_threadsafe(self._confirmed, mid, refused)
         except Exception:
             logger.exception("error in MQTT publish callback")
 
@@ -273,6 +264,7 @@ class MqttTransport:
                 received_at=received,
                 expires_at=received + expiry if expiry is not None else None,
                 session=self._session,
+                dup=bool(message.dup),
             )
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
@@ -333,26 +325,24 @@ class MqttTransport:
         self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
     ) -> asyncio.Future[None]:
         """Queue a publish; paho sends it now or after a reconnect (QoS 1 is kept in flight).
-        The future completes when the broker has taken it (its PUBACK, for QoS 1), or at
-        once when it was not sent: QoS 0, refused by paho, or a payload over payload_limit(),
-        which is dropped with an error log (callers that can make a smaller one, replies and
-        stream deltas, check the limit first)."""
+        QoS 1: the future completes when the broker has taken it (its PUBACK), and fails with
+        PublishRefused when the broker refused it or it is over payload_limit() (callers that
+        can make a smaller one, replies and stream deltas, check the limit first), or with
+        PublishNotSent when paho could not queue it or the client closed before the PUBACK.
+        QoS 0 is best effort: done once handed to paho, whatever became of it."""
         done: asyncio.Future[None] = self._loop.create_future()
         limit = self.payload_limit(topic, qos=qos, correlation_data=correlation_data)
         if limit is not None and len(payload) > limit:
             logger.error(
-                "Not publishing {} bytes to {}: over the broker's maximum packet size of {} bytes",
-                len(payload),
-                topic,
-                self.max_packet_size,
+                "Not publishing {} bytes: over the broker's maximum packet size of {} bytes", len(payload), limit
             )
-            done.set_result(None)
+            self._settle(done, qos, PublishRefused(f"{len(payload)} bytes are over the broker's maximum packet size"))
             return done
         props = _publish_properties(correlation_data)
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
-            logger.warning("MQTT publish to {} failed: {}", topic, mqtt.error_string(info.rc))
-            done.set_result(None)
+            logger.warning("MQTT publish failed: {}", mqtt.error_string(info.rc))
+            self._settle(done, qos, PublishNotSent(mqtt.error_string(info.rc)))
         elif qos == 0:
             done.set_result(None)
         else:
@@ -361,10 +351,21 @@ class MqttTransport:
             self._unconfirmed[info.mid] = done
         return done
 
-    def _confirmed(self, mid: int) -> None:
+    @staticmethod
+    def _settle(done: asyncio.Future[None], qos: int, failure: Exception) -> None:
+        if qos == 0:
+            done.set_result(None)  # best effort: nobody waits on a QoS 0 publish's fate
+        else:
+            done.set_exception(failure)
+
+    def _confirmed(self, mid: int, refused: str | None) -> None:
         done = self._unconfirmed.pop(mid, None)
-        if done is not None and not done.done():
+        if done is None or done.done():
+            return
+        if refused is None:
             done.set_result(None)
+        else:
+            done.set_exception(PublishRefused(f"refused by the broker: {refused}"))
 
     def ack(self, message: InboundMessage) -> None:
         if message.qos == 0:
@@ -392,3 +393,8 @@ class MqttTransport:
         self._client.disable_logger()
         self._client.disconnect()
         await asyncio.to_thread(self._client.loop_stop)
+        # Whatever is still waiting for a PUBACK will not get one from this client.
+        for done in self._unconfirmed.values():
+            if not done.done():
+                done.set_exception(PublishNotSent("the MQTT client closed before the broker took it"))
+        self._unconfirmed.clear()

@@ -13,10 +13,10 @@ import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
 
 from loguru import logger
 
+from .broker import InboundMessage, Publisher
 from .config import GenerationConfig
 from .engine import (
     Engine,
@@ -45,21 +45,11 @@ from .messages import (
     RequestError,
     StreamDelta,
     Usage,
+    log_ref,
 )
 from .packets import split_to_fit
 from .stats import StatsCollector
 from .topics import SessionAddress, Topics
-from .transport import InboundMessage
-
-
-class Publisher(Protocol):
-    def publish(
-        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
-    ) -> asyncio.Future[None]:
-        """Queue a publish; the future completes when the broker has taken it."""
-
-    def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
-        """The largest payload the broker accepts on topic (None: no limit)."""
 
 
 @dataclass
@@ -110,6 +100,15 @@ class PendingTurn:
     request: ChatRequest
     runtime: SessionRuntime
     deadline: float | None = None  # time.monotonic() by which its turn must start, else expired
+
+
+@dataclass(frozen=True)
+class TurnAnswer:
+    """A turn's reply, and the session's new state to commit with it (None: nothing changes,
+    as for a request cancelled before it ran)."""
+
+    payload: bytes
+    state: SessionHistory | None
 
 
 def structured_output(request: ChatRequest) -> StructuredOutput | None:
@@ -202,8 +201,10 @@ class TurnRunner:
         self._engine_died = engine_died
         self._ids = itertools.count(1)
 
-    async def run(self, turn: PendingTurn, history: SessionHistory) -> bytes:
-        """Generate the turn's reply, store the turn in the history; the reply payload."""
+    async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
+        """Generate the turn's reply on ``history``, a draft of the session (its system
+        prompt, trimming and the new turn go there); the reply and the draft to commit.
+        RequestError: refused; the caller drops the draft."""
         address, request = turn.address, turn.request
         generation = self.generation
         if turn.deadline is not None and time.monotonic() > turn.deadline:
@@ -214,7 +215,7 @@ class TurnRunner:
         elif history.system_prompt is None:
             history.system_prompt = self.default_system_prompt
         if turn.key in turn.runtime.cancelled:
-            return self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled"))
+            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         max_tokens = request.max_tokens or generation.max_tokens
         await self.renderer.prepare([*history.messages(), {"role": "user", "content": request.message}])
         prompt = build_prompt(
@@ -244,7 +245,8 @@ class TurnRunner:
         logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
         outcome = await self._stream(
             turn,
-            GenerationRequest(f"{address}/{turn.key}/{next(self._ids)}", prompt.token_ids, sampling),
+            # vLLM logs request ids (an abort at INFO): the client's requestId stays out of them.
+            GenerationRequest(f"{address}/{log_ref(turn.key)}/{next(self._ids)}", prompt.token_ids, sampling),
             reasoning_budget(request, generation),
         )
         if sampling.structured is None:
@@ -257,10 +259,11 @@ class TurnRunner:
             # not cut the JSON.
             answer = outcome.text
         outcome.text = answer
-        if outcome.finish_reason != "cancelled":
-            history.turns.append(Turn(turn.key, request.message, answer))
         logger.debug("Reply {} of {}: {!r}", turn.key, address, answer)
-        return self.reply(turn, outcome)
+        if outcome.finish_reason == "cancelled":
+            return TurnAnswer(self.reply(turn, outcome), None)  # no turn: the session stays as it was
+        history.turns.append(Turn(turn.key, request.message, answer))
+        return TurnAnswer(self.reply(turn, outcome), history)
 
     async def _stream(self, turn: PendingTurn, request: GenerationRequest, budget: int = 0) -> Outcome:
         """Run the generation, publishing deltas if asked; what came out of it.
@@ -303,19 +306,26 @@ class TurnRunner:
                     if not update.finished:
                         over_budget = True
                         logger.info(
-                            "Request {} of {}: reasoning budget of {} tokens reached", turn.key, turn.address, budget
+                            "Request {} of {}: reasoning budget of {} tokens reached",
+                            log_ref(turn.key),
+                            turn.address,
+                            budget,
                         )
                         await self.engine.abort(request.request_id)
         except EngineDead as exc:
-            logger.error("Engine died: {}; stopping the worker (request {} is left for the restart)", exc, turn.key)
+            logger.error(
+                "Engine died: {}; stopping the worker (request {} is left for the restart)", exc, log_ref(turn.key)
+            )
             self._engine_died(1)
             raise
         except StructuredOutputRejected as exc:
-            logger.info("Engine refused the responseFormat of request {} of {}: {}", turn.key, turn.address, exc)
+            logger.info("Engine refused the responseFormat of request {} of {}", log_ref(turn.key), turn.address)
+            logger.debug("Engine's reason for refusing the responseFormat of {}: {}", turn.key, exc)
             message = f"the engine cannot use this schema: {str(exc)[:500]}"
             raise RequestError(ErrorCode.INVALID_SCHEMA, message) from None
         except EngineError as exc:
-            logger.error("Engine error on request {} of {}: {}", turn.key, turn.address, exc)
+            logger.error("Engine error on request {} of {}: {}", log_ref(turn.key), turn.address, type(exc).__name__)
+            logger.debug("Engine error on request {}: {}", turn.key, exc)
             raise RequestError(ErrorCode.ENGINE_ERROR, f"generation failed: {exc}") from None
         finally:
             turn.runtime.running.pop(turn.key, None)
@@ -347,7 +357,7 @@ class TurnRunner:
         self.stats.record_reply(usage, latency, finish_reason=outcome.finish_reason)
         logger.info(
             "Replied {} of {}: {} prompt ({} cached) + {} tokens, {}, {:.0f} ms",
-            turn.key,
+            log_ref(turn.key),
             turn.address,
             usage.prompt_tokens,
             usage.cached_tokens,
