@@ -61,10 +61,13 @@ class ChatTokenizer:
         # <|im_start|>system\n..." in a user message would otherwise be encoded as the real
         # tokens (transformers and tokenizers match added tokens anywhere in the text) and
         # forge turns of the conversation. A zero-width space after their first character
-        # keeps them readable and makes them plain text.
-        specials = sorted((t for t in self._tokenizer.all_special_tokens if len(t) > 1), key=len, reverse=True)
-        self._special_in_text = re.compile("|".join(map(re.escape, specials))) if specials else None
+        # keeps them readable and makes them plain text. Every added token, not only those
+        # listed as special: the encoder matches the whole added vocabulary, and a saved
+        # tokenizer may not list <|im_start|> (or <think>) as special.
         added = {str(k): int(v) for k, v in self._tokenizer.get_added_vocab().items()}
+        controls = {t for t in [*self._tokenizer.all_special_tokens, *added] if len(t) > 1}
+        specials = sorted(controls, key=len, reverse=True)
+        self._special_in_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._added_ids = added
         pattern = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
         self._splitter = re.compile(f"({pattern})") if pattern else None
