@@ -32,6 +32,11 @@ class InterceptHandler(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
+        if record.name.startswith("paho") and record.levelno >= logging.ERROR:
+            # paho logs a lost connection at ERROR on every try while it reconnects ("Client is
+            # not connected. Socket: None"); the transport says what happened itself, in plain
+            # words at WARNING. A reconnect is not an error.
+            level = "DEBUG" if "not connected" in record.getMessage() else "WARNING"
         logger.opt(depth=6, exception=record.exc_info).bind(name=record.name).log(level, record.getMessage())
 
 

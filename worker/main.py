@@ -28,6 +28,10 @@ from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_p
 from .notify import Notifier
 from .startup import start_phase
 
+# How often the worker checks that vLLM's engine is alive: a dead engine is noticed within
+# about this long also while no generation runs (a running one notices at once).
+ENGINE_CHECK_INTERVAL = 1.0
+
 
 def main(argv: Sequence[str] | None = None) -> int:
     try:
@@ -199,12 +203,25 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             return "the engine is dead"
         return None
 
+    engine_died = asyncio.Event()
+
+    async def watch_engine() -> None:
+        """A dead engine stops the worker whether or not it was generating: it publishes
+        offline, leaves what it holds unacknowledged (redelivered to the restart) and exits
+        non-zero, for systemd (Restart=on-failure) to start it again."""
+        while engine.is_alive():
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL)
+        logger.error("The engine died; stopping the worker (whatever is in flight is left for the restart)")
+        engine_died.set()
+        request_stop(1)
+
     tasks = [
         asyncio.ensure_future(service.consume()),
         asyncio.ensure_future(service.publish_stats_forever()),
         asyncio.ensure_future(service.expire_sessions_forever()),
         asyncio.ensure_future(announce_ready()),
         asyncio.ensure_future(notifier.watchdog_forever(health)),
+        asyncio.ensure_future(watch_engine()),
     ]
     try:
         await stop.wait()
@@ -214,12 +231,15 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
             # The broker gives this member's share to the others from now on (a single worker
             # stays subscribed: its persistent session queues for its restart).
             transport.unsubscribe()
-        await service.drain(config.limits.drain_timeout)
+        # A dead engine finishes nothing: no grace period, the rest stays unacknowledged.
+        await service.drain(0 if engine_died.is_set() or not engine.is_alive() else config.limits.drain_timeout)
         if config.stats.interval > 0:
             service.publish_stats()
     finally:
         for task in tasks:
             task.cancel()
+        # Awaited, so nothing they do overlaps the shutdown below.
+        await asyncio.wait(tasks, timeout=5)
         if intake is not None:
             await intake.close()
         await transport.close()

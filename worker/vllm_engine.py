@@ -294,6 +294,13 @@ class VllmEngine:
         return self._llm is not None and not self._llm.errored
 
     async def shutdown(self) -> None:
+        # vLLM's output handler is a task on this loop that waits for the engine core's next
+        # output: shut down under it, it fails with EngineDeadError and logs a traceback on
+        # every clean stop. Stopped first, it ends quietly.
+        handler = getattr(self._llm, "output_handler", None)
+        if isinstance(handler, asyncio.Task) and not handler.done():
+            handler.cancel()
+            await asyncio.wait([handler], timeout=5)
         await asyncio.to_thread(self._llm.shutdown)
         # Drop the engine now: its __del__ shuts down again and fails at interpreter exit.
         self._llm = None
