@@ -5,12 +5,14 @@ its final stats and its own `offline` (a clean DISCONNECT: no Will), and the nex
 answers each of those requests once; its retained status follows it (clean stop, freeze,
 kill). The first start also speaks systemd's notify protocol to a socket the test owns; the
 kill leaves none of the engine's processes behind, and the request it interrupted is answered
-once by the next start, which also finds the sessions' history in its store; a killed engine
-core makes the worker exit non-zero, and its request is answered once after the restart; a
-second stop signal ends a draining worker at once, and the request that exit interrupted is
-poison to a start that allows one delivery: a final engine_error, not generated again.
-One worker id and state directory, five worker processes in sequence (each engine start
-costs ~40 s)."""
+once by the next start, which also finds the sessions' history in its store; an engine core
+that dies, idle or with a request in flight, makes the worker publish offline and exit
+non-zero, and the request is answered once after the restart; a second stop signal ends a
+draining worker at once, and the request that exit interrupted is poison to a start that
+allows one delivery: a final engine_error, not generated again.
+One worker id and state directory. Each test runs on its own: one that needs a running
+worker takes the one the test before left running, or starts one (each engine start costs
+~40 s, so six starts in all when they run in order)."""
 
 from __future__ import annotations
 
@@ -19,13 +21,14 @@ import json
 import signal
 import sqlite3
 import time
-from collections.abc import Iterator
+import urllib.request
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import psutil
 import pytest
 from conftest import engine_args
-from support import Client, Mosquitto, NotifyListener, WorkerProcess
+from support import Client, Mosquitto, NotifyListener, WorkerProcess, free_port
 
 from worker.store import DATABASE_NAME
 
@@ -103,6 +106,24 @@ def workers() -> Iterator[list[WorkerProcess]]:
         worker.stop(timeout=10)
 
 
+@pytest.fixture
+def serving_worker(
+    tiny_model: Path, broker: Mosquitto, workers: list[WorkerProcess], logs: Path
+) -> Callable[[], WorkerProcess]:
+    """A running worker, ready to serve: the one the previous test left running, else a new
+    one (so that every test can run alone)."""
+
+    def get() -> WorkerProcess:
+        if workers and workers[-1].alive():
+            return workers[-1]
+        worker = start_worker(tiny_model, broker, logs / f"start-{len(workers)}.log")
+        workers.append(worker)
+        wait_log(worker, "Serving ", timeout=300)
+        return worker
+
+    return get
+
+
 def test_requests_sent_while_the_worker_is_down_are_answered(
     tiny_model: Path,
     broker: Mosquitto,
@@ -149,7 +170,7 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
             )
     sender.close()
     second = start_worker(tiny_model, broker, logs / "second.log")
-    workers.append(second)  # the next test freezes and kills it
+    workers.append(second)  # left running for the next test
     wait_status(watcher, b"online", timeout=300)
     answered: dict[str, list[str]] = {"down-a": [], "down-b": []}
     for _ in range(4):
@@ -181,7 +202,7 @@ def check_graceful_stop(worker: WorkerProcess, broker: Mosquitto, watcher: Clien
     the final stats and the worker's own offline published; a clean disconnect."""
     log = worker.log()
     assert "Stopped 1 unfinished request(s)" in log, log[-3000:]
-    assert f"Stopping: {topic_of(LATE, 'request')} left unacknowledged" in log, log[-3000:]
+    assert "Stopping: a message left unacknowledged for the next start" in log, log[-3000:]
     final = watcher.wait_for(lambda m: m.topic == STATS, timeout=5).json()
     assert final["processed"] == 1 and final["workerId"] == "steady", final  # ready-0
     wait_status(watcher, b"offline", timeout=10)
@@ -208,17 +229,28 @@ def check_notify_sequence(notify: NotifyListener, ready: float, watcher: Client)
     assert len(pings) >= 3, notify.lines()
 
 
-def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerProcess], broker: Mosquitto) -> None:
-    assert len(workers) == 2, "needs the worker the previous test started"
-    worker = workers[1]
-    assert worker.alive()
+def test_status_follows_freeze_and_kill_and_a_killed_workers_request_is_answered_once_after_a_restart(
+    tiny_model: Path,
+    watcher: Client,
+    serving_worker: Callable[[], WorkerProcess],
+    workers: list[WorkerProcess],
+    broker: Mosquitto,
+    logs: Path,
+) -> None:
+    worker = serving_worker()
+    # Two turns of a session the restart must find in the store.
+    sender = Client(broker.port, [])
+    for turn in range(2):
+        sender.publish(
+            "chat/carl/kept/request", {"message": f"turn {turn}", "maxTokens": 8, "requestId": f"kept-{turn}"}
+        )
+        (reply,) = replies_to(watcher, ("carl", "kept", f"kept-{turn}"), settle=0)
+        assert "error" not in reply, reply
     # Frozen right after the broker got a packet from it (the error reply to a bad request),
     # its TCP connection stays open: only the keepalive can tell the broker, which then
     # publishes the Will. MQTT says after 1.5 x keepalive without a packet; mosquitto 2.0.11
     # checks every 6 s, so up to 6 s later (WILL_AFTER_SILENCE).
-    sender = Client(broker.port, [])
     sender.publish("chat/carl/ping/request", b"not json")
-    sender.close()
     watcher.wait_for(lambda m: m.topic == "chat/carl/ping/reply", timeout=30)
     worker.proc.send_signal(signal.SIGSTOP)
     try:
@@ -232,7 +264,7 @@ def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerPro
     wait_status(watcher, b"online", timeout=30)  # reconnects by itself
     engine_processes = psutil.Process(worker.proc.pid).children(recursive=True)
     assert engine_processes, "vLLM's engine runs in child processes"
-    # Killed in the middle of a generation: the next test checks it is answered once.
+    # Killed in the middle of a generation.
     start_long_generation(broker, KILLED)
     # The worker's own pid only: its children must follow by themselves (outside systemd
     # nothing else kills them; the workers fixture kills the whole group, but only later).
@@ -242,6 +274,27 @@ def test_status_follows_freeze_and_kill(watcher: Client, workers: list[WorkerPro
     assert "Client steady closed its connection" in broker.log.read_text()
     _, left = psutil.wait_procs(engine_processes, timeout=10)
     assert not left, f"outlived the worker: {[(p.pid, p.name()) for p in left]}"
+
+    restart = start_worker(tiny_model, broker, logs / "after-kill.log")
+    workers.append(restart)
+    # The request the SIGKILL interrupted: stored nowhere as answered, left unacknowledged,
+    # so the broker delivers it again; generated and answered exactly once.
+    (reply,) = replies_to(watcher, KILLED, settle=3)
+    assert "error" not in reply, reply
+    # The history the killed worker stored: "kept" had two turns, a new session none.
+    for session in ("kept", "fresh"):
+        sender.publish(
+            f"chat/carl/{session}/request", {"message": "and now?", "maxTokens": 4, "requestId": f"{session}-later"}
+        )
+    prompts = {}
+    for _ in range(2):
+        answer = watcher.wait_for(
+            lambda m: m.topic.startswith("chat/carl/") and m.json().get("requestId", "").endswith("-later"),
+            timeout=120,
+        ).json()
+        prompts[answer["sessionId"]] = answer["usage"]["promptTokens"]
+    assert prompts["kept"] > prompts["fresh"] + 10, prompts  # two turns came back from the store
+    sender.close()
 
 
 ABORTED = ("lena", "long", "long-0")  # running when the first start stops
@@ -284,51 +337,71 @@ def replies_to(watcher: Client, where: tuple[str, str, str], settle: float) -> l
     return found
 
 
-def test_work_interrupted_by_a_kill_or_a_dead_engine_is_answered_once_after_a_restart(
-    tiny_model: Path, broker: Mosquitto, watcher: Client, workers: list[WorkerProcess], logs: Path
-) -> None:
-    assert len(workers) == 2 and not workers[1].alive(), "needs the worker the previous test killed"
-    third = start_worker(tiny_model, broker, logs / "third.log")
-    workers.append(third)
-    # The request the SIGKILL interrupted: stored nowhere as answered, left unacknowledged,
-    # so the broker delivers it again; generated and answered exactly once.
-    (reply,) = replies_to(watcher, KILLED, settle=3)
-    assert "error" not in reply, reply
-    # The history the killed worker stored: down-a had two turns, a new session none.
-    sender = Client(broker.port, [])
-    for session in ("down-a", "fresh"):
-        request = {"message": "and now?", "maxTokens": 4, "requestId": f"{session}-later"}
-        sender.publish(f"chat/carl/{session}/request", request)
-    prompts = {}
-    for _ in range(2):
-        answer = watcher.wait_for(
-            lambda m: m.topic.startswith("chat/carl/") and m.json().get("requestId", "").endswith("-later"),
-            timeout=120,
-        ).json()
-        prompts[answer["sessionId"]] = answer["usage"]["promptTokens"]
-    assert prompts["down-a"] > prompts["fresh"] + 10, prompts  # two turns came back from the store
+def engine_core_of(worker: WorkerProcess) -> psutil.Process:
+    cores = [p for p in psutil.Process(worker.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+    assert cores, [p.name() for p in psutil.Process(worker.proc.pid).children(recursive=True)]
+    return cores[0]
 
-    # The engine core dies in the middle of a generation (killed, as the OOM killer would):
-    # the worker answers nothing, exits non-zero for systemd to restart it.
-    engine_core = [p for p in psutil.Process(third.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
-    assert engine_core, [p.name() for p in psutil.Process(third.proc.pid).children(recursive=True)]
-    start_long_generation(broker, ENGINE_DEATH)
-    engine_core[0].kill()
-    assert third.proc.wait(60) == 1, third.log()[-3000:]
-    log = third.log()  # why, and which request is left for the restart
-    assert "Engine died: " in log and "request engine-0 is left for the restart" in log, log[-3000:]
-    fourth = start_worker(tiny_model, broker, logs / "fourth.log")
-    workers.append(fourth)
+
+def pending_requests(metrics_port: int) -> float:
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
+        text = response.read().decode()
+    (line,) = [line for line in text.splitlines() if line.startswith("mqtt_vllm_worker_pending_requests ")]
+    return float(line.split()[1])
+
+
+def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered_once_after_a_restart(
+    tiny_model: Path,
+    broker: Mosquitto,
+    watcher: Client,
+    serving_worker: Callable[[], WorkerProcess],
+    workers: list[WorkerProcess],
+    logs: Path,
+) -> None:
+    # Idle: no generation runs when the engine core dies (killed, as the OOM killer would).
+    idle = serving_worker()
+    wait_status(watcher, b"online", timeout=30)
+    engine_core_of(idle).kill()
+    assert idle.proc.wait(60) == 1, idle.log()[-3000:]  # for systemd to restart it
+    wait_status(watcher, b"offline", timeout=10)
+    assert "The engine died" in idle.log(), idle.log()[-3000:]
+
+    # Busy, with no race: the engine core is frozen before the request is sent, so its
+    # generation cannot finish; the worker has taken the request (its pending gauge says so)
+    # when the frozen core is killed.
+    metrics = free_port()
+    busy = start_worker(tiny_model, broker, logs / "engine-death.log", extra=("--metrics-port", str(metrics)))
+    workers.append(busy)
+    wait_log(busy, "Serving ", timeout=300)
+    core = engine_core_of(busy)
+    core.suspend()
+    sender = Client(broker.port, [])
+    sender.publish(topic_of(ENGINE_DEATH, "request"), {"message": "hi", "maxTokens": 8, "requestId": ENGINE_DEATH[2]})
+    deadline = time.monotonic() + 60
+    while pending_requests(metrics) < 1:
+        assert time.monotonic() < deadline, busy.log()[-3000:]
+        time.sleep(0.1)
+    core.kill()
+    assert busy.proc.wait(60) == 1, busy.log()[-3000:]
+    wait_status(watcher, b"offline", timeout=10)
+    with pytest.raises(TimeoutError):  # nothing answered: the request is left for the restart
+        watcher.wait_for(lambda m: m.topic == topic_of(ENGINE_DEATH, "reply"), timeout=1)
+    sender.close()
+    restart = start_worker(tiny_model, broker, logs / "after-engine-death.log")
+    workers.append(restart)
     (reply,) = replies_to(watcher, ENGINE_DEATH, settle=3)
     assert "error" not in reply, reply
-    sender.close()
 
 
 def test_a_second_signal_forces_the_exit_and_a_request_interrupted_too_often_is_poison(
-    tiny_model: Path, broker: Mosquitto, watcher: Client, workers: list[WorkerProcess], logs: Path
+    tiny_model: Path,
+    broker: Mosquitto,
+    watcher: Client,
+    serving_worker: Callable[[], WorkerProcess],
+    workers: list[WorkerProcess],
+    logs: Path,
 ) -> None:
-    assert len(workers) == 4 and workers[3].alive(), "needs the worker the previous test started"
-    fourth = workers[3]
+    fourth = serving_worker()
     # A second stop signal while it drains (the default grace is 60 s) ends it at once.
     engine_processes = psutil.Process(fourth.proc.pid).children(recursive=True)
     start_long_generation(broker, FORCED)

@@ -99,7 +99,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
 
     with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
         from .metrics import LiveSources, MetricsEndpoint
-        from .store import open_store
+        from .store import StoreError, open_store
         from .tokenizer import ChatTokenizer
         from .transport import MqttSettings, MqttTransport
         from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
@@ -111,6 +111,9 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         return 2
     try:  # before the model load: a bad state_dir or an unreachable Redis fails fast
         store = open_store(config.history, config.redis, config.mqtt.topic_prefix)
+    except StoreError as exc:  # locked for longer than the start waits, read-only, a newer schema
+        logger.error("Cannot use the session store: {}", exc)
+        return 2
     except Exception as exc:
         if config.history.store != "redis":
             raise

@@ -25,7 +25,7 @@ from loguru import logger
 from .broker import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .config import WorkerConfig
 from .engine import Engine, EngineDead
-from .history import HistoryLimits, PromptRenderer
+from .history import HistoryLimits, PromptRenderer, SessionHistory
 from .messages import (
     ChatRequest,
     ControlReply,
@@ -235,6 +235,10 @@ class Service:
         key = request_key(message.topic, message.payload, request_id, message.mid if message.qos else 0)
         try:
             history = self.sessions.get(name)
+        except SessionUnreadable:
+            # Its turn reads it again, in order after a reset queued before it (which mends
+            # it), and answers session_unreadable if it is still damaged then.
+            history = SessionHistory()
         except StoreError as exc:
             if message.entry is not None and isinstance(exc, StoreUnavailable):
                 raise  # the intake's entry is tried again for a while (_after_failure)
