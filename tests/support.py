@@ -363,5 +363,7 @@ def serving(worker: WorkerProcess, port: int, status_topic: str) -> Iterator[Wor
         watcher.close()
     yield worker
     code = worker.stop()
-    print(worker.log()[-3000:])
+    log = worker.log()
+    print(log[-3000:])
     assert code == 0, f"worker exited with {code}"
+    assert "Traceback" not in log[log.find("Stopping") :], "a clean stop logged a traceback"

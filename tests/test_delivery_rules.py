@@ -154,3 +154,72 @@ def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquit
     leaked = [line for line in lines if MARKER in line]
     assert not leaked, leaked
     assert any("refused" in line for line in lines)  # the log did speak of these requests
+
+
+def test_paho_reconnect_noise_is_not_an_error() -> None:
+    """paho logs a lost connection at ERROR on every try while it reconnects; routed into the
+    worker's log, that is DEBUG (the transport says it plainly at WARNING), and paho's other
+    errors are WARNINGs."""
+    import logging
+
+    from worker.logs import InterceptHandler
+
+    levels: list[str] = []
+    sink = logger.add(lambda message: levels.append(message.record["level"].name), level="DEBUG")
+    try:
+        handler = InterceptHandler()
+        for text in (
+            "Client is not connected. Socket: None). Last known Connection State: MQTT_CS_CONNECTION_LOST",
+            "failed to receive on socket: [Errno 104] Connection reset by peer",
+        ):
+            handler.emit(logging.LogRecord("paho.mqtt.client", logging.ERROR, __file__, 1, text, None, None))
+        handler.emit(logging.LogRecord("vllm.engine", logging.ERROR, __file__, 1, "a real error", None, None))
+    finally:
+        logger.remove(sink)
+    assert levels == ["DEBUG", "WARNING", "ERROR"]
+
+
+def test_a_publish_the_broker_does_not_take_is_a_typed_failure(tmp_path_factory: pytest.TempPathFactory) -> None:
+    """The transport's publish future fails instead of succeeding when nothing was taken:
+    PublishRefused for a topic the broker's ACL refuses (its PUBACK says Not authorized) and
+    for a payload over its maximum packet size; PublishNotSent for what was still waiting for
+    a PUBACK when the client closed."""
+    import asyncio
+
+    from support import free_port
+
+    from worker.broker import PublishNotSent, PublishRefused
+    from worker.transport import MqttSettings, MqttTransport
+
+    workdir = tmp_path_factory.mktemp("acl-broker")
+    (workdir / "acl").write_text("topic readwrite allowed/#\n")
+    broker = Mosquitto(workdir, f"acl_file {workdir / 'acl'}\nmax_packet_size 2000\n", keep_root=True)
+    broker.start()
+
+    async def scenario() -> None:
+        loop = asyncio.get_running_loop()
+        settings = MqttSettings(
+            "127.0.0.1", broker.port, f"typed-{free_port()}", None, None, 30, 1, 2, 0, ("allowed/in",), "allowed/status"
+        )
+        transport = MqttTransport(settings, loop)
+        transport.start()
+        await asyncio.wait_for(transport.wait_connected(), 10)
+        await asyncio.wait_for(transport.publish("allowed/ok", b"taken"), 10)
+        with pytest.raises(PublishRefused, match="Not authorized"):
+            await asyncio.wait_for(transport.publish("denied/x", b"refused"), 10)
+        with pytest.raises(PublishRefused, match="maximum packet size"):
+            await transport.publish("allowed/big", b"x" * 5000)
+        broker.pause()  # no PUBACK can come
+        try:
+            waiting = transport.publish("allowed/late", b"never acknowledged")
+            await asyncio.sleep(0.2)
+            await transport.close(timeout=0.5)
+            with pytest.raises(PublishNotSent):
+                await waiting
+        finally:
+            broker.resume()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        broker.stop()
