@@ -219,9 +219,12 @@ def test_prepare_encodes_new_segments_off_the_loop_and_renders_the_same(tokenize
     history = conversation(3)
     message = "a new question, Ünïcödé 🙂 <think>not a tag</think>"
     messages = [*history.messages(), {"role": "user", "content": message}]
+    # The whole text encoded at once (with the message's added tokens made text, as render does).
     expected = list(
         tokenizer._tokenizer.encode(
-            tokenizer._tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False),
+            tokenizer._tokenizer.apply_chat_template(
+                tokenizer.defuse(messages), add_generation_prompt=True, tokenize=False
+            ),
             add_special_tokens=False,
         )
     )

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import json
+from typing import Any
 
 import pytest
 
@@ -16,6 +17,7 @@ from worker.messages import (
     RequestError,
     Usage,
     best_effort_request_id,
+    check_json_schema,
     parse_chat_request,
     parse_control,
     request_key,
@@ -229,3 +231,28 @@ def test_stats_report() -> None:
     assert second.processed == 4 and second.requests == 0 and second.avg_latency_ms == 0
     assert second.prefix_cache_hit_rate == 1.0 and second.prefix_cache_hit_rate_total == 0.7
     assert percentile([], 95) == 0.0
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"$ref": "https://example.com/schema.json"},
+        {"type": "object", "properties": {"a": {"$ref": "other.json#/defs/a"}}},
+        {"$defs": {"a": {"type": "string"}}, "items": [{"$dynamicRef": "http://x/y#meta"}]},
+        {"allOf": [{"$ref": "file:///etc/passwd"}]},
+    ],
+)
+def test_a_schema_referring_to_another_document_is_invalid_and_nothing_is_fetched(schema: dict[str, Any]) -> None:
+    with pytest.raises(RequestError) as refused:
+        check_json_schema(schema)
+    assert refused.value.code is ErrorCode.INVALID_SCHEMA and "local references" in refused.value.message
+
+
+def test_local_references_and_a_property_named_ref_are_fine() -> None:
+    check_json_schema(
+        {
+            "$defs": {"name": {"type": "string"}},
+            "type": "object",
+            "properties": {"name": {"$ref": "#/$defs/name"}, "$ref": {"type": "string"}},
+        }
+    )

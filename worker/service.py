@@ -437,7 +437,7 @@ class Service:
         try:
             history = self.sessions.get(name)
             answer = await self.turns.run(turn, history.draft())
-            if answer.state is None:  # cancelled before it ran: no turn, nothing to commit
+            if answer.state is None:  # cancelled: no turn, nothing to commit
                 self._uncount_delivery(name, key)
                 return answer.payload
             first = self.sessions.save(name, answer.state, key, answer.payload)
