@@ -268,14 +268,12 @@ class MqttTransport:
             )
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
-            # Never answered, so acknowledge it: unacknowledged it would hold one of the
-            # Receive Maximum slots until the next reconnect, and then fail again.
-            logger.exception("error in MQTT message callback; message {} dropped", getattr(message, "mid", "?"))
-            try:
-                if message.qos > 0:
-                    client.ack(message.mid, message.qos)
-            except Exception:
-                logger.exception("could not acknowledge the dropped message")
+            # Not handed over, so never answered: left unacknowledged (the service's
+            # _acknowledge is the only place that acknowledges), the broker delivers it again
+            # after a reconnect. It holds one Receive Maximum slot until then.
+            logger.exception(
+                "error in MQTT message callback; message {} left unacknowledged", getattr(message, "mid", "?")
+            )
 
     # -- event loop side ----------------------------------------------------------------
 
