@@ -20,14 +20,6 @@ from support import Client, Mosquitto
 pytestmark = pytest.mark.timeout(120)
 
 
-@pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
-    mosquitto = Mosquitto(tmp_path_factory.mktemp("mosquitto"))
-    mosquitto.start()
-    yield mosquitto
-    mosquitto.stop()
-
-
 @pytest.fixture
 def live(broker: Mosquitto) -> Iterator[LiveWorker]:
     worker = LiveWorker(broker.port, generation={"max_tokens": 3})
