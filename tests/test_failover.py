@@ -17,6 +17,7 @@ import pytest
 from conftest import engine_args
 from support import Client, Mosquitto, RedisServer, WorkerProcess
 
+from worker.messages import log_ref
 from worker.tokenizer import ChatTokenizer
 
 pytestmark = pytest.mark.e2e
@@ -109,10 +110,10 @@ def test_a_killed_owners_unanswered_request_is_answered_once_by_the_other_worker
             sender.publish(request_topic, request(turn))
             replies.append(watcher.wait_topic(reply_topic).json())
             assert "error" not in replies[-1] and replies[-1]["requestId"] == f"t{turn}", replies[-1]
-        owners = [name for name, m in members.items() if "Replied t0 of ann/chat" in m.log()]
+        owners = [name for name, m in members.items() if f"Replied {log_ref('t0')} of ann/chat" in m.log()]
         assert len(owners) == 1, owners
         (owner,) = owners
-        assert "Replied t1 of ann/chat" in members[owner].log()  # the second turn followed the first
+        assert f"Replied {log_ref('t1')} of ann/chat" in members[owner].log()  # the second turn followed the first
         survivor = next(name for name in members if name != owner)
 
         # Turn 2 runs long on the owner; killed once its first tokens are out. Turn 3 is sent
@@ -128,7 +129,7 @@ def test_a_killed_owners_unanswered_request_is_answered_once_by_the_other_worker
         assert all("error" not in r for r in later), later
         log = members[survivor].log()
         assert f"took over instance {owner}." in log, log[-4000:]
-        assert "Replied t2 of ann/chat" in log and "Replied t3 of ann/chat" in log
+        assert f"Replied {log_ref('t2')} of ann/chat" in log and f"Replied {log_ref('t3')} of ann/chat" in log
         # Each with the whole history: the two turns the dead owner answered, then turn 2.
         assert later[0]["usage"]["promptTokens"] == expected_prompt_tokens(tokenizer, replies, 2)
         assert later[1]["usage"]["promptTokens"] == expected_prompt_tokens(tokenizer, [*replies, later[0]], 3)
