@@ -139,8 +139,8 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     writable = [dirs["state"], dirs["cache"]]
     readable = [REPO, Path(sys.prefix), Path(sys.base_prefix), tiny_model, pki.ca.parent, dirs["etc"]]
     wrapper = sandbox(readable, writable, dirs["tmp"], dirs["var-tmp"], cwd=dirs["state"])
-    # The unit's ExecStart is `python -m worker --model ... --visible-devices 0`: the engine
-    # flags stand in for it.
+    # The unit's ExecStart is `python -m worker`, its [engine] settings in worker.toml: the
+    # engine flags stand in for them.
     args = engine_args(tiny_model)
     worker = WorkerProcess(args, base / "worker.log", env, wrapper=wrapper, cwd=dirs["state"])
     watcher = Client(broker.port, ["chat/_worker/gpu-1/status"], login=("monitor", passwords["monitor"]))
