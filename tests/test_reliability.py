@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import signal
 import sqlite3
 import time
@@ -141,6 +142,11 @@ def test_requests_sent_while_the_worker_is_down_are_answered(
     assert notify.at_arrival["STOPPING=1"] is None  # published while the worker drained
     check_graceful_stop(first, broker, watcher)
     check_store_flushed(logs / "state" / DATABASE_NAME)
+    # At the default [logging] vllm_level (WARNING) the start is the worker's own lines: none
+    # of vLLM's INFO lines (its configuration, each step of the load), no progress bars.
+    log = first.log()
+    assert not re.search(r"^\S+ \S+ \| INFO +\| vllm\.", log, re.M), log[:6000]
+    assert "checkpoint shards" not in log, log[:6000]
     for session in ("down-a", "down-b"):
         for turn in range(2):
             sender.publish(

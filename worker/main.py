@@ -229,6 +229,7 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
                 config.engine,
                 stop_token_ids=renderer.stop_token_ids,
                 json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+                progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
             )
     route_library_logging()
     notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
