@@ -27,13 +27,14 @@ run_step() {  # run_step NAME LOGFILE COMMAND...
   echo "    $name: $((SECONDS - start)) s"
 }
 if [ $# -eq 0 ]; then
-  echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted; about 3 minutes)"
+  # The three smoke runs take about 5.5 minutes on 2 cores: each prints its phases as they end.
+  echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
   run_step "benchmark smoke run" "$smoke/bench.out" \
     .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured --think-time 0.05
   grep -q "## Concurrency (3 turns per session; users think" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
   echo "benchmark smoke run: ok ($smoke/results.md)"
-  echo "==> several-GPU benchmark smoke run (two CPU workers in one share group, Redis store, tiny model; about 2 minutes)"
+  echo "==> several-GPU benchmark smoke run (two CPU workers in one share group, Redis store, tiny model)"
   run_step "several-GPU benchmark smoke run" "$smoke/multi.out" \
     .venv/bin/python -m bench.multigpu --profile smoke --out "$smoke/multi" --phases single,dp,tp \
     --redis-server "$(command -v redis-server)" \

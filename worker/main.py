@@ -2,9 +2,10 @@
 
 Start order: one login to the broker to check it (a broker that is down, or refuses the
 login, is found in seconds instead of after minutes of loading the model), the tokenizer, the
-engine, then MQTT for good, so that the retained ``online`` status means the worker can answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let
-running generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and
-shut the engine down. A second signal stops at once. Under systemd (``Type=notify``) each
+engine, then MQTT for good, so that the retained ``online`` status means the worker can
+answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let running
+generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and shut the
+engine down. A second signal stops at once. Under systemd (``Type=notify``) each
 step is reported (notify.py), and the engine's processes die with the worker (children.py).
 """
 
