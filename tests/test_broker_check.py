@@ -98,6 +98,9 @@ def test_the_check_says_what_is_wrong(locked_broker: tuple[Mosquitto, int, int],
     other_ca = problem(settings(tls_port, tls_ca_file=pki.other_ca))
     assert not other_ca.transient and "TLS: the broker's certificate" in other_ca.problem, other_ca.problem
     assert "is not accepted (" in other_ca.problem and "check mqtt.tls_ca_file" in other_ca.problem
+    plain_to_tls = problem(settings(tls_port))  # no tls_ca_file: an MQTT CONNECT to a TLS listener
+    assert "closed the connection without answering the login" in plain_to_tls.problem, plain_to_tls.problem
+    assert "a TLS port (then set mqtt.tls_ca_file)" in plain_to_tls.problem
     no_certificate = problem(settings(mtls_port, tls_ca_file=pki.ca))  # the broker wants a client's
     assert not no_certificate.transient, no_certificate.problem
     assert "ended the TLS connection before the login" in no_certificate.problem, no_certificate.problem

@@ -248,7 +248,11 @@ def check_broker(settings: MqttSettings, timeout: float = 10.0) -> None:
                 raise BrokerUnavailable(
                     f"{where} closed the connection without answering the login"
                     + (f" ({said})" if said else "")
-                    + (" (does it expect TLS? set mqtt.tls_ca_file)" if settings.tls_ca_file is None else ""),
+                    + (
+                        ": is it an MQTT broker, or a TLS port (then set mqtt.tls_ca_file)?"
+                        if settings.tls_ca_file is None
+                        else ""
+                    ),
                     transient=True,
                 )
             raise BrokerUnavailable(
