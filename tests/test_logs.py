@@ -1,5 +1,5 @@
 """vLLM's verbosity ([logging] vllm_level, logs.py): its INFO lines (its configuration, every
-step of the model load: some 40 lines per start) are left out by default, its warnings kept,
+step of the model load: 35 lines on a CPU engine's start) are left out by default, its warnings kept,
 in the worker's process and in the processes vLLM spawns (which read the same logging config
 as they start). A real vLLM import in fresh interpreters; no engine."""
 

@@ -369,8 +369,8 @@ class LoggingConfig(Section):
     vllm_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = opt(
         "WARNING",
         "Log level of vLLM's own lines (in the worker and in vLLM's engine processes). At INFO, "
-        "vLLM logs its whole configuration and every step of the model load (some 40 lines on "
-        "each start); the worker's own start lines say what each phase took either way.",
+        "vLLM logs its whole configuration and every step of the model load (35 lines on a CPU "
+        "engine's start); the worker's own start lines say what each phase took either way.",
         flag="--vllm-log-level",
     )
 
