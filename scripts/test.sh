@@ -10,18 +10,35 @@ echo "==> ruff"
 .venv/bin/ruff format --check worker tests scripts bench
 echo "==> mypy"
 .venv/bin/mypy
+# A long step: its output into a file, its phase lines ("worker: 95 s": each phase's
+# duration) shown as they come, and how long it took; on failure the end of its output.
+run_step() {  # run_step NAME LOGFILE COMMAND...
+  local name=$1 log=$2 start=$SECONDS status
+  shift 2
+  set +o pipefail
+  "$@" 2>&1 | tee "$log" | { grep --line-buffered -E '^[a-z_]+: ([0-9]+ s|done before)' | sed -u 's/^/    /'; true; }
+  status=${PIPESTATUS[0]}
+  set -o pipefail
+  if [ "$status" -ne 0 ]; then
+    tail -50 "$log"
+    echo "$name: failed after $((SECONDS - start)) s (exit code $status; whole output: $log)"
+    exit 1
+  fi
+  echo "    $name: $((SECONDS - start)) s"
+}
 if [ $# -eq 0 ]; then
+  # The three smoke runs take about 5.5 minutes on 2 cores: each prints its phases as they end.
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
-  .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured --think-time 0.05 >"$smoke/bench.out" 2>&1 \
-    || { tail -50 "$smoke/bench.out"; exit 1; }
+  run_step "benchmark smoke run" "$smoke/bench.out" \
+    .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured --think-time 0.05
   grep -q "## Concurrency (3 turns per session; users think" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
   echo "benchmark smoke run: ok ($smoke/results.md)"
   echo "==> several-GPU benchmark smoke run (two CPU workers in one share group, Redis store, tiny model)"
-  .venv/bin/python -m bench.multigpu --profile smoke --out "$smoke/multi" --phases single,dp,tp \
+  run_step "several-GPU benchmark smoke run" "$smoke/multi.out" \
+    .venv/bin/python -m bench.multigpu --profile smoke --out "$smoke/multi" --phases single,dp,tp \
     --redis-server "$(command -v redis-server)" \
-    --worker-args "--store redis --redis-url redis://127.0.0.1:{redis_port}/0 --mqtt-session-expiry 0" \
-    >"$smoke/multi.out" 2>&1 || { tail -50 "$smoke/multi.out"; exit 1; }
+    --worker-args "--store redis --redis-url redis://127.0.0.1:{redis_port}/0 --mqtt-session-expiry 0"
   # Both workers of the group served requests, every turn with its history; every phase
   # compared with the single worker.
   .venv/bin/python -c "import json, sys; r = json.load(open(sys.argv[1]))['phases']
@@ -30,11 +47,12 @@ assert all(s['turns_without_history'] == 0 for s in r['dp']['runs'].values()), r
 assert all(s.get('tokens_per_s_vs_single') for p in ('dp', 'tp') for s in r[p]['runs'].values()), r" "$smoke/multi/multi.json"
   echo "several-GPU benchmark smoke run: ok ($smoke/multi/multi.md)"
   echo "==> scale load test smoke run (4 simulated workers in one share group, zero-cost engine)"
-  .venv/bin/python -m bench.scale --out "$smoke/scale" --workers 4 --processes 2 --rates 50 --duration 2 \
-    >"$smoke/scale.out" 2>&1 || { tail -50 "$smoke/scale.out"; exit 1; }
+  run_step "scale load test smoke run" "$smoke/scale.out" \
+    .venv/bin/python -m bench.scale --out "$smoke/scale" --workers 4 --processes 2 --rates 50 --duration 2
   .venv/bin/python -c "import json, sys; s = json.load(open(sys.argv[1]))['steps'][0]
 assert s['replies'] == s['sent'] == 100 and s['error_replies'] == 0, s" "$smoke/scale/scale-w4.json"
   echo "scale load test smoke run: ok ($smoke/scale/scale.md)"
 fi
 echo "==> pytest"
-.venv/bin/python -m pytest -ra "$@"
+# --durations: the slowest tests and fixtures (an engine start is ~50 s of a fixture's setup).
+.venv/bin/python -m pytest -ra --durations=15 "$@"

@@ -95,6 +95,9 @@ def shared_worker(
             "6",
             "--state-dir",
             str(workdir / "state"),
+            # vLLM's own INFO lines (off by default): test_e2e.py checks they are routed.
+            "--vllm-log-level",
+            "INFO",
         ],
         log,
     )

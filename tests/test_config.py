@@ -14,8 +14,11 @@ REPO = Path(__file__).resolve().parent.parent
 
 @pytest.fixture
 def model_dir(tmp_path: Path) -> str:
-    (tmp_path / "model").mkdir()
-    return str(tmp_path / "model")
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):  # what the start checks for
+        (model / name).write_text("{}")
+    return str(model)
 
 
 def test_defaults(model_dir: str) -> None:
@@ -122,6 +125,31 @@ def test_missing_model_is_an_error() -> None:
         load_config(["--model", "./no/such/model"], environ={})
 
 
+def test_a_directory_that_is_not_a_model_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Said before anything loads, naming what is missing (not a transformers traceback)."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hello")
+    assert main(["--model", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"engine.model: {empty} is not a model directory" in err, err
+    assert "it lacks config.json (the model's architecture), a tokenizer (tokenizer.json" in err, err
+    assert "and weights (*.safetensors or *.bin)" in err, err
+    (empty / "config.json").write_text("{}")
+    (empty / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"it lacks weights \(\*\.safetensors or \*\.bin\)\.") as exc:
+        load_config(["--model", str(empty)], environ={})
+    assert "config.json" not in str(exc.value) and "tokenizer" not in str(exc.value)
+    # Random weights of the config's shapes (the benchmarks' geometry models) need none.
+    load_config(["--model", str(empty), "--engine-extra", '{"load_format": "dummy"}'], environ={})
+    (empty / "model.safetensors").write_text("{}")
+    load_config(["--model", str(empty)], environ={})
+    with pytest.raises(ConfigError, match="is a file"):
+        load_config(["--model", str(empty / "notes.txt")], environ={})
+
+
 def test_password_file_and_masking(tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
     secret = tmp_path / "pw"
     secret.write_text("s3cret-value\n")
@@ -148,6 +176,16 @@ def test_worker_id_default_differs_by_devices() -> None:
     assert default_worker_id("0,1") != default_worker_id(None)
     assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", default_worker_id("2,3"))
     assert WorkerConfig().effective_worker_id == default_worker_id(None)
+
+
+def test_a_worker_without_a_gpu_is_named_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_worker_id(None, gpu=False).endswith("-cpu")
+    assert default_worker_id(None, gpu=True).endswith("-gpuall")
+    assert default_worker_id("2", gpu=False).endswith("-gpu2")  # asked for: a warning at start says it is absent
+    monkeypatch.setattr("worker.config.nvidia_gpu_present", lambda: False)
+    assert WorkerConfig().effective_worker_id.endswith("-cpu")
+    monkeypatch.setattr("worker.config.nvidia_gpu_present", lambda: True)
+    assert WorkerConfig().effective_worker_id.endswith("-gpuall")
 
 
 def test_example_config_is_current_and_loads(model_dir: str) -> None:

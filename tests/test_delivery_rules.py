@@ -148,29 +148,6 @@ def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquit
     assert any("refused" in line for line in lines)  # the log did speak of these requests
 
 
-def test_paho_reconnect_noise_is_not_an_error() -> None:
-    """paho logs a lost connection at ERROR on every try while it reconnects; routed into the
-    worker's log, that is DEBUG (the transport says it plainly at WARNING), and paho's other
-    errors are WARNINGs."""
-    import logging
-
-    from worker.logs import InterceptHandler
-
-    levels: list[str] = []
-    sink = logger.add(lambda message: levels.append(message.record["level"].name), level="DEBUG")
-    try:
-        handler = InterceptHandler()
-        for text in (
-            "Client is not connected. Socket: None). Last known Connection State: MQTT_CS_CONNECTION_LOST",
-            "failed to receive on socket: [Errno 104] Connection reset by peer",
-        ):
-            handler.emit(logging.LogRecord("paho.mqtt.client", logging.ERROR, __file__, 1, text, None, None))
-        handler.emit(logging.LogRecord("vllm.engine", logging.ERROR, __file__, 1, "a real error", None, None))
-    finally:
-        logger.remove(sink)
-    assert levels == ["DEBUG", "WARNING", "ERROR"]
-
-
 def test_a_publish_the_broker_does_not_take_is_a_typed_failure(tmp_path_factory: pytest.TempPathFactory) -> None:
     """The transport's publish future fails instead of succeeding when nothing was taken:
     PublishRefused for a topic the broker's ACL refuses (its PUBACK says Not authorized) and

@@ -230,13 +230,17 @@ def test_logging_is_routed_and_keeps_message_text_out(shared_worker: WorkerProce
 
 
 def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
-    """Each start phase and its duration, vLLM's own lines about the model load in between, at
-    the default level (INFO), in this order. (The heartbeat while the engine starts depends on
-    how long it takes: see test_startup.py.)"""
+    """Each start phase and its duration at the default level (INFO), the broker checked before
+    the model load, vLLM's own lines about the load in between (the shared worker logs them at
+    --vllm-log-level INFO; test_logs.py checks the default), "Listening" once subscribed, in
+    this order. (The heartbeat while the engine starts depends on how long it takes: see
+    test_startup.py.)"""
     deadline = time.monotonic() + 30  # "Serving" comes with the SUBACK, maybe after "online"
     while "worker.main: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
         time.sleep(0.1)
     expected = [
+        r"\| INFO +\| worker\.main: Worker shared \S+ starting: model \S+, broker 127\.0\.0\.1:\d+, store sqlite$",
+        r"\| INFO +\| worker\.main: MQTT broker at 127\.0\.0\.1:\d+ accepted the login$",  # before the load
         r"\| INFO +\| worker\.startup: Importing vLLM, torch and transformers$",
         r"worker\.startup: Imported in \d+\.\d s$",
         r"worker\.startup: Loading the tokenizer: \S+$",
@@ -244,6 +248,8 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
         r"worker\.startup: Starting the engine: vLLM is loading \S+$",
         r"\| INFO +\| vllm\.[\w.]+: Loading weights took ",  # from the engine's process
         r"\| INFO +\| worker\.startup: Engine ready in \d+\.\d s$",
+        r"worker\.transport: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
+        r"worker\.main: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
         r"worker\.main: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",
     ]
     position = 0

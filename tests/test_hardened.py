@@ -139,8 +139,8 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     writable = [dirs["state"], dirs["cache"]]
     readable = [REPO, Path(sys.prefix), Path(sys.base_prefix), tiny_model, pki.ca.parent, dirs["etc"]]
     wrapper = sandbox(readable, writable, dirs["tmp"], dirs["var-tmp"], cwd=dirs["state"])
-    # The unit's ExecStart is `python -m worker --model ... --visible-devices 0`: the engine
-    # flags stand in for it.
+    # The unit's ExecStart is `python -m worker`, its [engine] settings in worker.toml: the
+    # engine flags stand in for them.
     args = engine_args(tiny_model)
     worker = WorkerProcess(args, base / "worker.log", env, wrapper=wrapper, cwd=dirs["state"])
     watcher = Client(broker.port, ["chat/_worker/gpu-1/status"], login=("monitor", passwords["monitor"]))
@@ -189,11 +189,14 @@ def test_it_serves_over_tls_under_a_read_only_root_writing_only_where_the_unit_a
     finally:
         alice.close()
     assert code_of(answer) is None and answer["requestId"] == "a1", answer
-    # It logged in as worker, on the TLS listener.
+    # It logged in as worker, on the TLS listener: first the start's check of the broker (a
+    # client id of its own, a clean session), then for good (its persistent session).
     broker_log = deployment.broker.log.read_text()
-    client_port = re.search(rf"New connection from 127\.0\.0\.1:(\d+) on port {deployment.tls_port}\.", broker_log)
-    assert client_port, broker_log[-3000:]
-    assert f"127.0.0.1:{client_port.group(1)} as gpu-1 (p5, c0, k30, u'worker')" in broker_log
+    tls_ports = re.findall(rf"New connection from 127\.0\.0\.1:(\d+) on port {deployment.tls_port}\.", broker_log)
+    assert tls_ports, broker_log[-3000:]
+    logins = [f"127.0.0.1:{port} as gpu-1" for port in tls_ports]
+    assert any(f"{login}-check (p5, c1, k30, u'worker')" in broker_log for login in logins), broker_log[-3000:]
+    assert any(f"{login} (p5, c0, k30, u'worker')" in broker_log for login in logins), broker_log[-3000:]
     # The sandbox held: the worker's root is read-only, its state directory writable.
     pid = Path(f"/proc/{deployment.worker.proc.pid}/task/{deployment.worker.proc.pid}/children").read_text().split()[0]
     mounts = {line.split()[4]: line.split()[5] for line in Path(f"/proc/{pid}/mountinfo").read_text().splitlines()}

@@ -85,6 +85,9 @@ def test_observer_and_scrape_time_values() -> None:
     stats.record_reply(Usage(prompt_tokens=100, completion_tokens=10, cached_tokens=64), latency, finish_reason="stop")
     stats.record_reply(Usage(prompt_tokens=50, completion_tokens=20, cached_tokens=0), latency, finish_reason="length")
     stats.record_reply(Usage(prompt_tokens=50, completion_tokens=1, cached_tokens=32), latency, cancelled=True)
+    stats.record_reply(
+        Usage(prompt_tokens=10, completion_tokens=8, cached_tokens=0), latency, finish_reason="reasoning_budget"
+    )
     stats.record_error(ErrorCode.BUSY.value)
     stats.record_error(ErrorCode.BUSY.value)
     stats.record_invalid_topic()
@@ -93,22 +96,24 @@ def test_observer_and_scrape_time_values() -> None:
 
     got = parse(generate_latest(metrics.registry).decode())
     assert reads == [1]
-    expected = {"replied": 1, "truncated": 1, "cancelled": 1, "busy": 2}
+    # Named as the reply's finishReason: "truncated" is a reply cut to the broker's packet size.
+    expected = {"replied": 1, "length": 1, "reasoning_budget": 1, "cancelled": 1, "busy": 2}
+    assert "truncated" not in OUTCOMES
     for outcome in OUTCOMES:  # every outcome exists from the start, at 0 when nothing happened
         assert got.value(m("requests_total"), outcome=outcome) == expected.get(outcome, 0), outcome
     assert got.types[m("requests")] == "counter"
-    assert got.value(m("prompt_tokens_total")) == 200
+    assert got.value(m("prompt_tokens_total")) == 210
     assert got.value(m("prompt_cached_tokens_total")) == 96
-    assert got.value(m("completion_tokens_total")) == 31
+    assert got.value(m("completion_tokens_total")) == 39
     assert got.value(m("invalid_topics_total")) == 1
     for histogram in ("request_duration_seconds", "time_to_first_token_seconds", "request_queue_seconds"):
         assert got.types[m(histogram)] == "histogram"
-        assert got.value(m(f"{histogram}_count")) == 3
-        assert got.value(m(f"{histogram}_bucket"), le="+Inf") == 3
-    assert got.value(m("request_duration_seconds_sum")) == pytest.approx(4.5)
+        assert got.value(m(f"{histogram}_count")) == 4
+        assert got.value(m(f"{histogram}_bucket"), le="+Inf") == 4
+    assert got.value(m("request_duration_seconds_sum")) == pytest.approx(6.0)
     assert got.value(m("request_duration_seconds_bucket"), le="1.0") == 0
-    assert got.value(m("request_duration_seconds_bucket"), le="2.0") == 3
-    assert got.value(m("time_to_first_token_seconds_sum")) == pytest.approx(0.12)
+    assert got.value(m("request_duration_seconds_bucket"), le="2.0") == 4
+    assert got.value(m("time_to_first_token_seconds_sum")) == pytest.approx(0.16)
     assert got.value(m("pending_requests")) == 4
     assert got.value(m("sessions")) == 5
     assert got.value(m("engine_running_requests")) == 3
@@ -227,13 +232,13 @@ def test_scrape_moves_with_traffic(shared_worker: WorkerProcess, shared_metrics_
     finishes = [r["finishReason"] for r in replies]
     expected = {
         "replied": finishes.count("stop"),
-        "truncated": finishes.count("length"),
+        "length": finishes.count("length"),
         "cancelled": 1,
         "bad_json": 1,
     }
     for outcome in OUTCOMES:
         assert moved("requests_total", outcome=outcome) == expected.get(outcome, 0), outcome
-    assert moved("requests_total", outcome="replied") + moved("requests_total", outcome="truncated") == 3
+    assert moved("requests_total", outcome="replied") + moved("requests_total", outcome="length") == 3
     n = len(replies)
     for histogram, field in (
         ("request_duration_seconds", "totalMs"),

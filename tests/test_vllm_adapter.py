@@ -16,6 +16,7 @@ pytest.importorskip("vllm")
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
+from worker.config import EngineConfig
 from worker.engine import (
     EngineError,
     EngineInfo,
@@ -25,7 +26,7 @@ from worker.engine import (
     StructuredOutput,
     StructuredOutputRejected,
 )
-from worker.vllm_engine import VllmEngine, make_engine_args, structured_outputs_args
+from worker.vllm_engine import VllmEngine, engine_arguments, make_engine_args, structured_outputs_args
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
@@ -78,6 +79,16 @@ def test_engine_refusals_of_a_schema_are_structured_output_rejected() -> None:
     # A grammar that fails to compile in the engine core ends the request with "error".
     with pytest.raises(StructuredOutputRejected, match="compile"):
         generate(StandInLLM(finish_reason="error"), StructuredOutput())
+
+
+def test_weight_loading_bars_follow_vllm_level() -> None:
+    """vLLM draws progress bars on stderr while it loads the weights: not when its log is quiet
+    ([logging] vllm_level above INFO); engine.extra still decides when it names the key."""
+    config = EngineConfig(model="m")
+    assert "use_tqdm_on_load" not in engine_arguments(config)
+    assert engine_arguments(config, progress_bars=False)["use_tqdm_on_load"] is False
+    explicit = EngineConfig(model="m", extra={"use_tqdm_on_load": True})
+    assert engine_arguments(explicit, progress_bars=False)["use_tqdm_on_load"] is True
 
 
 def test_structured_outputs_engine_arguments(tiny_model: Path) -> None:

@@ -165,6 +165,10 @@ def _check_usable(config: WorkerConfig) -> None:
     model = config.engine.model
     if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
         raise ConfigError(f"engine.model: {model} does not exist")
+    if Path(model).expanduser().exists():
+        problem = model_dir_problem(Path(model).expanduser(), weights=config.engine.extra.get("load_format") != "dummy")
+        if problem:
+            raise ConfigError(f"engine.model: {model} {problem}")
     if config.mqtt.password_file is not None:
         try:
             config.mqtt_password()
@@ -179,6 +183,38 @@ def _check_usable(config: WorkerConfig) -> None:
                 path.read_bytes()
             except OSError as exc:
                 raise ConfigError(f"mqtt.{key}: cannot read {path}: {exc.strerror}") from None
+
+
+# What a model directory in the Hugging Face layout holds, as vLLM and transformers load it.
+# Without this check a directory that is not a model fails minutes later, deep in
+# transformers, with a 50-line traceback that blames an optional package (sentencepiece).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "spiece.model", "tekken.json")
+WEIGHT_PATTERNS = ("*.safetensors", "*.bin", "*.pt", "*.pth", "*.gguf")
+
+
+def model_dir_problem(path: Path, *, weights: bool = True) -> str | None:
+    """What ``path`` lacks to be a model vLLM can load, in words; None when nothing is missing.
+    A single .gguf file is a model too. ``weights``: False for load_format "dummy" (random
+    weights of the config's shapes: the benchmarks' geometry models have none)."""
+    if path.is_file():
+        return None if path.suffix == ".gguf" else "is a file; --model takes a model directory (or a .gguf file)"
+    if not path.is_dir():
+        return "is not a directory"
+    missing = []
+    if not (path / "config.json").is_file():
+        missing.append("config.json (the model's architecture)")
+    if not any((path / name).is_file() for name in TOKENIZER_FILES):
+        missing.append(f"a tokenizer ({', '.join(TOKENIZER_FILES[:3])} or similar)")
+    if weights and not any(next(path.glob(pattern), None) for pattern in WEIGHT_PATTERNS):
+        missing.append("weights (*.safetensors or *.bin)")
+    if not missing:
+        return None
+    listed = missing[0] if len(missing) == 1 else ", ".join(missing[:-1]) + " and " + missing[-1]
+    return (
+        f"is not a model directory: it lacks {listed}"
+        + ". --model takes a directory in the Hugging Face layout, e.g. a downloaded model "
+        "or one made by python -m worker.tinymodel DIR"
+    )
 
 
 def _toml_value(value: Any) -> str:

@@ -86,6 +86,13 @@ class MqttConfig(Section):
         "requests) while it is disconnected, so requests sent during a restart are not lost.",
         ge=0,
     )
+    wait_for_broker: bool = opt(
+        False,
+        "At start, wait for a broker that is down or unreachable (retrying with the reconnect "
+        "delays) instead of exiting with code 2. On by itself under systemd (NOTIFY_SOCKET set). "
+        "A refused login or a TLS error ends the start either way.",
+        flag="--wait-for-broker",
+    )
     reconnect_min_delay: int = opt(1, "First delay in whole seconds before reconnecting (doubles each try).", ge=1)
     reconnect_max_delay: int = opt(30, "Largest delay in whole seconds between reconnects.", ge=1)
     allowed_response_topics: list[str] = opt(
@@ -359,8 +366,15 @@ class LoggingConfig(Section):
         "INFO", "Log level. Message text is logged at DEBUG only.", flag="--log-level"
     )
     json_logs: bool = opt(False, "Log one JSON object per line (for journald/log shippers).", flag="--log-json")
+    vllm_level: Literal["DEBUG", "INFO", "WARNING", "ERROR"] = opt(
+        "WARNING",
+        "Log level of vLLM's own lines (in the worker and in vLLM's engine processes). At INFO, "
+        "vLLM logs its whole configuration and every step of the model load (35 lines on a CPU "
+        "engine's start); the worker's own start lines say what each phase took either way.",
+        flag="--vllm-log-level",
+    )
 
-    @field_validator("level", mode="before")
+    @field_validator("level", "vllm_level", mode="before")
     @classmethod
     def _upper(cls, value: Any) -> Any:
         return value.upper() if isinstance(value, str) else value
@@ -398,10 +412,22 @@ class WorkerConfig(Section):
         return data
 
 
-def default_worker_id(visible_devices: str | None) -> str:
+def nvidia_gpu_present() -> bool:
+    """Whether this machine has an NVIDIA driver with a device (without importing torch, which
+    takes seconds): the driver's control device exists on every host and container with one."""
+    return Path("/dev/nvidiactl").exists()
+
+
+def default_worker_id(visible_devices: str | None, *, gpu: bool | None = None) -> str:
+    """``<host>-gpu<devices>`` (``-gpuall`` for every GPU), so that one worker per GPU on a host
+    never share a client id; ``<host>-cpu`` on a machine without a GPU (``gpu``: whether it
+    has one; default: looked up)."""
     host = re.sub(r"[^A-Za-z0-9.-]", "-", socket.gethostname())[:100] or "host"
-    devices = re.sub(r"[^0-9A-Za-z]+", "_", visible_devices).strip("_") if visible_devices else "all"
-    return f"{host}-gpu{devices}"
+    if visible_devices:
+        return f"{host}-gpu{re.sub(r'[^0-9A-Za-z]+', '_', visible_devices).strip('_')}"
+    if gpu is None:
+        gpu = nvidia_gpu_present()
+    return f"{host}-gpuall" if gpu else f"{host}-cpu"
 
 
 def sections() -> dict[str, dict[str, Any]]:

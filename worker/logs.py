@@ -32,11 +32,6 @@ class InterceptHandler(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
-        if record.name.startswith("paho") and record.levelno >= logging.ERROR:
-            # paho logs a lost connection at ERROR on every try while it reconnects ("Client is
-            # not connected. Socket: None"); the transport says what happened itself, in plain
-            # words at WARNING. A reconnect is not an error.
-            level = "DEBUG" if "not connected" in record.getMessage() else "WARNING"
         logger.opt(depth=6, exception=record.exc_info).bind(name=record.name).log(level, record.getMessage())
 
 
@@ -73,13 +68,22 @@ def route_library_logging() -> None:
         std.propagate = True
 
 
-def use_loguru_in_vllm_processes(level: str, *, json_logs: bool) -> Path | None:
+def vllm_logging_level(level: str, vllm_level: str) -> str:
+    """The standard logging level of vLLM's loggers: vllm_level, or the worker's level where
+    that is higher (its sink drops the rest anyway)."""
+    std_level = "DEBUG" if level == "TRACE" else level
+    return max(std_level, vllm_level, key=logging.getLevelName)
+
+
+def use_loguru_in_vllm_processes(level: str, *, json_logs: bool, vllm_level: str = "INFO") -> Path | None:
     """Point vLLM (this process and the engine processes it spawns) at a logging config
-    that logs through loguru. Must run before vLLM is imported; an explicit
-    VLLM_LOGGING_CONFIG_PATH of the operator's wins. Returns the file written (to delete)."""
+    that logs through loguru, its own lines at ``vllm_level``. Must run before vLLM is
+    imported; an explicit VLLM_LOGGING_CONFIG_PATH of the operator's wins. Returns the file
+    written (to delete)."""
     if os.environ.get("VLLM_LOGGING_CONFIG_PATH"):
         return None
-    std_level = "DEBUG" if level == "TRACE" else level
+    std_level = vllm_logging_level(level, vllm_level)
+    logging.getLogger("vllm").setLevel(std_level)
     config = {
         "version": 1,
         "disable_existing_loggers": False,

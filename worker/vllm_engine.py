@@ -90,9 +90,13 @@ def structured_outputs_args(kwargs: dict[str, Any], disable_any_whitespace: bool
     return out
 
 
-def engine_arguments(config: EngineConfig, *, json_disable_any_whitespace: bool = True) -> dict[str, Any]:
+def engine_arguments(
+    config: EngineConfig, *, json_disable_any_whitespace: bool = True, progress_bars: bool = True
+) -> dict[str, Any]:
     """The AsyncEngineArgs values for a worker config, as plain data (the benchmark starts
-    its in-process engines from the same values)."""
+    its in-process engines from the same values). ``progress_bars``: False leaves out the bars
+    vLLM draws on stderr while it loads the weights (with vLLM's INFO lines off, the log keeps
+    only what matters: the worker's own start lines say how long the load took)."""
     kwargs: dict[str, Any] = {
         "model": config.model,
         "tensor_parallel_size": config.tensor_parallel_size,
@@ -107,6 +111,8 @@ def engine_arguments(config: EngineConfig, *, json_disable_any_whitespace: bool 
         value = getattr(config, key)
         if value is not None:
             kwargs[key] = value
+    if not progress_bars and "use_tqdm_on_load" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+        kwargs["use_tqdm_on_load"] = False
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -183,10 +189,17 @@ class VllmEngine:
 
     @classmethod
     async def start(
-        cls, config: EngineConfig, *, stop_token_ids: list[int], json_disable_any_whitespace: bool = True
+        cls,
+        config: EngineConfig,
+        *,
+        stop_token_ids: list[int],
+        json_disable_any_whitespace: bool = True,
+        progress_bars: bool = True,
     ) -> VllmEngine:
         assert config.model is not None
-        kwargs = engine_arguments(config, json_disable_any_whitespace=json_disable_any_whitespace)
+        kwargs = engine_arguments(
+            config, json_disable_any_whitespace=json_disable_any_whitespace, progress_bars=progress_bars
+        )
         try:
             args = make_engine_args(kwargs)
         except (TypeError, ValueError) as exc:
