@@ -21,8 +21,11 @@ BROKER=$!
 # --dtype float32: this small model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
 # --block-size 32: vLLM caches prefixes in whole blocks, 128 tokens by default on the CPU, longer
 # than this short conversation's prompts; 32-token blocks let each turn reuse the previous ones.
+# kv_cache_memory_bytes: a fixed 256 MiB KV cache (5,760 tokens of this model). A share of host
+# memory (--gpu-memory-utilization) must be free when the engine starts, which a busy machine
+# may not have (vLLM then refuses to start).
 setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo \
-  --enforce-eager --block-size 32 --gpu-memory-utilization 0.3 --max-model-len 2048 \
+  --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
 cleanup() {
