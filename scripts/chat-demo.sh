@@ -20,7 +20,7 @@ printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_i
 setsid "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &  # setsid: Ctrl-C is for the client
 BROKER=$!
 # --dtype float32, --block-size 32 and kv_cache_memory_bytes: see scripts/demo.sh.
-setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo --store memory \
+setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo --store memory --wait-for-broker \
   --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   --stats-interval 5 \
   >"$RUN/worker.log" 2>&1 &

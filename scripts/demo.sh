@@ -24,7 +24,7 @@ BROKER=$!
 # kv_cache_memory_bytes: a fixed 256 MiB KV cache (5,760 tokens of this model). A share of host
 # memory (--gpu-memory-utilization) must be free when the engine starts, which a busy machine
 # may not have (vLLM then refuses to start).
-setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo \
+setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "$PORT" --worker-id demo --wait-for-broker \
   --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
