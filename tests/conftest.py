@@ -95,6 +95,11 @@ def shared_worker(
             "6",
             "--state-dir",
             str(workdir / "state"),
+            # The warm-up's code path in CI (auto is off on the CPU backend), small: batches 1-4.
+            "--warmup",
+            "on",
+            "--warmup-max-batch",
+            "4",
         ],
         log,
     )
