@@ -149,7 +149,7 @@ def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, An
         else:
             out[key] = value
     size = config.kv_offload_gib
-    how = "set"
+    how = "set" if size else "set to 0"
     if size is None:
         size = auto_kv_offload_gib(host, config.tensor_parallel_size)
         how = (
@@ -160,16 +160,16 @@ def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, An
         )
     elif size > 0 and host.cpu_backend:
         logger.warning("kv_offload_gib={:g}: the CPU backend has no host-memory KV tier; off", size)
-        size = 0.0
+        size, how = 0.0, "the CPU backend has none"
     if size > 0 and "kv_offloading_size" not in names:
         logger.warning("kv_offload_gib={:g}: vLLM {} has no kv_offloading_size; off", size, vllm.__version__)
-        size = 0.0
+        size, how = 0.0, f"vLLM {vllm.__version__} has none"
     if size > 0:
         out["kv_offloading_size"] = size
         out["kv_offloading_backend"] = config.kv_offload_backend
         logger.info("KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how)
     else:
-        logger.info("KV offloading to host memory: off ({})", how if config.kv_offload_gib is None else "set to 0")
+        logger.info("KV offloading to host memory: off ({})", how)
     return out
 
 
