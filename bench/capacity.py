@@ -19,6 +19,7 @@ stats messages where the prompt tokens' KV came from (GPU prefix cache, host tie
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import re
@@ -132,15 +133,20 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         )
         bursts = []
         for index in range(3):
+            # New messages each burst (another seed; the system prompt is the same text): a
+            # later burst must compute as much as the first, or it measures its prefix cache.
+            workload_now = dataclasses.replace(burst_workload, seed=burst_workload.seed + index)
             started = time.perf_counter()
             records = driver.run_concurrent(
-                f"burst{index}", burst_workload, tokenizer.count_text, sessions=BURST_SESSIONS, turns=1
+                f"burst{index}", workload_now, tokenizer.count_text, sessions=BURST_SESSIONS, turns=1
             )
             wall = time.perf_counter() - started
             ttfts = [r.client_ttft_ms for r in records if r.client_ttft_ms is not None]
             bursts.append(
                 {
                     "wall_s": round(wall, 3),
+                    "prompt_tokens": sum(r.prompt_tokens for r in records),
+                    "cached_tokens": sum(r.cached_tokens for r in records),
                     "ttft_p50_ms": round(percentile(ttfts, 50), 1) if ttfts else None,
                     "ttft_max_ms": round(max(ttfts), 1) if ttfts else None,
                     "records": records,
