@@ -34,6 +34,7 @@ KV_TOKENS = re.compile(r"Engine: .*KV cache (\d+) tokens")
 WARMUP_DONE = re.compile(r"Warm-up done in (\d+\.\d) s: (\d+) of (\d+) steps, (\d+) requests")
 TIER = re.compile(r"KV offloading to host memory: (.*)$", re.M)
 BURST_SESSIONS = 10
+JIT_WARNING = "Triton kernel JIT compilation during inference"
 
 
 def _cache_dirs() -> dict[str, bool]:
@@ -207,6 +208,14 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         driver.close()
         worker.stop()
         broker.stop()
+    # vLLM warns of each kernel it compiles while serving: before online (the warm-up) or after.
+    text = log.read_text(errors="replace")[offset:]
+    before, _, after = text.partition("worker.main: Serving ")
+    result["jit_compilations"] = {
+        "before_online": before.count(JIT_WARNING),
+        "after_online": after.count(JIT_WARNING),
+        "kernels_after_online": sorted(set(re.findall(JIT_WARNING + r": (\w+)", after))),
+    }
     return result
 
 
@@ -273,7 +282,8 @@ def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
             f"{result['system_tokens']}-token system prompt; caches empty at start: {result['caches_empty_at_start']}; "
             f"start to ready {result['start_to_ready_s']} s, warm-up {result['warmup_s']} s",
             "",
-            f"bursts of {BURST_SESSIONS} first turns: {bursts}; first over later: {result['first_burst_over_later']}",
+            f"bursts of {BURST_SESSIONS} first turns: {bursts}; first over later: {result['first_burst_over_later']}; "
+            f"kernels compiled while serving: {result.get('jit_compilations')}",
             "",
             "| N | sessions | think mean | reuse of prefix | prompt cached | recomputed/turn | TTFT p50 | TTFT p95 | "
             "latency p50 | latency p95 | tok/s returning | GPU hit / host hit / computed tokens |",

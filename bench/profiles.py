@@ -178,3 +178,13 @@ for _interval in (2, 4, 8):
 PROFILES["gpu-quick-low"] = Profile(
     PROFILES["gpu"].engine_overrides, concurrency=(1, 5, 10), one_at_a_time=(), multi_turns=2, decode_tokens=64
 )
+# The first bursts after a start only (the capacity phase without its capacity runs): with the
+# warm-up (on a machine's empty compile caches), and without it (scripts/gpu_capacity.sh gives
+# each profile an empty Triton cache of its own, so kernels compiled on first use compile again).
+for _name, _warmup in (("gpu-firstburst", "on"), ("gpu-firstburst-nowarmup", "off")):
+    PROFILES[_name] = Profile(
+        PROFILES["gpu"].engine_overrides,
+        capacity_engine={**PROFILES["gpu"].capacity_engine, "warmup": _warmup},
+        capacity_multiples=(),
+        decode_tokens=64,
+    )
