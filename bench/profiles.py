@@ -188,3 +188,16 @@ for _name, _warmup in (("gpu-firstburst", "on"), ("gpu-firstburst-nowarmup", "of
         capacity_multiples=(),
         decode_tokens=64,
     )
+# Long histories (900-token messages under a 1,500-token system prompt, as chat sessions that
+# paste documents): what a returning turn recomputes without the host tier is thousands of
+# tokens. KV cache 4 GiB (16,384 tokens of QwQ-32B: 5 such sessions), the tier 40 GiB.
+PROFILES["gpu-capacity-long"] = Profile(
+    PROFILES["gpu"].engine_overrides,
+    capacity_engine={"max_model_len": 8192, "extra": {"kv_cache_memory_bytes": 4 * 2**30}},
+    capacity_system_tokens=1500,
+    capacity_user_tokens=(800, 1000),
+    capacity_rate=2.0,
+    capacity_offload_gib=40.0,
+    capacity_burst_pause_s=1.0,
+    decode_tokens=64,
+)
