@@ -114,7 +114,7 @@ def host_facts() -> Host:
 
 
 KV_OFFLOAD_AUTO_SHARE = 0.25  # of the host's memory, shared among its GPUs
-KV_OFFLOAD_AUTO_MAX_GIB = 64  # pinning costs start time: 20 GiB 21-26 s, 40 GiB 72 s (H100 host)
+KV_OFFLOAD_AUTO_MAX_GIB = 64  # pinning costs start time: 20 GiB 21-26 s, 40 GiB 33-72 s (H100)
 
 
 def auto_kv_offload_gib(host: Host, tensor_parallel_size: int) -> float:
