@@ -179,7 +179,8 @@ class EngineConfig(Section):
         "that returns after its prefix left the GPU loads it back instead of computing its whole "
         "prompt again (vLLM's kv_offloading_size). 0: off. Default: on GPUs a quarter of the host's "
         "memory shared among its GPUs (times tensor_parallel_size), at most 64 GiB and off below "
-        "1 GiB; off on the CPU backend. Pinning it costs start time: 20 GiB took 21-26 s, 40 GiB 33-72 s on an H100 host.",
+        "1 GiB; off on the CPU backend. Pinning it costs start time: 20 GiB took 21-26 s, 40 GiB "
+        "33-72 s on an H100 host.",
         flag="--kv-offload-gib",
         ge=0,
     )
