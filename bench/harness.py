@@ -11,6 +11,9 @@ not fit one command continues where it stopped):
   ablation   engine settings, in-process (GPU profile)
   structured the same requests with and without a JSON schema (vLLM structured outputs)
   restart    a second worker start on a warm compile cache
+  capacity   sessions at 1x, 3x, 10x what the KV cache holds, users who think and come back
+             (bench/capacity.py); capacity_offload: the same with the host-memory KV tier
+  fp8        FP8 weights and KV cache: KV-cache size and batch-1 decode
 """
 
 from __future__ import annotations
@@ -447,10 +450,26 @@ def main(argv: list[str] | None = None) -> int:
             save(path, stamped(restart_phase(profile, model, out, args.mosquitto)))
         elif phase == "ablation" and profile.ablation:
             asyncio.run(ablation_phase(profile, model, out))
-        print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
-    from .report import write_report
+        elif phase in ("capacity", "capacity_offload"):
+            from .capacity import capacity_phase
 
-    write_report(out)
+            result = capacity_phase(profile, model, out, args.mosquitto, offload=phase == "capacity_offload")
+            save(path, stamped(result))
+        elif phase == "fp8":
+            from .capacity import fp8_phase
+
+            save(path, stamped(fp8_phase(profile, model, out, args.mosquitto)))
+        print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
+    names = ("capacity", "capacity_offload", "fp8")
+    capacity = {p: load(out / f"{p}.json") for p in names if (out / f"{p}.json").exists()}
+    if capacity:
+        from .capacity import capacity_markdown
+
+        (out / "capacity.md").write_text(capacity_markdown(capacity))
+    if set(args.phases.split(",")) - {"capacity", "capacity_offload", "fp8"}:
+        from .report import write_report
+
+        write_report(out)
     return 0
 
 

@@ -118,9 +118,11 @@ class MqttDriver:
         think_s: float = 0.0,
         extra: dict[str, Any] | None = None,
         progress: Progress | None = None,
+        stagger_first: bool = False,
     ) -> list[Record]:
         """``sessions`` chat sessions at once; each sends its next turn when its reply arrives
-        (after a think time drawn around ``think_s``, see common.think_time)."""
+        (after a think time drawn around ``think_s``, see common.think_time). With
+        ``stagger_first`` the first turns too arrive after such a pause instead of all at once."""
         max_tokens = max_tokens or workload.max_tokens
         names = self._session_names(label, sessions)
         index_of = {name: i for i, name in enumerate(names)}
@@ -130,8 +132,12 @@ class MqttDriver:
         due: list[tuple[float, str]] = []
         records: list[Record] = []
         payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, stream, extra)
+        start = time.perf_counter()
         for name in names:
-            sent_at[name] = self._send(name, {**payloads[(index_of[name], 0)], "requestId": f"{name}-t0"})
+            if stagger_first:
+                heapq.heappush(due, (start + think_time(think_s, index_of[name], 0), name))
+            else:
+                sent_at[name] = self._send(name, {**payloads[(index_of[name], 0)], "requestId": f"{name}-t0"})
         while len(records) < sessions * turns:
             now = time.perf_counter()
             while due and due[0][0] <= now:

@@ -28,6 +28,23 @@ class Profile:
     multi_concurrency: tuple[int, ...] = (1, 10, 50, 100, 200)
     gpus: tuple[str, ...] = ("0", "1")
     tensor_parallel_size: int = 2
+    # The capacity phases (bench/capacity.py): engine settings (over engine_overrides), N at
+    # these multiples of the sessions the KV cache holds (at most capacity_max_sessions), turns
+    # per session, the arrival rate the think times are scaled to (turns/s), the workload, and
+    # the host-memory tier of capacity_offload.
+    capacity_engine: dict[str, Any] = field(default_factory=dict)
+    capacity_multiples: tuple[int, ...] = (1, 3, 10)
+    capacity_max_sessions: int = 1000
+    capacity_turns: int = 3
+    capacity_rate: float = 4.0
+    capacity_system_tokens: int = 1000
+    capacity_user_tokens: tuple[int, int] = (150, 250)
+    capacity_max_tokens: int = 64
+    capacity_offload_gib: float = 20.0
+    capacity_kv_tokens_fallback: int = 8192  # when the engine's log does not say
+    capacity_burst_pause_s: float = 5.0
+    burst_system_tokens: int = 1500  # the bursts of first turns before the capacity runs
+    fp8_engine: dict[str, Any] = field(default_factory=lambda: {"quantization": "fp8", "kv_cache_dtype": "fp8"})
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -37,17 +54,36 @@ class Profile:
     @property
     def worker_args(self) -> list[str]:
         """The same engine settings as worker flags."""
-        args: list[str] = []
-        fields = EngineConfig.model_fields
-        for key, value in self.engine_overrides.items():
-            flag = flag_for("engine", key, fields[key])
-            if isinstance(value, bool):
-                args.append(flag if value else f"--no-{flag[2:]}")
-            elif isinstance(value, dict):
-                args += [flag, json.dumps(value)]
-            else:
-                args += [flag, str(value)]
-        return args
+        return engine_flags(self.engine_overrides)
+
+    def _over(self, overrides: dict[str, Any]) -> dict[str, Any]:
+        extra = {**self.engine_overrides.get("extra", {}), **overrides.get("extra", {})}
+        return {**self.engine_overrides, **overrides, "extra": extra}
+
+    @property
+    def capacity_worker_args(self) -> list[str]:
+        return engine_flags(self._over(self.capacity_engine))
+
+    @property
+    def fp8_worker_args(self) -> list[str]:
+        return engine_flags(self._over(self.fp8_engine))
+
+
+def engine_flags(settings: dict[str, Any]) -> list[str]:
+    """EngineConfig fields as worker flags."""
+    args: list[str] = []
+    fields = EngineConfig.model_fields
+    for key, value in settings.items():
+        if key == "extra" and not value:
+            continue
+        flag = flag_for("engine", key, fields[key])
+        if isinstance(value, bool):
+            args.append(flag if value else f"--no-{flag[2:]}")
+        elif isinstance(value, dict):
+            args += [flag, json.dumps(value)]
+        else:
+            args += [flag, str(value)]
+    return args
 
 
 _CPU_ENGINE = {"enforce_eager": True, "block_size": 32, "gpu_memory_utilization": 0.3, "max_model_len": 4096}
@@ -79,11 +115,26 @@ PROFILES: dict[str, Profile] = {
         decode_tokens=32,
         multi_concurrency=(1, 4),
         tensor_parallel_size=1,
+        # The CPU engine's KV cache holds hundreds of tiny sessions: capped, the code path only.
+        capacity_multiples=(1, 3),
+        capacity_max_sessions=3,
+        capacity_turns=2,
+        capacity_rate=30.0,
+        capacity_system_tokens=100,
+        capacity_user_tokens=(10, 20),
+        capacity_max_tokens=8,
+        capacity_offload_gib=1.0,  # the CPU backend has no host tier: logged and off
+        capacity_burst_pause_s=0.2,
+        burst_system_tokens=100,
     ),
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.
     "gpu": Profile(
         {"max_model_len": 16384, "extra": {"load_format": "dummy"}},  # real geometry, no weights
+        # The capacity phases on a KV cache of 2 GiB (8,192 tokens of QwQ-32B in bf16: ~8
+        # sessions), so 10x is 80 sessions and each phase fits a few minutes of device time; the
+        # ratios, not the absolute count, are what carries over to the whole GPU's cache.
+        capacity_engine={"max_model_len": 4096, "extra": {"kv_cache_memory_bytes": 2 * 2**30}},
         ablation={
             "default": {},
             "eager": {"enforce_eager": True},
@@ -126,4 +177,27 @@ for _interval in (2, 4, 8):
     PROFILES[f"gpu-quick-si{_interval}"] = _quick({"stream_interval": _interval})
 PROFILES["gpu-quick-low"] = Profile(
     PROFILES["gpu"].engine_overrides, concurrency=(1, 5, 10), one_at_a_time=(), multi_turns=2, decode_tokens=64
+)
+# The first bursts after a start only (the capacity phase without its capacity runs): with the
+# warm-up (on a machine's empty compile caches), and without it (scripts/gpu_capacity.sh gives
+# each profile an empty Triton cache of its own, so kernels compiled on first use compile again).
+for _name, _warmup in (("gpu-firstburst", "on"), ("gpu-firstburst-nowarmup", "off")):
+    PROFILES[_name] = Profile(
+        PROFILES["gpu"].engine_overrides,
+        capacity_engine={**PROFILES["gpu"].capacity_engine, "warmup": _warmup},
+        capacity_multiples=(),
+        decode_tokens=64,
+    )
+# Long histories (900-token messages under a 1,500-token system prompt, as chat sessions that
+# paste documents): what a returning turn recomputes without the host tier is thousands of
+# tokens. KV cache 4 GiB (16,384 tokens of QwQ-32B: 5 such sessions), the tier 40 GiB.
+PROFILES["gpu-capacity-long"] = Profile(
+    PROFILES["gpu"].engine_overrides,
+    capacity_engine={"max_model_len": 8192, "extra": {"kv_cache_memory_bytes": 4 * 2**30}},
+    capacity_system_tokens=1500,
+    capacity_user_tokens=(800, 1000),
+    capacity_rate=2.0,
+    capacity_offload_gib=40.0,
+    capacity_burst_pause_s=1.0,
+    decode_tokens=64,
 )

@@ -20,6 +20,7 @@ PHASES_DONE = (
     "worker.startup: Imported in ",
     "worker.startup: Tokenizer loaded in ",
     "worker.startup: Engine ready in ",
+    "worker.startup: Warm-up phase over in ",
     "worker.main: Serving ",
 )
 START_LINE = re.compile(r"\| (?:worker\.startup|worker\.main): (.*)$", re.M)

@@ -100,6 +100,11 @@ def shared_worker(
             # vLLM's own INFO lines (off by default): test_e2e.py checks they are routed.
             "--vllm-log-level",
             "INFO",
+            # The warm-up's code path in CI (auto is off on the CPU backend), small: batches 1-4.
+            "--warmup",
+            "on",
+            "--warmup-max-batch",
+            "4",
         ],
         log,
     )

@@ -218,7 +218,13 @@ def test_stats_report() -> None:
     engine = EngineStats(
         running=2, waiting=1, max_running=5, kv_cache_usage=0.25, prefix_cache_queries=100, prefix_cache_hits=40
     )
+    engine.prompt_tokens_computed, engine.prompt_tokens_gpu_hit, engine.prompt_tokens_host_hit = 60, 30, 10
+    engine.kv_offload_gib = 8.0
     report = stats.report(engine, sessions=3, pending=2)
+    # Where the prompt tokens' KV came from, and what each turn computed (10 - 4 cached).
+    assert (report.gpu_hit_tokens, report.host_hit_tokens, report.computed_prompt_tokens) == (30, 10, 60)
+    assert report.avg_recomputed_tokens_per_turn == 6.0 and report.kv_offload_gib == 8.0
+    assert "PromptTokens(GPU hit/host hit/computed)=30/10/60, RecomputedPerTurn=6" in report.log_line()
     assert (report.processed, report.errors, report.requests) == (4, 1, 4)
     assert report.avg_latency_ms == 250 and report.p95_latency_ms == 400 and report.p50_latency_ms == 200
     assert report.prefix_cache_hit_rate == 0.4 and report.max_running == 5
@@ -227,7 +233,10 @@ def test_stats_report() -> None:
     assert data["maxRunning"] == 5 and data["errorsByCode"] == {"busy": 1}
     # The next interval: counters stay cumulative, latencies restart, hit rate is per interval.
     engine.prefix_cache_queries, engine.prefix_cache_hits = 200, 140
+    engine.prompt_tokens_computed, engine.prompt_tokens_host_hit = 65, 110  # interval: 5 computed, 100 from host
     second = stats.report(engine, sessions=3, pending=0)
+    assert (second.gpu_hit_tokens, second.host_hit_tokens, second.computed_prompt_tokens) == (0, 100, 5)
+    assert second.avg_recomputed_tokens_per_turn == 0.0
     assert second.processed == 4 and second.requests == 0 and second.avg_latency_ms == 0
     assert second.prefix_cache_hit_rate == 1.0 and second.prefix_cache_hit_rate_total == 0.7
     assert percentile([], 95) == 0.0

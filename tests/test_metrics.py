@@ -70,7 +70,16 @@ def test_off_by_default() -> None:
 
 def test_observer_and_scrape_time_values() -> None:
     engine = EngineStats(
-        running=3, waiting=2, max_running=7, kv_cache_usage=0.25, prefix_cache_queries=400, prefix_cache_hits=100
+        running=3,
+        waiting=2,
+        max_running=7,
+        kv_cache_usage=0.25,
+        prefix_cache_queries=400,
+        prefix_cache_hits=100,
+        prompt_tokens_computed=300,
+        prompt_tokens_gpu_hit=70,
+        prompt_tokens_host_hit=30,
+        kv_offload_gib=2.0,
     )
     reads: list[int] = []
 
@@ -123,10 +132,19 @@ def test_observer_and_scrape_time_values() -> None:
     assert got.value(m("prefix_cache_hits_total")) == 100
     assert got.value(m("prefix_cache_hit_ratio")) == 0.25
     assert got.value(m("build_info"), version="x") == 1
+    assert got.value(m("engine_prompt_tokens_total"), source="gpu_hit") == 70
+    assert got.value(m("engine_prompt_tokens_total"), source="host_hit") == 30
+    assert got.value(m("engine_prompt_tokens_total"), source="computed") == 300
+    assert got.value(m("kv_offload_bytes")) == 2 * 2**30
+    # Per turn, the prompt tokens not found cached: 36, 50 and 18.
+    assert got.value(m("recomputed_prompt_tokens_count")) == 4
+    assert got.value(m("recomputed_prompt_tokens_sum")) == 114  # 36 + 50 + 18 + 10
+    assert got.value(m("recomputed_prompt_tokens_bucket"), le="16.0") == 1
+    assert got.value(m("recomputed_prompt_tokens_bucket"), le="64.0") == 4
     assert engine.max_running == 7  # a scrape resets nothing of the stats report
-    # The only labels: outcome (bounded), le, and the build info.
+    # The only labels: outcome and source (bounded), le, and the build info.
     labels = {name for (_, pairs) in got.samples for name, _ in pairs}
-    assert labels <= {"outcome", "le", "version"}, labels
+    assert labels <= {"outcome", "le", "version", "source"}, labels
     # Conventions: prefixed snake_case; counters end in _total (the parser strips it from the family).
     for family, kind in got.types.items():
         assert family.startswith((PREFIX + "_", "process_")) and family == family.lower(), family

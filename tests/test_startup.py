@@ -94,11 +94,12 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
         fh.write(line("worker.startup: Importing vLLM, torch and transformers"))
         fh.write(line("worker.startup: Imported in 7.5 s") + line("vllm.config: not a start line"))
         fh.write(line("worker.startup: Tokenizer loaded in 0.3 s") + line("worker.startup: Engine ready in 20.8 s"))
+        fh.write(line("worker.startup: Warm-up phase over in 4.1 s"))
         fh.write("2026-01-01 00:00:00.000 | INFO    | worker.main: Serv")  # a line being written
-    assert bar.poll() is False and bar.done == 3
+    assert bar.poll() is False and bar.done == 4
     with log.open("a") as fh:
         fh.write("ing m as w via h:1 (ready 28.7 s after start)\n")
-    assert bar.poll() is True and bar.done == 4
+    assert bar.poll() is True and bar.done == 5
     bar.close()
     printed = capsys.readouterr().out.splitlines()  # without a terminal: the lines, once each
     assert printed == [
@@ -106,5 +107,6 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
         "    Imported in 7.5 s",
         "    Tokenizer loaded in 0.3 s",
         "    Engine ready in 20.8 s",
+        "    Warm-up phase over in 4.1 s",
         "    Serving m as w via h:1 (ready 28.7 s after start)",
     ]

@@ -4,6 +4,7 @@ engine is exercised end to end in test_e2e.py)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import pytest
 
 pytest.importorskip("vllm")
 
+from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
@@ -25,8 +27,19 @@ from worker.engine import (
     SamplingOptions,
     StructuredOutput,
     StructuredOutputRejected,
+    WarmupPlan,
 )
-from worker.vllm_engine import VllmEngine, engine_arguments, make_engine_args, structured_outputs_args
+from worker.vllm_engine import (
+    Host,
+    VllmEngine,
+    _SchedulerStatsRecorder,
+    auto_kv_offload_gib,
+    engine_arguments,
+    make_engine_args,
+    precision_and_offload_args,
+    structured_outputs_args,
+    warmup_steps,
+)
 
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}}
 
@@ -117,3 +130,94 @@ def test_is_alive_follows_vllms_engine_dead_flag() -> None:
     assert engine.is_alive()
     llm.errored = True  # type: ignore[attr-defined]
     assert not engine.is_alive()
+
+
+# -- precision, the host-memory KV tier, the warm-up's plan, the prompt-token sources --------
+
+GPU_HOST = Host(cpu_backend=False, memory_gib=128.0, gpus=1)
+CPU_HOST = Host(cpu_backend=True, memory_gib=24.0, gpus=1)
+
+
+def test_the_host_tier_defaults_to_a_share_of_host_memory_on_gpus_and_off_on_the_cpu() -> None:
+    assert auto_kv_offload_gib(GPU_HOST, 1) == 32  # a quarter of 128 GiB
+    assert auto_kv_offload_gib(Host(False, 1024.0, 8), 1) == 32  # shared among 8 GPUs
+    assert auto_kv_offload_gib(Host(False, 1024.0, 8), 4) == 64  # a tensor-parallel group's share, capped
+    assert auto_kv_offload_gib(Host(False, 2048.0, 1), 1) == 64  # capped
+    assert auto_kv_offload_gib(Host(False, 3.0, 1), 1) == 0  # below 1 GiB: off
+    assert auto_kv_offload_gib(CPU_HOST, 1) == 0
+
+
+def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCaptureFixture) -> None:
+    from worker.config import EngineConfig
+
+    config = EngineConfig(model="m", quantization="fp8", kv_cache_dtype="fp8", kv_offload_gib=12.5)
+    args = precision_and_offload_args(config, GPU_HOST)
+    assert args == {
+        "quantization": "fp8",
+        "kv_cache_dtype": "fp8",
+        "kv_offloading_size": 12.5,
+        "kv_offloading_backend": "native",
+    }
+    assert set(args) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}  # names this vLLM accepts
+    assert precision_and_offload_args(EngineConfig(model="m"), GPU_HOST) == {
+        "kv_offloading_size": 32.0,
+        "kv_offloading_backend": "native",
+    }
+    assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=0), GPU_HOST) == {}
+
+
+def test_the_cpu_backend_leaves_out_what_it_lacks_and_says_so() -> None:
+    from loguru import logger
+
+    from worker.config import EngineConfig
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{level} {message}")
+    try:
+        config = EngineConfig(model="m", quantization="fp8", kv_cache_dtype="fp8", kv_offload_gib=4)
+        assert precision_and_offload_args(config, CPU_HOST) == {}
+        assert precision_and_offload_args(EngineConfig(model="m"), CPU_HOST) == {}
+    finally:
+        logger.remove(sink)
+    text = "".join(lines)
+    assert "WARNING quantization=fp8 is not used on the CPU backend" in text
+    assert "WARNING kv_cache_dtype=fp8 is not used on the CPU backend" in text
+    assert "WARNING kv_offload_gib=4: the CPU backend has no host-memory KV tier; off" in text
+    assert "INFO KV offloading to host memory: off (the CPU backend keeps its KV cache in host memory" in text
+
+
+def test_the_warm_up_covers_every_sampling_variant_batch_size_and_a_chunked_prompt() -> None:
+    plan = WarmupPlan(mode="on", temperature=0.7, top_p=0.95)
+    steps = warmup_steps(plan, max_batch=12, chunk_tokens=512, max_model_len=4096)
+    default = [s.batch for s in steps if s.label == "default"]
+    assert default == [1, 2, 4, 8, 12]
+    assert all(s.sampling == ({"temperature": 0.7, "top_p": 0.95},) for s in steps if s.label == "default")
+    for variant in ("greedy", "no_top_p", "mixed", "json"):
+        assert sorted(s.batch for s in steps if s.label == variant) == [1, 12], variant
+    mixed = next(s for s in steps if s.label == "mixed").sampling
+    assert {p["top_p"] < 1 for p in mixed} == {True, False}  # top-p and plain rows in one batch
+    long = [s for s in steps if s.prompt_tokens > 512]
+    assert [s.label for s in long] == ["long_prompt", "cached_prefix"] and long[0].prompt_tokens == 768
+    # A context shorter than the chunk: the long prompt still fits it.
+    short = warmup_steps(plan, max_batch=1, chunk_tokens=2048, max_model_len=256)
+    assert max(s.prompt_tokens for s in short) == 256 - 4 - 1
+
+
+def test_the_warm_up_is_off_when_set_or_auto_on_the_cpu_backend() -> None:
+    llm = StandInLLM()
+    engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7], EngineStats(), cpu_backend=True)
+    for mode in ("off", "auto"):
+        assert asyncio.run(engine.warm_up(WarmupPlan(mode=mode, temperature=0.7, top_p=0.95))) is None
+    assert llm.params == []
+
+
+def test_the_recorder_counts_prompt_tokens_by_source() -> None:
+    stats = EngineStats()
+    recorder = _SchedulerStatsRecorder(stats)
+    tokens = SimpleNamespace(computed=100, local_cache_hit=400, external_kv_transfer=250)
+    step = SimpleNamespace(prompt_token_stats=tokens)
+    recorder.record(None, step)
+    recorder.record(None, step)
+    assert (stats.prompt_tokens_computed, stats.prompt_tokens_gpu_hit, stats.prompt_tokens_host_hit) == (200, 800, 500)
+    recorder.record(None, SimpleNamespace())  # a release without the breakdown: nothing counted, no error
+    assert stats.prompt_tokens_computed == 200

@@ -166,6 +166,57 @@ class EngineConfig(Section):
         ge=1,
     )
     dtype: str = opt("auto", "Weight and activation dtype (auto, bfloat16, float16, float32).", flag="--dtype")
+    quantization: str | None = opt(
+        None,
+        "Weight quantization, e.g. fp8 (vLLM quantizes bf16/fp16 weights as it loads them; about half "
+        "the weight memory, so more KV cache; check the model's answers on your own prompts). "
+        "Default: none, or what the model's config says. Not on the CPU backend (logged and ignored there).",
+        flag="--quantization",
+    )
+    kv_cache_dtype: str = opt(
+        "auto",
+        "KV-cache element type: auto (the model's dtype) or fp8 (about twice the tokens in the same "
+        "memory, so about twice the sessions whose prefixes stay on the GPU). Not on the CPU "
+        "backend (logged and ignored there).",
+        flag="--kv-cache-dtype",
+    )
+    kv_offload_gib: float | None = opt(
+        None,
+        "GiB of host memory (pinned) that keeps KV-cache blocks evicted from the GPU, so a session "
+        "that returns after its prefix left the GPU loads it back instead of computing its whole "
+        "prompt again (vLLM's kv_offloading_size). 0: off. Default: on GPUs a quarter of the host's "
+        "memory shared among its GPUs (times tensor_parallel_size), at most 64 GiB and off below "
+        "1 GiB; off on the CPU backend. Pinning it costs start time: 20 GiB took 21-26 s, 40 GiB "
+        "33-72 s on an H100 host.",
+        flag="--kv-offload-gib",
+        ge=0,
+    )
+    kv_offload_backend: Literal["native", "lmcache"] = opt(
+        "native",
+        "Who keeps the offloaded blocks: native (vLLM's CPU offloading connector, in this process) "
+        "or lmcache (an LMCache server, configured in engine.extra's kv_transfer_config).",
+        flag="--kv-offload-backend",
+    )
+    warmup: Literal["auto", "on", "off"] = opt(
+        "auto",
+        "Before announcing itself online, run a short warm-up through the engine: the sampling "
+        "variants requests use (temperature, top_p, greedy, JSON output) at batch sizes up to "
+        "warmup_max_batch, and a prompt long enough for chunked prefill, so that the first real "
+        "requests do not wait for kernels compiled on first use. auto: on GPUs, off on the CPU backend.",
+        flag="--warmup",
+    )
+    warmup_max_batch: int | None = opt(
+        None,
+        "Largest batch the warm-up runs (powers of two up to it). Default: the engine's max_num_seqs.",
+        flag="--warmup-max-batch",
+        ge=1,
+    )
+    warmup_timeout: float = opt(
+        300.0,
+        "Seconds the warm-up may take; what is left after it is skipped (and logged).",
+        flag="--warmup-timeout",
+        ge=0,
+    )
     seed: int = opt(0, "Engine random seed.", flag="--seed")
     extra: dict[str, Any] = opt(
         {},

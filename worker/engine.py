@@ -73,7 +73,26 @@ class EngineStats:
     kv_cache_usage: float = 0.0  # 0..1
     prefix_cache_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: int = 0  # of which found
+    # Prompt tokens of scheduled prefills by where their KV came from (cumulative): computed,
+    # found in the GPU's prefix cache, or loaded back from the host-memory tier (kv_offload_gib).
+    prompt_tokens_computed: int = 0
+    prompt_tokens_gpu_hit: int = 0
+    prompt_tokens_host_hit: int = 0
+    kv_offload_gib: float = 0.0  # size of the host-memory tier; 0: off
     extra: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class WarmupPlan:
+    """What the warm-up before ``online`` covers (engine.warmup*): the sampling the worker
+    uses by default, the other variants a request may ask for, at batch sizes up to
+    ``max_batch`` (None: the engine's limit), within ``timeout_s``."""
+
+    mode: str  # auto (on GPUs only), on, off
+    temperature: float
+    top_p: float
+    max_batch: int | None = None
+    timeout_s: float = 300.0
 
 
 @dataclass(frozen=True)
@@ -84,6 +103,7 @@ class EngineInfo:
     max_model_len: int
     block_size: int | None
     prefix_caching: bool
+    kv_cache_tokens: int | None = None  # the GPU KV cache's size in tokens, where the engine says
 
 
 class Engine(Protocol):

@@ -27,6 +27,7 @@ from . import __version__
 from .children import expect_children
 from .cli import ConfigError, load_config, render_toml
 from .config import WorkerConfig, nvidia_gpu_present
+from .engine import WarmupPlan
 from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 from .notify import Notifier
 from .startup import start_phase
@@ -240,6 +241,16 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
                 json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
                 progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
             )
+        # Before online: the first real burst must not wait for kernels compiled on first use.
+        plan = WarmupPlan(
+            mode=config.engine.warmup,
+            temperature=config.generation.temperature,
+            top_p=config.generation.top_p,
+            max_batch=config.engine.warmup_max_batch,
+            timeout_s=config.engine.warmup_timeout,
+        )
+        with start_phase(notifier, "Warming the engine up", "Warm-up phase over"):
+            await engine.warm_up(plan)
     route_library_logging()
     notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
 

@@ -53,6 +53,9 @@ OUTCOMES: tuple[str, ...] = (
 # model) to minutes (a long reply under load); the time to the first token is mostly shorter.
 LATENCY_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 20.0, 30.0, 60.0, 120.0, 300.0)
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0)
+# Tokens. A returning turn whose prefix stayed cached computes its new message only (tens to
+# hundreds of tokens); one whose prefix was evicted computes its whole history (thousands).
+RECOMPUTED_BUCKETS = (16, 64, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
 QUEUE_BUCKETS = (0.001, 0.005, 0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 300.0)
 
 
@@ -107,6 +110,28 @@ class LiveCollector(Collector):
                 "Of those, tokens found in the prefix cache (vLLM's counter). Hit rate: "
                 "rate(..._hits_total) / rate(..._queries_total).",
                 value=engine.prefix_cache_hits,
+            )
+        )
+        by_kind = (
+            ("gpu_hit", "found in the GPU's prefix cache", engine.prompt_tokens_gpu_hit),
+            ("host_hit", "loaded back from the host-memory KV tier (kv_offload_gib)", engine.prompt_tokens_host_hit),
+            ("computed", "computed (prefilled)", engine.prompt_tokens_computed),
+        )
+        by_source = CounterMetricFamily(
+            f"{PREFIX}_engine_prompt_tokens",
+            "Prompt tokens of the engine's prefills by where their KV came from (vLLM's counters): "
+            + "; ".join(f"{name}: {text}" for name, text, _ in by_kind)
+            + ".",
+            labels=["source"],
+        )
+        for name, _, value in by_kind:
+            by_source.add_metric([name], value)
+        metrics.append(by_source)
+        metrics.append(
+            GaugeMetricFamily(
+                f"{PREFIX}_kv_offload_bytes",
+                "Size of the host-memory KV tier in bytes; 0: off.",
+                value=engine.kv_offload_gib * 2**30,
             )
         )
         queries = engine.prefix_cache_queries
@@ -164,6 +189,13 @@ class WorkerMetrics:
         self.completion_tokens = Counter(
             f"{PREFIX}_completion_tokens", "Tokens generated (completion tokens of replies).", registry=reg
         )
+        self.recomputed = Histogram(
+            f"{PREFIX}_recomputed_prompt_tokens",
+            "Generated replies: prompt tokens the engine had to compute (not found in the GPU's prefix "
+            "cache nor loaded from the host-memory tier) per turn.",
+            buckets=RECOMPUTED_BUCKETS,
+            registry=reg,
+        )
         self.invalid_topics = Counter(
             f"{PREFIX}_invalid_topics", "Messages on topics the worker cannot parse (not answered).", registry=reg
         )
@@ -186,6 +218,7 @@ class WorkerMetrics:
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
+        self.recomputed.observe(max(0, usage.prompt_tokens - usage.cached_tokens))
 
     def error(self, code: str) -> None:
         self.requests.labels(code if code in OUTCOMES else "other").inc()

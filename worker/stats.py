@@ -59,6 +59,12 @@ class StatsReport(BaseModel):
     prefix_cache_hit_rate: float  # over the interval, 0..1
     prefix_cache_hit_rate_total: float  # since start, 0..1
     kv_cache_usage: float  # 0..1
+    # where the prompt tokens' KV came from over the interval (the engine's prefill counters):
+    gpu_hit_tokens: int  # found in the GPU's prefix cache
+    host_hit_tokens: int  # loaded back from the host-memory tier (kv_offload_gib)
+    computed_prompt_tokens: int  # computed (prefilled)
+    avg_recomputed_tokens_per_turn: float  # a reply's prompt tokens not found cached, averaged
+    kv_offload_gib: float  # size of the host-memory tier; 0: off
     running: int
     waiting: int
     max_running: int  # most requests running at once during the interval
@@ -75,6 +81,8 @@ class StatsReport(BaseModel):
             f"AvgLatency={self.avg_latency_ms / 1000:.2f}s, P95={self.p95_latency_ms / 1000:.2f}s, "
             f"TTFT={self.avg_ttft_ms / 1000:.3f}s, Gen={self.gen_tokens_per_s:.1f} tok/s, "
             f"PrefixHit={self.prefix_cache_hit_rate * 100:.1f}%, KV={self.kv_cache_usage * 100:.1f}%, "
+            f"PromptTokens(GPU hit/host hit/computed)={self.gpu_hit_tokens}/{self.host_hit_tokens}/"
+            f"{self.computed_prompt_tokens}, RecomputedPerTurn={self.avg_recomputed_tokens_per_turn:.0f}, "
             f"Running={self.running}, MaxRunning={self.max_running}, Waiting={self.waiting}, "
             f"Sessions={self.sessions}, Pending={self.pending}"
         )
@@ -98,6 +106,7 @@ class _Interval:
     ttfts_ms: list[float] = field(default_factory=list)
     queues_ms: list[float] = field(default_factory=list)
     completion_tokens: int = 0
+    recomputed_tokens: int = 0
 
 
 class StatsCollector:
@@ -114,6 +123,7 @@ class StatsCollector:
         self.completion_tokens = 0
         self.cached_tokens = 0
         self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
+        self._last_sources = (0, 0, 0)  # engine (computed, GPU hit, host hit) prompt tokens at the last report
         self.observers: list[StatsObserver] = []
 
     def record_reply(
@@ -130,6 +140,7 @@ class StatsCollector:
         interval.ttfts_ms.append(latency.ttft_ms)
         interval.queues_ms.append(latency.queue_ms)
         interval.completion_tokens += usage.completion_tokens
+        interval.recomputed_tokens += max(0, usage.prompt_tokens - usage.cached_tokens)
         for observer in self.observers:
             observer.reply(usage, latency, "cancelled" if cancelled else finish_reason)
 
@@ -151,6 +162,11 @@ class StatsCollector:
         queries = engine.prefix_cache_queries - self._last_prefix[0]
         hits = engine.prefix_cache_hits - self._last_prefix[1]
         self._last_prefix = (engine.prefix_cache_queries, engine.prefix_cache_hits)
+        sources = (engine.prompt_tokens_computed, engine.prompt_tokens_gpu_hit, engine.prompt_tokens_host_hit)
+        computed, gpu_hit, host_hit = (
+            max(0, now_ - last) for now_, last in zip(sources, self._last_sources, strict=True)
+        )
+        self._last_sources = sources
         lat, ttft = interval.latencies_ms, interval.ttfts_ms
         return StatsReport(
             worker_id=self.worker_id,
@@ -180,6 +196,11 @@ class StatsCollector:
                 else 0.0
             ),
             kv_cache_usage=round(engine.kv_cache_usage, 4),
+            gpu_hit_tokens=gpu_hit,
+            host_hit_tokens=host_hit,
+            computed_prompt_tokens=computed,
+            avg_recomputed_tokens_per_turn=round(interval.recomputed_tokens / len(lat), 1) if lat else 0.0,
+            kv_offload_gib=engine.kv_offload_gib,
             running=engine.running,
             waiting=engine.waiting,
             max_running=engine.max_running,

@@ -13,7 +13,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import gc
+import math
+import os
+import time
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import vllm
@@ -35,6 +39,7 @@ from .engine import (
     GenerationUpdate,
     StructuredOutput,
     StructuredOutputRejected,
+    WarmupPlan,
 )
 
 try:  # 0.32+: request validation errors are VLLMClientError, no longer ValueError
@@ -90,8 +95,90 @@ def structured_outputs_args(kwargs: dict[str, Any], disable_any_whitespace: bool
     return out
 
 
+@dataclasses.dataclass(frozen=True)
+class Host:
+    """What the engine arguments depend on besides the config: the backend and the host."""
+
+    cpu_backend: bool
+    memory_gib: float  # the host's physical memory
+    gpus: int  # GPUs on the host (all of them, not only the visible ones)
+
+
+def host_facts() -> Host:
+    from vllm.platforms import current_platform
+
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    gpus_dir = Path("/proc/driver/nvidia/gpus")  # every GPU, whatever CUDA_VISIBLE_DEVICES says
+    gpus = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 1
+    return Host(cpu_backend=bool(current_platform.is_cpu()), memory_gib=memory, gpus=max(1, gpus))
+
+
+KV_OFFLOAD_AUTO_SHARE = 0.25  # of the host's memory, shared among its GPUs
+KV_OFFLOAD_AUTO_MAX_GIB = 64  # pinning costs start time: 20 GiB 21-26 s, 40 GiB 33-72 s (H100)
+
+
+def auto_kv_offload_gib(host: Host, tensor_parallel_size: int) -> float:
+    """The default size of the host-memory KV tier: a quarter of the host's memory shared
+    among its GPUs (one worker per GPU, or one per tensor-parallel group), whole GiB, at most
+    KV_OFFLOAD_AUTO_MAX_GIB; 0 (off) on the CPU backend, whose KV cache is host memory already."""
+    if host.cpu_backend:
+        return 0.0
+    size = math.floor(KV_OFFLOAD_AUTO_SHARE * host.memory_gib * tensor_parallel_size / host.gpus)
+    return float(min(size, KV_OFFLOAD_AUTO_MAX_GIB)) if size >= 1 else 0.0
+
+
+def _engine_arg_names() -> set[str]:
+    return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, Any]:
+    """quantization, kv_cache_dtype and the host-memory KV tier as engine arguments; what the
+    backend or this vLLM lacks is left out with a log line saying so."""
+    names = _engine_arg_names()
+    out: dict[str, Any] = {}
+    for key, value, unset in (
+        ("quantization", config.quantization, None),
+        ("kv_cache_dtype", config.kv_cache_dtype, "auto"),
+    ):
+        if value == unset:
+            continue
+        if host.cpu_backend:
+            logger.warning("{}={} is not used on the CPU backend: left at vLLM's default", key, value)
+        elif key not in names:
+            logger.warning("{}={} is not an engine argument of vLLM {}: left out", key, value, vllm.__version__)
+        else:
+            out[key] = value
+    size = config.kv_offload_gib
+    how = "set" if size else "set to 0"
+    if size is None:
+        size = auto_kv_offload_gib(host, config.tensor_parallel_size)
+        how = (
+            "the CPU backend keeps its KV cache in host memory already"
+            if host.cpu_backend
+            else f"default: {KV_OFFLOAD_AUTO_SHARE:g} of {host.memory_gib:.0f} GiB host memory over "
+            f"{host.gpus} GPU(s), at most {KV_OFFLOAD_AUTO_MAX_GIB} GiB"
+        )
+    elif size > 0 and host.cpu_backend:
+        logger.warning("kv_offload_gib={:g}: the CPU backend has no host-memory KV tier; off", size)
+        size, how = 0.0, "the CPU backend has none"
+    if size > 0 and "kv_offloading_size" not in names:
+        logger.warning("kv_offload_gib={:g}: vLLM {} has no kv_offloading_size; off", size, vllm.__version__)
+        size, how = 0.0, f"vLLM {vllm.__version__} has none"
+    if size > 0:
+        out["kv_offloading_size"] = size
+        out["kv_offloading_backend"] = config.kv_offload_backend
+        logger.info("KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how)
+    else:
+        logger.info("KV offloading to host memory: off ({})", how)
+    return out
+
+
 def engine_arguments(
-    config: EngineConfig, *, json_disable_any_whitespace: bool = True, progress_bars: bool = True
+    config: EngineConfig,
+    *,
+    json_disable_any_whitespace: bool = True,
+    progress_bars: bool = True,
+    host: Host | None = None,
 ) -> dict[str, Any]:
     """The AsyncEngineArgs values for a worker config, as plain data (the benchmark starts
     its in-process engines from the same values). ``progress_bars``: False leaves out the bars
@@ -111,8 +198,9 @@ def engine_arguments(
         value = getattr(config, key)
         if value is not None:
             kwargs[key] = value
-    if not progress_bars and "use_tqdm_on_load" in {f.name for f in dataclasses.fields(AsyncEngineArgs)}:
+    if not progress_bars and "use_tqdm_on_load" in _engine_arg_names():
         kwargs["use_tqdm_on_load"] = False
+    kwargs.update(precision_and_offload_args(config, host or host_facts()))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -155,9 +243,14 @@ class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
         self.sink = sink
 
     def record(self, scheduler_stats: Any = None, iteration_stats: Any = None, *args: Any, **kwargs: Any) -> None:
+        sink = self.sink
+        tokens = getattr(iteration_stats, "prompt_token_stats", None)  # 0.26+: this step's prefills
+        if tokens is not None:
+            sink.prompt_tokens_computed += int(tokens.computed)
+            sink.prompt_tokens_gpu_hit += int(tokens.local_cache_hit)
+            sink.prompt_tokens_host_hit += int(tokens.external_kv_transfer)
         if scheduler_stats is None:
             return
-        sink = self.sink
         sink.running = int(scheduler_stats.num_running_reqs)
         # 0.32 counts requests it skipped this step separately; 0.26 has no such field.
         sink.waiting = int(scheduler_stats.num_waiting_reqs) + int(
@@ -180,12 +273,56 @@ class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
         pass
 
 
+WARMUP_PROMPT_TOKENS = 24  # each warm-up request's prompt (distinct ids: real prefills)
+WARMUP_MAX_TOKENS = 4  # tokens generated per warm-up request: a few decode steps per batch
+WARMUP_SCHEMA = {"type": "object", "properties": {"a": {"type": "string"}}, "required": ["a"]}
+
+
+@dataclasses.dataclass(frozen=True)
+class WarmupStep:
+    label: str
+    batch: int
+    prompt_tokens: int
+    sampling: tuple[dict[str, Any], ...]  # one SamplingParams' keywords per request (cycled)
+
+
+def warmup_steps(plan: WarmupPlan, *, max_batch: int, chunk_tokens: int, max_model_len: int) -> list[WarmupStep]:
+    """What the warm-up runs, in order. vLLM compiles some kernels on first use and
+    specializes them on what a step holds: its top-k/top-p sampler (Triton) on whether top_p
+    is in use and on the batch size (1, a multiple of 16, other), so on a cold cache a first
+    burst of 10 requests with top_p 0.95 waited 3.07 s for it (QwQ-32B, H100). Hence: the
+    default sampling at every power of two up to the engine's batch limit, each variant a
+    request may ask for (greedy, no top_p, mixed, JSON) at 1 and at the limit, and a prompt
+    longer than one prefill chunk, once cold and once again with its prefix cached."""
+    default = {"temperature": plan.temperature, "top_p": plan.top_p}
+    variants: dict[str, tuple[dict[str, Any], ...]] = {
+        "greedy": ({"temperature": 0.0, "top_p": 1.0},),
+        "no_top_p": ({"temperature": plan.temperature or 1.0, "top_p": 1.0},),
+        "mixed": (default, {"temperature": 0.0, "top_p": 1.0}, {"temperature": 1.0, "top_p": 0.8}),
+        "json": ({**default, "structured": "json_object"}, {**default, "structured": "schema"}),
+    }
+    sizes = sorted({1 << i for i in range(max_batch.bit_length()) if 1 << i <= max_batch} | {max_batch})
+    steps = [WarmupStep("default", size, WARMUP_PROMPT_TOKENS, (default,)) for size in sizes]
+    for size in sorted({1, max_batch}):
+        steps += [WarmupStep(name, size, WARMUP_PROMPT_TOKENS, sampling) for name, sampling in variants.items()]
+    long_prompt = min(chunk_tokens + chunk_tokens // 2, max_model_len - WARMUP_MAX_TOKENS - 1)
+    if long_prompt > WARMUP_PROMPT_TOKENS:
+        steps += [
+            WarmupStep("long_prompt", 1, long_prompt, (default,)),
+            WarmupStep("cached_prefix", 1, long_prompt, (default,)),
+        ]
+    return steps
+
+
 class VllmEngine:
-    def __init__(self, llm: Any, info: EngineInfo, stop_token_ids: list[int], stats: EngineStats) -> None:
+    def __init__(
+        self, llm: Any, info: EngineInfo, stop_token_ids: list[int], stats: EngineStats, *, cpu_backend: bool = False
+    ) -> None:
         self._llm = llm
         self.info = info
         self._stop_token_ids = stop_token_ids
         self._stats = stats
+        self.cpu_backend = cpu_backend
 
     @classmethod
     async def start(
@@ -197,18 +334,21 @@ class VllmEngine:
         progress_bars: bool = True,
     ) -> VllmEngine:
         assert config.model is not None
+        host = host_facts()
         kwargs = engine_arguments(
-            config, json_disable_any_whitespace=json_disable_any_whitespace, progress_bars=progress_bars
+            config, json_disable_any_whitespace=json_disable_any_whitespace, progress_bars=progress_bars, host=host
         )
         try:
             args = make_engine_args(kwargs)
         except (TypeError, ValueError) as exc:
             raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
-        stats = EngineStats()
+        stats = EngineStats(kv_offload_gib=float(kwargs.get("kv_offloading_size") or 0.0))
         logger.info("Starting vLLM {} engine: {}", vllm.__version__, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: _SchedulerStatsRecorder(stats)])
         vllm_config = llm.vllm_config
         cache = vllm_config.cache_config
+        blocks = getattr(cache, "num_gpu_blocks", None)
+        kv_tokens = int(blocks) * int(cache.block_size) if blocks and getattr(cache, "block_size", None) else None
         info = EngineInfo(
             name="vllm",
             version=str(vllm.__version__),
@@ -216,15 +356,125 @@ class VllmEngine:
             max_model_len=int(vllm_config.model_config.max_model_len),
             block_size=getattr(cache, "block_size", None),
             prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
+            kv_cache_tokens=kv_tokens,
         )
         logger.info(
-            "Engine: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}",
+            "Engine: max_model_len={}, block_size={}, prefix caching {}, CUDA graphs {}, KV cache {} tokens, "
+            "KV dtype {}, quantization {}, host-memory KV tier {}",
             info.max_model_len,
             info.block_size,
             "on" if info.prefix_caching else "OFF",
             "off (enforce_eager)" if config.enforce_eager else "on",
+            kv_tokens if kv_tokens is not None else "?",
+            getattr(cache, "cache_dtype", "?"),
+            getattr(vllm_config.model_config, "quantization", None) or "none",
+            f"{stats.kv_offload_gib:g} GiB" if stats.kv_offload_gib else "off",
         )
-        return cls(llm, info, stop_token_ids, stats)
+        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend)
+
+    async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
+        """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
+        backend); what it did and how long it took, also logged. The engine's counters start
+        from zero again afterwards: the stats and metrics describe real traffic only."""
+        if plan.mode == "off" or (plan.mode == "auto" and self.cpu_backend):
+            logger.info("Warm-up: off ({})", "set" if plan.mode == "off" else "auto: off on the CPU backend")
+            return None
+        scheduler = self._llm.vllm_config.scheduler_config
+        limit = int(getattr(scheduler, "max_num_seqs", 0) or 1)
+        max_batch = min(plan.max_batch or limit, limit)
+        chunk = int(getattr(scheduler, "max_num_batched_tokens", 0) or 2048)
+        model_config = self._llm.vllm_config.model_config
+        vocab = int(model_config.get_vocab_size())
+        steps = warmup_steps(plan, max_batch=max_batch, chunk_tokens=chunk, max_model_len=self.info.max_model_len)
+        started = time.monotonic()
+        deadline = started + plan.timeout_s
+        done: list[str] = []
+        requests = 0
+        for index, step in enumerate(steps):
+            remaining = deadline - time.monotonic()
+            if remaining <= 0:
+                logger.warning(
+                    "Warm-up: {} of {} steps skipped: warmup_timeout ({:g} s) reached",
+                    len(steps) - index,
+                    len(steps),
+                    plan.timeout_s,
+                )
+                break
+            step_started = time.monotonic()
+            try:
+                await asyncio.wait_for(self._warmup_step(step, index, vocab), remaining)
+            except TimeoutError:
+                logger.warning("Warm-up: step {} (batch {}) cut off by warmup_timeout", step.label, step.batch)
+                break
+            except EngineDeadError:
+                raise
+            except Exception as exc:  # a variant this engine refuses: the rest still warms
+                logger.warning("Warm-up: step {} (batch {}) failed: {}", step.label, step.batch, describe(exc))
+                continue
+            requests += step.batch
+            done.append(step.label)
+            logger.debug(
+                "Warm-up step {} batch {} prompt {}: {:.2f} s",
+                step.label,
+                step.batch,
+                step.prompt_tokens,
+                time.monotonic() - step_started,
+            )
+        seconds = time.monotonic() - started
+        report = {
+            "steps": len(done),
+            "planned": len(steps),
+            "requests": requests,
+            "max_batch": max_batch,
+            "long_prompt_tokens": max(s.prompt_tokens for s in steps),
+            "seconds": round(seconds, 2),
+        }
+        logger.info(
+            "Warm-up done in {:.1f} s: {} of {} steps, {} requests (default sampling at batch 1 to {}; greedy, "
+            "no top_p, mixed and JSON at 1 and {}; a {}-token prompt, prefill chunk {})",
+            seconds,
+            len(done),
+            len(steps),
+            requests,
+            max_batch,
+            max_batch,
+            report["long_prompt_tokens"],
+            chunk,
+        )
+        self._reset_counters()
+        return report
+
+    async def _warmup_step(self, step: WarmupStep, index: int, vocab: int) -> None:
+        async def one(number: int) -> None:
+            chosen = dict(step.sampling[number % len(step.sampling)])
+            structured = chosen.pop("structured", None)
+            extra: dict[str, Any] = {}
+            if structured == "json_object":
+                extra = _structured_sampling(StructuredOutput())
+            elif structured == "schema":
+                extra = _structured_sampling(StructuredOutput(json_schema=WARMUP_SCHEMA))
+            params = SamplingParams(
+                max_tokens=WARMUP_MAX_TOKENS,
+                ignore_eos=True,
+                output_kind=RequestOutputKind.FINAL_ONLY,
+                **chosen,
+                **extra,
+            )
+            # Distinct prompts (no prefix-cache hits), except the cached-prefix step, which
+            # repeats the long prompt before it.
+            seed = (index - 1 if step.label == "cached_prefix" else index) * 1_000 + number
+            ids = [(1_000 + seed * 131 + 7 * i) % max(vocab - 1, 1) + 1 for i in range(step.prompt_tokens)]
+            prompt: Any = _tokens_prompt(ids) if _tokens_prompt is not None else TokensPrompt(prompt_token_ids=ids)
+            async for _ in self._llm.generate(prompt, params, f"warmup-{index}-{number}"):
+                pass
+
+        await asyncio.gather(*(one(n) for n in range(step.batch)))
+
+    def _reset_counters(self) -> None:
+        stats = self._stats
+        stats.prefix_cache_queries = stats.prefix_cache_hits = 0
+        stats.prompt_tokens_computed = stats.prompt_tokens_gpu_hit = stats.prompt_tokens_host_hit = 0
+        stats.max_running = stats.running
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         sampling = request.sampling
