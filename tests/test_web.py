@@ -1,0 +1,251 @@
+"""The browser chat page (worker/web) in a real browser: Debian's headless Chromium driven by
+Selenium, the page served by ``worker.web``, MQTT over WebSockets to the session's mosquitto
+(its ``lo`` WebSockets listener), answered by the session's shared worker (real vLLM CPU engine,
+tiny random model: its text is noise, its streaming, token counts and history are real)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import re
+import shutil
+import urllib.error
+import urllib.request
+import uuid
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from support import REPO, Client, Mosquitto, WorkerProcess
+
+from worker.web import STATIC_DIR, page_url, start
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+
+
+@pytest.fixture(scope="module")
+def page_server() -> Iterator[str]:
+    server, thread = start("127.0.0.1", 0)
+    host, port = server.server_address[:2]
+    yield f"http://{host}:{port}"
+    server.shutdown()
+    server.server_close()
+    thread.join(5)
+
+
+def get(url: str) -> tuple[int, dict[str, str], bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, dict(response.headers), response.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, dict(exc.headers), exc.read()
+
+
+def test_the_server_serves_the_page_and_nothing_else(page_server: str) -> None:
+    status, headers, body = get(page_server + "/")
+    assert status == 200 and b'<script src="vendor/mqtt.min.js"' in body
+    assert "script-src 'self'" in headers["Content-Security-Policy"]
+    assert headers["X-Content-Type-Options"] == "nosniff"
+    assert get(page_server + "/chat.js")[0] == 200
+    assert get(page_server + "/vendor/")[0] == 404  # no listings
+    assert get(page_server + "/../__init__.py")[0] == 404
+    assert get(page_server + "/%2e%2e/__init__.py")[0] == 404
+
+
+def test_the_vendored_mqtt_js_is_the_one_the_recipe_pins() -> None:
+    recipe = (REPO / "scripts" / "vendor-mqtt.sh").read_text()
+    match = re.search(r"^BUNDLE_SHA256=([0-9a-f]{64})$", recipe, re.M)
+    assert match
+    bundle = (STATIC_DIR / "vendor" / "mqtt.min.js").read_bytes()
+    assert hashlib.sha256(bundle).hexdigest() == match[1]
+    assert (STATIC_DIR / "vendor" / "mqtt.LICENSE.md").read_text().startswith("The MIT License")
+
+
+# ---- the browser
+
+
+@pytest.fixture(scope="module")
+def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
+    for path in (CHROMIUM, CHROMEDRIVER):
+        if not Path(path).exists():
+            raise RuntimeError(f"{path} is missing (apt-get install -y chromium chromium-driver; scripts/setup.sh)")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    options = webdriver.ChromeOptions()
+    options.binary_location = CHROMIUM
+    # Headless as root on a machine with a closed network: without the background-networking
+    # flags Chromium keeps trying to reach Google's hosts.
+    for flag in (
+        "--headless",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        "--disable-quic",
+        "--no-first-run",
+        "--disable-background-networking",
+        "--disable-component-update",
+        "--disable-sync",
+        "--window-size=1000,1250",
+        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
+    ):
+        options.add_argument(flag)
+    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    yield driver
+    driver.quit()
+
+
+def wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float = 120) -> Any:
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition, f"waiting for {what}")
+
+
+def turns(driver: Any) -> list[dict[str, Any]]:
+    """Each turn on the page as the user sees it (text content, not the page's own state)."""
+    result: list[dict[str, Any]] = driver.execute_script(
+        """return [...document.querySelectorAll('#transcript article.turn')].map(a => ({
+             requestId: a.dataset.requestId, status: a.dataset.status,
+             finishReason: a.dataset.finishReason, errorCode: a.dataset.errorCode,
+             user: a.querySelector('.user').textContent,
+             reply: a.querySelector('.reply-text').textContent,
+             meta: a.querySelector('.meta').textContent}))"""
+    )
+    return result
+
+
+def last_turn(driver: Any) -> dict[str, Any]:
+    return turns(driver)[-1]
+
+
+def set_field(driver: Any, element_id: str, value: str) -> None:
+    element = driver.find_element("id", element_id)
+    element.clear()
+    element.send_keys(value)
+
+
+def send(driver: Any, message: str, max_tokens: int) -> str:
+    """Type the message and press Enter; the new turn's requestId."""
+    set_field(driver, "max-tokens", str(max_tokens))
+    before = len(turns(driver))
+    box = driver.find_element("id", "message")
+    box.send_keys(message)
+    box.send_keys("\n")
+    wait(driver, lambda d: len(turns(d)) == before + 1, "the new turn")
+    request_id: str = last_turn(driver)["requestId"]
+    return request_id
+
+
+def finished(driver: Any, request_id: str, timeout: float = 180) -> dict[str, Any]:
+    def done(d: Any) -> dict[str, Any] | None:
+        turn = next((t for t in turns(d) if t["requestId"] == request_id), None)
+        return turn if turn and turn["status"] != "pending" else None
+
+    result: dict[str, Any] = wait(driver, done, f"the reply to {request_id}", timeout)
+    return result
+
+
+def worker_reply(client: Client, user: str, session: str, request_id: str) -> dict[str, Any]:
+    reply: dict[str, Any] = client.wait_for(
+        lambda m: m.topic == f"chat/{user}/{session}/reply" and m.json().get("requestId") == request_id
+    ).json()
+    return reply
+
+
+RECORD_STREAM = """
+window.__seen = [];
+new MutationObserver(() => {
+  for (const a of document.querySelectorAll('#transcript article[data-status="pending"]'))
+    window.__seen.push([a.dataset.requestId, a.querySelector('.reply-text').textContent.length]);
+}).observe(document.getElementById('transcript'), {subtree: true, childList: true, characterData: true});
+"""
+
+
+@pytest.mark.e2e
+def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
+    shared_worker: WorkerProcess, broker: Mosquitto, client: Client, browser: Any, page_server: str, tmp_path: Path
+) -> None:
+    user, session = "webuser", "w-" + uuid.uuid4().hex[:12]
+    assert broker.ws_port is not None
+    url = page_url("127.0.0.1", int(page_server.rsplit(":", 1)[1]), f"ws://127.0.0.1:{broker.ws_port}")
+    browser.get(f"{url}&user={user}&session={session}")
+    browser.find_element("id", "connect").click()
+    wait(browser, lambda d: "shared online" in d.find_element("id", "worker-status").text, "the worker's status")
+    wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed")
+    browser.execute_script(RECORD_STREAM)
+
+    # Three turns: the text grows while it streams, the final reply is the worker's, and each
+    # turn's prompt holds the history before it.
+    prompt_tokens: list[int] = []
+    for message in ("Hello there!", "Tell me more.", "And then?"):
+        request_id = send(browser, message, 24)
+        shown = finished(browser, request_id)
+        reply = worker_reply(client, user, session, request_id)
+        assert shown["status"] == "done" and shown["finishReason"] == reply["finishReason"] == "length"
+        assert shown["user"] == message and shown["reply"] == reply["reply"]
+        usage = reply["usage"]
+        assert f"{usage['promptTokens']} prompt tokens ({usage['cachedTokens']} cached)" in shown["meta"]
+        assert f"{usage['completionTokens']} completion" in shown["meta"]
+        lengths = [n for rid, n in browser.execute_script("return window.__seen") if rid == request_id]
+        growing = sorted({n for n in lengths if 0 < n < len(reply["reply"])})
+        assert len(growing) >= 2, f"the reply did not stream: lengths seen {lengths}"
+        prompt_tokens.append(usage["promptTokens"])
+    assert prompt_tokens[0] < prompt_tokens[1] < prompt_tokens[2]
+
+    # Cancel a long reply once it is streaming.
+    request_id = send(browser, "Now a very long story, please.", 1000)
+    wait(browser, lambda d: last_turn(d)["reply"], "the long reply's first delta")
+    browser.find_element("id", "cancel").click()
+    shown = finished(browser, request_id)
+    reply = worker_reply(client, user, session, request_id)
+    assert shown["finishReason"] == reply["finishReason"] == "cancelled"
+    assert reply["usage"]["completionTokens"] < 1000 and shown["reply"] == reply["reply"]
+    assert not browser.find_element("id", "cancel").is_enabled()
+
+    # An error shows its code.
+    request_id = send(browser, "Too many tokens.", 5000)
+    shown = finished(browser, request_id)
+    assert shown["status"] == "error" and shown["errorCode"] == "invalid_request"
+    assert shown["meta"].startswith("invalid_request")
+
+    # Reload while a reply is being generated: the page comes back with the transcript, sends
+    # the pending request again with its requestId and shows the one reply.
+    request_id = send(browser, "Reloading now.", 200)
+    browser.refresh()
+    wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "reconnected after the reload")
+    shown = finished(browser, request_id)
+    reply = worker_reply(client, user, session, request_id)
+    assert shown["status"] == "done" and shown["reply"] == reply["reply"]
+    after_reload = turns(browser)
+    assert [t["user"] for t in after_reload] == [
+        "Hello there!",
+        "Tell me more.",
+        "And then?",
+        "Now a very long story, please.",
+        "Too many tokens.",
+        "Reloading now.",
+    ]
+    assert [t["requestId"] for t in after_reload].count(request_id) == 1
+    # The worker's session goes on: the next prompt holds the history (the cancelled and the
+    # refused turns are not in it).
+    request_id = send(browser, "Still there?", 24)
+    finished(browser, request_id)
+    next_usage = worker_reply(client, user, session, request_id)["usage"]
+    assert next_usage["promptTokens"] > reply["usage"]["promptTokens"] > prompt_tokens[2]
+    assert "shared online" in browser.find_element("id", "worker-status").text
+
+    screenshot = tmp_path / "chat-page.png"
+    browser.save_screenshot(str(screenshot))
+    assert screenshot.read_bytes().startswith(b"\x89PNG")
+    if os.environ.get("CHAT_PAGE_SCREENSHOT"):  # to look at it
+        shutil.copy(screenshot, os.environ["CHAT_PAGE_SCREENSHOT"])
+
+    # Reset: the worker forgets the conversation, the page clears it.
+    browser.find_element("id", "reset").click()
+    wait(browser, lambda d: "forgot this conversation" in d.find_element("id", "transcript").text, "the reset")
+    assert turns(browser) == []
+    request_id = send(browser, "Hello there!", 24)
+    finished(browser, request_id)
+    assert worker_reply(client, user, session, request_id)["usage"]["promptTokens"] == prompt_tokens[0]
