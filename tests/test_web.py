@@ -122,6 +122,8 @@ def last_turn(driver: Any) -> dict[str, Any]:
 
 def set_field(driver: Any, element_id: str, value: str) -> None:
     element = driver.find_element("id", element_id)
+    if not element.is_displayed():  # in the folded options
+        driver.find_element("css selector", "#options summary").click()
     element.clear()
     element.send_keys(value)
 

@@ -9,6 +9,7 @@ files; it never sees a message. ``python -m worker.web``; docs/frontend.md descr
 from __future__ import annotations
 
 import http.server
+import os
 import socket
 import threading
 from pathlib import Path
@@ -39,7 +40,7 @@ class PageHandler(http.server.SimpleHTTPRequestHandler):
         self.send_header("Cache-Control", "no-cache")
         super().end_headers()
 
-    def list_directory(self, path: str | Path) -> None:
+    def list_directory(self, path: str | os.PathLike[str]) -> None:
         self.send_error(404, "Not found")
         return None
 
