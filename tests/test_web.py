@@ -17,7 +17,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Client, Mosquitto, WorkerProcess
+from support import REPO, Client, Mosquitto, WorkerProcess, password_file
+from test_acl import PASSWORDS, documented_acl, logged_in_worker
 
 from worker.web import STATIC_DIR, page_url, start
 
@@ -103,6 +104,15 @@ def wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition, f"waiting for {what}")
 
 
+def open_page(driver: Any, page_server: str, broker_ws_port: int, user: str, session: str) -> None:
+    """The page for this user and session, with nothing left in the browser's storage by an
+    earlier test (the page would otherwise reconnect by itself, as after a reload)."""
+    driver.get(page_server + "/")
+    driver.execute_script("localStorage.clear(); sessionStorage.clear();")
+    url = page_url("127.0.0.1", int(page_server.rsplit(":", 1)[1]), f"ws://127.0.0.1:{broker_ws_port}")
+    driver.get(f"{url}&user={user}&session={session}")
+
+
 def turns(driver: Any) -> list[dict[str, Any]]:
     """Each turn on the page as the user sees it (text content, not the page's own state)."""
     result: list[dict[str, Any]] = driver.execute_script(
@@ -171,8 +181,7 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
 ) -> None:
     user, session = "webuser", "w-" + uuid.uuid4().hex[:12]
     assert broker.ws_port is not None
-    url = page_url("127.0.0.1", int(page_server.rsplit(":", 1)[1]), f"ws://127.0.0.1:{broker.ws_port}")
-    browser.get(f"{url}&user={user}&session={session}")
+    open_page(browser, page_server, broker.ws_port, user, session)
     browser.find_element("id", "connect").click()
     wait(browser, lambda d: "shared online" in d.find_element("id", "worker-status").text, "the worker's status")
     wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed")
@@ -251,3 +260,49 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
     request_id = send(browser, "Hello there!", 24)
     finished(browser, request_id)
     assert worker_reply(client, user, session, request_id)["usage"]["promptTokens"] == prompt_tokens[0]
+
+
+@pytest.fixture
+def acl_ws_broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    """mosquitto with passwords and docs/security.md's ACL, and a WebSockets listener."""
+    passwd = password_file(tmp_path / "passwd", PASSWORDS)
+    acl = tmp_path / "acl"
+    acl.write_text(documented_acl())
+    broker = Mosquitto(
+        tmp_path,
+        f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n",
+        keep_root=True,  # mosquitto as root can read the files in pytest's 0700 directories
+        autosave="default",
+        websockets=True,
+    )
+    broker.start()
+    yield broker
+    broker.stop()
+
+
+def test_the_page_logs_in_as_the_user_under_the_documented_acl(
+    acl_ws_broker: Mosquitto, monkeypatch: pytest.MonkeyPatch, browser: Any, page_server: str
+) -> None:
+    """The user's own login over WebSockets, with docs/security.md's ACL unchanged: a wrong
+    password is refused and said so; alice is answered and sees the worker online. (The worker
+    is in-process with a fake engine: what is tested here is the broker's side.)"""
+    live = logged_in_worker(acl_ws_broker.port, monkeypatch)
+    try:
+        assert acl_ws_broker.ws_port is not None
+        open_page(browser, page_server, acl_ws_broker.ws_port, "alice", "s-" + uuid.uuid4().hex[:8])
+        set_field(browser, "password", "bob-secret")
+        browser.find_element("id", "connect").click()
+        problem = wait(browser, lambda d: d.find_element("id", "login-problem").text, "the refusal")
+        assert "refused the login" in problem
+        assert not browser.find_element("id", "send").is_enabled()
+
+        set_field(browser, "password", PASSWORDS["alice"])
+        browser.find_element("id", "connect").click()
+        wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed")
+        wait(browser, lambda d: "gpu-1 online" in d.find_element("id", "worker-status").text, "the worker's status")
+        request_id = send(browser, "hello", 3)
+        shown = finished(browser, request_id, timeout=30)
+        assert (shown["status"], shown["reply"], shown["finishReason"]) == ("done", "w0 w1 w2 ", "length")
+        assert not browser.find_element("id", "login-problem").is_displayed()
+    finally:
+        live.close()
