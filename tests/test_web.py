@@ -121,7 +121,9 @@ def turns(driver: Any) -> list[dict[str, Any]]:
              finishReason: a.dataset.finishReason, errorCode: a.dataset.errorCode,
              user: a.querySelector('.user').textContent,
              reply: a.querySelector('.reply-text').textContent,
-             meta: a.querySelector('.meta').textContent}))"""
+             meta: a.querySelector('.meta').textContent,
+             reasoning: a.querySelector('.reasoning').hidden ? null : a.querySelector('.reasoning-text').textContent,
+             reasoningOpen: a.querySelector('.reasoning').open}))"""
     )
     return result
 
@@ -283,9 +285,10 @@ def acl_ws_broker(tmp_path: Path) -> Iterator[Mosquitto]:
 def test_the_page_logs_in_as_the_user_under_the_documented_acl(
     acl_ws_broker: Mosquitto, monkeypatch: pytest.MonkeyPatch, browser: Any, page_server: str
 ) -> None:
-    """The user's own login over WebSockets, with docs/security.md's ACL unchanged: a wrong
-    password is refused and said so; alice is answered and sees the worker online. (The worker
-    is in-process with a fake engine: what is tested here is the broker's side.)"""
+    """The user's own login over WebSockets, with docs/security.md's ACL: a wrong password is
+    refused and said so; alice is answered and sees the worker online; a think block is folded.
+    (The worker is in-process with a scripted fake engine: the broker's side is what is
+    tested here, and the page's display of reasoning, which the tiny model cannot show.)"""
     live = logged_in_worker(acl_ws_broker.port, monkeypatch)
     try:
         assert acl_ws_broker.ws_port is not None
@@ -303,6 +306,21 @@ def test_the_page_logs_in_as_the_user_under_the_documented_acl(
         request_id = send(browser, "hello", 3)
         shown = finished(browser, request_id, timeout=30)
         assert (shown["status"], shown["reply"], shown["finishReason"]) == ("done", "w0 w1 w2 ", "length")
+        assert shown["reasoning"] is None
         assert not browser.find_element("id", "login-problem").is_displayed()
+
+        # A reasoning model's think block: shown folded above the answer.
+        browser.find_element("id", "new-session").click()
+        wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed in the new session")
+        session = browser.find_element("id", "session-id").get_property("value")
+        live.engine.script[session] = ["<think>", "The user greets me.", "</think>", "\n\nHello, alice!"]
+        request_id = send(browser, "hello again", 16)
+        shown = finished(browser, request_id, timeout=30)
+        assert (shown["reply"], shown["reasoning"], shown["reasoningOpen"]) == (
+            "Hello, alice!",
+            "The user greets me.",
+            False,
+        )
+        assert [t["requestId"] for t in turns(browser)] == [request_id]  # a new session starts empty
     finally:
         live.close()
