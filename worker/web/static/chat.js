@@ -248,6 +248,7 @@
     setReady(false);
     client.on("connect", () => {
       setBroker("connected", "on");
+      loginProblem(""); // a connection problem before this one is over
       $("login").open = false;
       subscribe(client);
     });
