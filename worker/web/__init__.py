@@ -21,9 +21,12 @@ from loguru import logger
 STATIC_DIR = Path(__file__).resolve().parent / "static"
 
 # The page loads nothing but its own files and talks to nothing but a broker's WebSocket.
+# worker-src blob:: MQTT.js runs its keepalive timers in a Web Worker made from a blob (the
+# timers of a background tab are throttled, down to one a minute, which would miss keepalives);
+# without it Chromium blocks that worker and logs a CSP violation.
 CONTENT_SECURITY_POLICY = (
     "default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; "
-    "connect-src ws: wss:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
+    "connect-src ws: wss:; worker-src blob:; base-uri 'none'; form-action 'none'; frame-ancestors 'none'"
 )
 
 
