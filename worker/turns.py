@@ -241,6 +241,10 @@ class TurnRunner:
             stop=tuple(generation.stop),
             structured=structured_output(request),
         )
+        if turn.key in turn.runtime.cancelled:
+            # Cancelled while its prompt was prepared (an await): from here on to the engine
+            # nothing awaits, and _stream marks it running, where a cancel aborts it.
+            return self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled"))
         logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
         outcome = await self._stream(
             turn,
