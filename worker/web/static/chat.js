@@ -39,7 +39,7 @@
   const tab = window.sessionStorage;
   const transcriptKey = () => `mqtt-vllm-worker:turns:${page.prefix}/${page.user}/${page.session}`;
   function saveTurns() {
-    const kept = page.turns.map(({ streamed, ...turn }) => turn);
+    const kept = page.turns.map(({ stream, ...turn }) => turn);
     local.setItem(transcriptKey(), JSON.stringify(kept));
   }
   function loadTurns() {
@@ -134,6 +134,25 @@
     if (typeof ms !== "number") return "?";
     return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(ms < 10 ? 1 : 0)} ms`;
   }
+  // A reply's deltas put together in seq order (QoS 0: one may be missing, or come late).
+  function newStream() {
+    return { next: 0, early: new Map(), text: "", reasoning: "" };
+  }
+  function addDelta(stream, delta) {
+    if (delta.seq < stream.next) return;
+    stream.early.set(delta.seq, delta);
+    // A gap waits for its delta until 8 later ones have come; then it is skipped.
+    while (stream.early.size && (stream.early.has(stream.next) || stream.early.size > 8)) {
+      const d = stream.early.get(stream.next);
+      stream.early.delete(stream.next);
+      stream.next += 1;
+      if (d) {
+        stream.text += d.delta || "";
+        stream.reasoning += d.reasoning || "";
+      }
+    }
+  }
+
   function turnElement(turn) {
     let el = document.querySelector(`article[data-request-id="${CSS.escape(turn.requestId)}"]`);
     if (el) return el;
@@ -162,18 +181,35 @@
     $("transcript").append(el);
     return el;
   }
+  // The transcript follows a growing reply unless the user scrolled up. Measured once a frame,
+  // not per delta: reading the layout after each change would lay out a long reply hundreds of
+  // times a second and keep the page too busy to send a cancel.
+  let atEnd = true;
+  let followQueued = false;
+  function follow() {
+    if (followQueued) return;
+    followQueued = true;
+    requestAnimationFrame(() => {
+      followQueued = false;
+      const box = $("transcript");
+      if (atEnd) box.scrollTop = box.scrollHeight;
+    });
+  }
   function render(turn) {
+    renderTurn(turn);
+    follow();
+  }
+  function renderTurn(turn) {
     const el = turnElement(turn);
     el.dataset.status = turn.status;
     el.dataset.finishReason = turn.finishReason || "";
     el.dataset.errorCode = turn.error ? turn.error.code : "";
     let reply = turn.reply;
     let reasoning = turn.reasoning;
-    if (turn.status === "pending" && turn.streamed) {
-      // QoS 0 deltas, in seq order; the final reply's text replaces them.
-      const parts = [...turn.streamed.entries()].sort((a, b) => a[0] - b[0]).map(([, d]) => d);
-      reply = parts.map((d) => d.delta || "").join("");
-      reasoning = parts.map((d) => d.reasoning || "").join("");
+    if (turn.status === "pending" && turn.stream) {
+      // The deltas so far; the final reply's text replaces them.
+      reply = turn.stream.text;
+      reasoning = turn.stream.reasoning;
     }
     el.querySelector(".reply-text").textContent = reply || "";
     const fold = el.querySelector(".reasoning");
@@ -211,11 +247,13 @@
     el.className = cls;
     el.textContent = text;
     $("transcript").append(el);
-    el.scrollIntoView({ block: "end" });
+    follow();
   }
   function redraw() {
     $("transcript").replaceChildren();
-    page.turns.forEach(render);
+    page.turns.forEach(renderTurn);
+    atEnd = true;
+    follow();
   }
 
   // ---- MQTT
@@ -293,7 +331,7 @@
       // its requestId: the worker answers it from its store, or joins the running one. Never twice generated.
       for (const turn of page.turns.filter((t) => t.status === "pending")) {
         turn.resumed = true;
-        turn.streamed = new Map();
+        turn.stream = newStream();
         render(turn);
         publishRequest(turn);
       }
@@ -333,8 +371,8 @@
     const turn = page.turns.find((x) => x.requestId === body.requestId);
     if (t === topic("stream")) {
       if (!turn || turn.status !== "pending") return; // a late delta of a finished reply
-      turn.streamed = turn.streamed || new Map();
-      turn.streamed.set(body.seq, body);
+      turn.stream = turn.stream || newStream();
+      addDelta(turn.stream, body);
       render(turn);
       return;
     }
@@ -348,7 +386,7 @@
       return;
     }
     if (!turn || turn.status !== "pending") return; // a second copy (a resumed request)
-    delete turn.streamed;
+    delete turn.stream;
     delete turn.cancelling;
     delete turn.resumed;
     if (body.error) {
@@ -367,7 +405,6 @@
     saveTurns();
     render(turn);
     updateCancel();
-    turnElement(turn).scrollIntoView({ block: "end" });
   }
 
   // ---- actions
@@ -388,12 +425,12 @@
       payload: JSON.stringify(request),
       status: "pending",
       sentAt: Date.now(),
-      streamed: new Map(),
+      stream: newStream(),
     };
     page.turns.push(turn);
     saveTurns();
     render(turn);
-    turnElement(turn).scrollIntoView({ block: "end" });
+    atEnd = true; // one's own message: always show it, and what follows
     $("message").value = "";
     updateCancel();
     publishRequest(turn);
@@ -426,6 +463,10 @@
   }
 
   document.addEventListener("DOMContentLoaded", () => {
+    const box = $("transcript");
+    box.addEventListener("scroll", () => {
+      atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    });
     initFields();
     renderWorkers();
     $("login-form").addEventListener("submit", (e) => {
