@@ -181,10 +181,10 @@
     $("transcript").append(el);
     return el;
   }
-  // Deltas are drawn once a frame, however fast they come, and the transcript follows a
-  // growing reply (unless the user scrolled up) in the same frame. A small model on a fast
-  // engine streams hundreds of deltas a second; drawing each one kept the page too busy to
-  // act on a click on Cancel for seconds (measured in headless Chromium on 2 busy cores).
+  // Deltas are drawn at most once a frame, however fast they come (the worker sends one per
+  // engine step: up to the model's tokens per second), and the transcript follows a growing
+  // reply (unless the user scrolled up) in the same frame, so that a long reply is laid out
+  // once a frame rather than once a delta.
   let atEnd = true;
   let frameQueued = false;
   const growing = new Set();
