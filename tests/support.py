@@ -58,7 +58,12 @@ class Mosquitto:
     database after every change doubles the time of the flood test.
     ``autosave``: "changes" saves after every change (``autosave_on_changes true``,
     ``autosave_interval 1``), "default" leaves mosquitto's default (every 1800 s, and on a
-    clean exit)."""
+    clean exit).
+    ``websockets=True`` adds a MQTT-over-WebSockets listener on loopback (``ws_port``), as
+    docs/frontend.md configures it: ``listener PORT lo`` (mosquitto 2.0.11's WebSockets
+    listener takes an interface name; an IP address there is ignored and it binds to every
+    interface) beside the plain listener (a broker with only a WebSockets listener exits with
+    "Unable to start any listening sockets")."""
 
     def __init__(
         self,
@@ -67,9 +72,11 @@ class Mosquitto:
         *,
         keep_root: bool = False,
         autosave: Literal["changes", "default"] = "changes",
+        websockets: bool = False,
     ) -> None:
         self.workdir = workdir
         self.port = free_port()
+        self.ws_port = free_port() if websockets else None
         self.extra_config = extra_config
         self.keep_root = keep_root
         self.autosave = autosave
@@ -78,8 +85,9 @@ class Mosquitto:
 
     def config_text(self) -> str:
         autosave = "autosave_on_changes true\nautosave_interval 1\n" if self.autosave == "changes" else ""
+        websockets = f"listener {self.ws_port} lo\nprotocol websockets\n" if self.ws_port else ""
         return (
-            f"listener {self.port} 127.0.0.1\nallow_anonymous true\npersistence true\n"
+            f"listener {self.port} 127.0.0.1\n{websockets}allow_anonymous true\npersistence true\n"
             f"persistence_location {self.workdir}/\n{autosave}"
             "set_tcp_nodelay true\nmax_inflight_messages 0\n"  # docs/protocol.md, "Broker settings"
             "max_queued_messages 100000\n"  # the default 1000 drops the rest of a flood of requests

@@ -1,7 +1,7 @@
 """Topic ACL (issue 5, point 3): mosquitto with passwords and the ACL of docs/security.md (read
 from the document, so that the recipe is what is tested), the in-process worker logging in as
-its own user, and users alice and bob. alice is answered; bob can neither read alice's replies
-nor reach alice's session; anonymous clients are refused."""
+its own user, and users alice and bob. alice is answered and sees the worker online; bob can
+neither read alice's replies nor reach alice's session; anonymous clients are refused."""
 
 from __future__ import annotations
 
@@ -25,6 +25,7 @@ from test_service import mentions
 from worker.transport import MqttSettings
 
 PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret"}
+PRESENCE = "chat/_worker/gpu-1/status"
 
 
 def documented_acl() -> str:
@@ -135,11 +136,13 @@ def test_each_user_reaches_only_its_own_namespace(acl_broker: Mosquitto, monkeyp
         # bob's own request is answered to bob, not to alice
         assert bob.publish("chat/bob/s1/request", {"message": "hi", "requestId": "b1", "maxTokens": 3}).value < 0x80
         mine = bob.next(15)
+        while mine is not None and mine.topic == PRESENCE:  # chat/# covers it, and the ACL grants it
+            mine = bob.next(15)
         assert mine is not None and mine.topic == "chat/bob/s1/reply"
 
         live.wait_idle()
         time.sleep(0.5)  # anything misrouted would have arrived by now
-        bob_rest = list(iter(lambda: bob.next(0.1), None))
+        bob_rest = [m for m in iter(lambda: bob.next(0.1), None) if m.topic != PRESENCE]
         assert list(iter(lambda: alice.next(0.1), None)) == []
         # bob's overlapping subscriptions bring copies of his own reply and stream; nothing else
         assert all(m.topic.startswith("chat/bob/s1/") for m in bob_rest), [m.topic for m in bob_rest]
@@ -147,6 +150,11 @@ def test_each_user_reaches_only_its_own_namespace(acl_broker: Mosquitto, monkeyp
         assert len(live.engine.started) == 2
         # alice's history holds her turn only: bob's reset never reached it
         assert live.call(lambda: len(live.service.sessions.get("alice/s1").turns)) == 1
+
+        # Every user sees the workers' presence (retained), as chat frontends show it.
+        assert alice.subscribe("chat/_worker/+/status").value < 0x80
+        status = alice.next(5)
+        assert status is not None and (status.topic, status.payload) == (PRESENCE, b"online")
     finally:
         alice.close()
         bob.close()

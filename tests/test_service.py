@@ -254,6 +254,42 @@ def test_cancel_queued_and_running_requests() -> None:
     asyncio.run(scenario())
 
 
+def test_a_cancel_while_the_turn_prepares_its_prompt_is_not_lost() -> None:
+    """A cancel that comes after the queued turn started (its prompt being prepared: the
+    tokenizer may run in a thread) but before it reached the engine. The chat page cancels
+    every pending turn at once: cancelling the running one starts the next, and the next
+    one's cancel lands in this window."""
+
+    class HeldRenderer(WordRenderer):
+        def __init__(self) -> None:
+            self.entered = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+            self.entered.set()
+            await self.release.wait()
+
+    async def scenario() -> None:
+        h = Harness()
+        held = HeldRenderer()
+        h.service.turns.renderer = held
+        h.transport.deliver("chat/u/s1/request", {"message": "held", "requestId": "held", "maxTokens": 50})
+        consumer = asyncio.ensure_future(h.service.consume())
+        try:
+            await asyncio.wait_for(held.entered.wait(), 5)
+            h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "held"})
+            await asyncio.sleep(0.1)  # the cancel is handled
+        finally:
+            consumer.cancel()
+        held.release.set()
+        await h.run_until(lambda: h.transport.replies("s1"))
+        reply = h.transport.replies("s1")[0]
+        assert (reply["requestId"], reply["finishReason"]) == ("held", "cancelled")
+        assert h.engine.started == []
+
+    asyncio.run(scenario())
+
+
 def test_redelivery_during_generation_is_answered_once() -> None:
     async def scenario() -> None:
         h = Harness()

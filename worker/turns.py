@@ -214,8 +214,6 @@ class TurnRunner:
             history.system_prompt = request.system_prompt
         elif history.system_prompt is None:
             history.system_prompt = self.default_system_prompt
-        if turn.key in turn.runtime.cancelled:
-            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         max_tokens = request.max_tokens or generation.max_tokens
         await self.renderer.prepare([*history.messages(), {"role": "user", "content": request.message}])
         prompt = build_prompt(
@@ -242,6 +240,11 @@ class TurnRunner:
             stop=tuple(generation.stop),
             structured=structured_output(request),
         )
+        if turn.key in turn.runtime.cancelled:
+            # Cancelled while queued, or while its prompt was prepared (an await): checked here,
+            # since from here on to the engine nothing awaits, and _stream marks it running,
+            # where a cancel aborts it. No turn: the session stays as it was.
+            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
         outcome = await self._stream(
             turn,

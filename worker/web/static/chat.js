@@ -1,0 +1,502 @@
+// The chat page: a plain MQTT client of the worker's contract (docs/protocol.md), over MQTT
+// over WebSockets with MQTT.js. It logs in as the user, so the broker's ACL
+// (docs/security.md) decides what it may read and write. docs/frontend.md explains each step.
+"use strict";
+
+(() => {
+  const $ = (id) => document.getElementById(id);
+  // A topic part, as the worker checks it (worker/topics.py).
+  const PART = /^[A-Za-z0-9._:-]{1,128}$/;
+  const PREFIX = /^[A-Za-z0-9._:-]{1,128}(\/[A-Za-z0-9._:-]{1,128})*$/;
+  // What a user can do about each error code (docs/protocol.md, "Errors").
+  const HINTS = {
+    bad_json: "the worker could not read the request",
+    invalid_request: "a field of the request is not accepted",
+    too_long: "the message is too long for the model",
+    too_large: "the message or the answer is too large",
+    busy: "the worker is full: try again in a moment",
+    expired: "the request waited too long before it could start",
+    rate_limited: "too many requests from this user: wait a minute",
+    invalid_schema: "the response format's schema is not accepted",
+    unsupported_action: "the worker does not know this control action",
+    engine_error: "the engine failed on this request",
+    not_authorized: "the broker refused it (topic ACL)",
+  };
+  const decoder = new TextDecoder();
+
+  const page = {
+    client: null,
+    ready: false, // connected and subscribed: only then may it publish (replies are never missed)
+    prefix: "chat",
+    user: "",
+    session: "",
+    turns: [],
+    workers: new Map(), // workerId -> "online" | "offline"
+  };
+
+  // ---- storage: settings and the transcript survive a reload; the password only this tab's
+  const local = window.localStorage;
+  const tab = window.sessionStorage;
+  const transcriptKey = () => `mqtt-vllm-worker:turns:${page.prefix}/${page.user}/${page.session}`;
+  function saveTurns() {
+    const kept = page.turns.map(({ stream, ...turn }) => turn);
+    local.setItem(transcriptKey(), JSON.stringify(kept));
+  }
+  function loadTurns() {
+    try {
+      return JSON.parse(local.getItem(transcriptKey()) || "[]");
+    } catch {
+      return [];
+    }
+  }
+
+  function randomId(prefix) {
+    const bytes = new Uint8Array(8);
+    crypto.getRandomValues(bytes);
+    return prefix + Array.from(bytes, (b) => b.toString(16).padStart(2, "0")).join("");
+  }
+
+  const topic = (kind) => `${page.prefix}/${page.user}/${page.session}/${kind}`;
+
+  // ---- the form's fields: URL parameters first, then what this browser remembers
+  function initFields() {
+    const params = new URLSearchParams(location.search);
+    $("broker-url").value = params.get("broker") || local.getItem("mqtt-vllm-worker:broker") || `ws://${location.hostname || "127.0.0.1"}:9001`;
+    $("username").value = params.get("user") || local.getItem("mqtt-vllm-worker:user") || "";
+    $("prefix").value = params.get("prefix") || local.getItem("mqtt-vllm-worker:prefix") || "chat";
+    $("session-id").value = params.get("session") || local.getItem("mqtt-vllm-worker:session") || randomId("web-");
+    $("password").value = tab.getItem("mqtt-vllm-worker:password") || "";
+    for (const id of ["max-tokens", "temperature", "system-prompt"]) {
+      const kept = local.getItem(`mqtt-vllm-worker:${id}`);
+      if (kept !== null) $(id).value = kept;
+      $(id).addEventListener("change", () => local.setItem(`mqtt-vllm-worker:${id}`, $(id).value));
+    }
+  }
+
+  // The address in the location bar resumes this conversation (bookmark it, reload it).
+  function rememberSession() {
+    local.setItem("mqtt-vllm-worker:broker", $("broker-url").value);
+    local.setItem("mqtt-vllm-worker:user", page.user);
+    local.setItem("mqtt-vllm-worker:prefix", page.prefix);
+    local.setItem("mqtt-vllm-worker:session", page.session);
+    const params = new URLSearchParams(location.search);
+    params.set("broker", $("broker-url").value);
+    params.set("user", page.user);
+    params.set("session", page.session);
+    if (page.prefix !== "chat") params.set("prefix", page.prefix);
+    else params.delete("prefix");
+    history.replaceState(null, "", `${location.pathname}?${params}`);
+  }
+
+  // ---- status line
+  function setBroker(text, cls) {
+    const el = $("broker-status");
+    el.textContent = `broker: ${text}`;
+    el.className = `pill ${cls}`;
+  }
+  function renderWorkers() {
+    const el = $("worker-status");
+    const online = [...page.workers].filter(([, s]) => s === "online").map(([id]) => id);
+    if (online.length) {
+      el.textContent = `worker: ${online.join(", ")} online`;
+      el.className = "pill on";
+    } else if (page.workers.size) {
+      el.textContent = "worker: offline (requests wait in the broker)";
+      el.className = "pill off";
+    } else {
+      el.textContent = "worker: unknown";
+      el.className = "pill unknown";
+      el.title = "no retained status received: no worker has run on this broker, or the ACL does not let this user read it";
+    }
+  }
+  function loginProblem(text) {
+    const el = $("login-problem");
+    el.textContent = text || "";
+    el.hidden = !text;
+    if (text) $("login").open = true;
+  }
+
+  function setReady(ready) {
+    page.ready = ready;
+    $("message").disabled = !ready;
+    $("send").disabled = !ready;
+    $("reset").disabled = !ready;
+    $("connect").disabled = !!page.client;
+    $("disconnect").disabled = !page.client;
+    updateCancel();
+  }
+  function updateCancel() {
+    $("cancel").disabled = !page.ready || !page.turns.some((t) => t.status === "pending");
+  }
+
+  // ---- transcript
+  function fmtMs(ms) {
+    if (typeof ms !== "number") return "?";
+    return ms >= 1000 ? `${(ms / 1000).toFixed(2)} s` : `${ms.toFixed(ms < 10 ? 1 : 0)} ms`;
+  }
+  // A reply's deltas put together in seq order (QoS 0: one may be missing, or come late).
+  function newStream() {
+    return { next: 0, early: new Map(), text: "", reasoning: "" };
+  }
+  function addDelta(stream, delta) {
+    if (delta.seq < stream.next) return;
+    stream.early.set(delta.seq, delta);
+    // A gap waits for its delta until 8 later ones have come; then it is skipped.
+    while (stream.early.size && (stream.early.has(stream.next) || stream.early.size > 8)) {
+      const d = stream.early.get(stream.next);
+      stream.early.delete(stream.next);
+      stream.next += 1;
+      if (d) {
+        stream.text += d.delta || "";
+        stream.reasoning += d.reasoning || "";
+      }
+    }
+  }
+
+  function turnElement(turn) {
+    let el = document.querySelector(`article[data-request-id="${CSS.escape(turn.requestId)}"]`);
+    if (el) return el;
+    el = document.createElement("article");
+    el.className = "turn";
+    el.dataset.requestId = turn.requestId;
+    const user = document.createElement("div");
+    user.className = "bubble user";
+    user.textContent = turn.message;
+    const assistant = document.createElement("div");
+    assistant.className = "bubble assistant";
+    const reasoning = document.createElement("details");
+    reasoning.className = "reasoning";
+    reasoning.hidden = true;
+    const summary = document.createElement("summary");
+    summary.textContent = "Reasoning";
+    const reasoningText = document.createElement("div");
+    reasoningText.className = "reasoning-text";
+    reasoning.append(summary, reasoningText);
+    const reply = document.createElement("div");
+    reply.className = "reply-text";
+    const meta = document.createElement("div");
+    meta.className = "meta";
+    assistant.append(reasoning, reply, meta);
+    el.append(user, assistant);
+    $("transcript").append(el);
+    return el;
+  }
+  // Deltas are drawn at most once a frame, however fast they come (the worker sends one per
+  // engine step: up to the model's tokens per second), and the transcript follows a growing
+  // reply (unless the user scrolled up) in the same frame, so that a long reply is laid out
+  // once a frame rather than once a delta.
+  let atEnd = true;
+  let frameQueued = false;
+  const growing = new Set();
+  function follow() {
+    if (frameQueued) return;
+    frameQueued = true;
+    requestAnimationFrame(() => {
+      frameQueued = false;
+      for (const turn of growing) if (turn.status === "pending") renderTurn(turn);
+      growing.clear();
+      const box = $("transcript");
+      if (atEnd) box.scrollTop = box.scrollHeight;
+    });
+  }
+  function renderSoon(turn) {
+    growing.add(turn);
+    follow();
+  }
+  function render(turn) {
+    growing.delete(turn);
+    renderTurn(turn);
+    follow();
+  }
+  function renderTurn(turn) {
+    const el = turnElement(turn);
+    el.dataset.status = turn.status;
+    el.dataset.finishReason = turn.finishReason || "";
+    el.dataset.errorCode = turn.error ? turn.error.code : "";
+    let reply = turn.reply;
+    let reasoning = turn.reasoning;
+    if (turn.status === "pending" && turn.stream) {
+      // The deltas so far; the final reply's text replaces them.
+      reply = turn.stream.text;
+      reasoning = turn.stream.reasoning;
+    }
+    el.querySelector(".reply-text").textContent = reply || "";
+    const fold = el.querySelector(".reasoning");
+    fold.hidden = !reasoning;
+    el.querySelector(".reasoning-text").textContent = reasoning || "";
+    const tokens = turn.usage && turn.usage.reasoningTokens;
+    fold.querySelector("summary").textContent = tokens ? `Reasoning (${tokens} tokens)` : "Reasoning";
+    const meta = el.querySelector(".meta");
+    meta.replaceChildren();
+    if (turn.error) {
+      const code = document.createElement("code");
+      code.className = "error-code";
+      code.textContent = turn.error.code;
+      const hint = HINTS[turn.error.code];
+      meta.append(code, ` ${turn.error.message || ""}${hint ? ` (${hint})` : ""}`);
+      meta.className = "meta error";
+      return;
+    }
+    meta.className = "meta";
+    if (turn.status === "pending") {
+      meta.textContent = turn.cancelling ? "cancelling…" : turn.resumed ? "waiting for the reply (resumed)…" : "generating…";
+      return;
+    }
+    const u = turn.usage || {};
+    const l = turn.latency || {};
+    const reasoningPart = u.reasoningTokens ? `, ${u.reasoningTokens} reasoning` : "";
+    meta.textContent =
+      `${turn.finishReason} · ${u.promptTokens} prompt tokens (${u.cachedTokens} cached) · ` +
+      `${u.completionTokens} completion${reasoningPart} · first token ${fmtMs(l.ttftMs)}, ` +
+      `total ${fmtMs(l.totalMs)} in the worker (queue ${fmtMs(l.queueMs)})` +
+      (turn.roundTripMs ? ` · ${fmtMs(turn.roundTripMs)} here` : "");
+  }
+  function note(text, cls = "note") {
+    const el = document.createElement("p");
+    el.className = cls;
+    el.textContent = text;
+    $("transcript").append(el);
+    follow();
+  }
+  function redraw() {
+    $("transcript").replaceChildren();
+    page.turns.forEach(renderTurn);
+    atEnd = true;
+    follow();
+  }
+
+  // ---- MQTT
+  function connect() {
+    const user = $("username").value.trim();
+    const session = $("session-id").value.trim();
+    const prefix = $("prefix").value.trim().replace(/\/+$/, "");
+    if (!PART.test(user) || user.startsWith("_")) return loginProblem("User: 1 to 128 of A-Z a-z 0-9 . _ : - (not starting with _)");
+    if (!PART.test(session)) return loginProblem("Session: 1 to 128 of A-Z a-z 0-9 . _ : -");
+    if (!PREFIX.test(prefix)) return loginProblem("Topic prefix: topic levels of A-Z a-z 0-9 . _ : -");
+    loginProblem("");
+    Object.assign(page, { user, session, prefix });
+    page.turns = loadTurns();
+    redraw();
+    rememberSession();
+    const password = $("password").value;
+    tab.setItem("mqtt-vllm-worker:password", password);
+    tab.setItem("mqtt-vllm-worker:autoconnect", "1");
+    setBroker("connecting", "unknown");
+    const client = mqtt.connect($("broker-url").value, {
+      protocolVersion: 5,
+      clientId: randomId("web-"),
+      username: user,
+      password: password || undefined,
+      clean: true, // nothing is lost by it: pending requests are sent again with their requestId
+      reconnectPeriod: 3000,
+      connectTimeout: 10000,
+    });
+    page.client = client;
+    setReady(false);
+    client.on("connect", () => {
+      setBroker("connected", "on");
+      loginProblem(""); // a connection problem before this one is over
+      $("login").open = false;
+      subscribe(client);
+    });
+    client.on("reconnect", () => setBroker("reconnecting", "unknown"));
+    client.on("offline", () => {
+      setBroker("disconnected", "off");
+      setReady(false);
+    });
+    client.on("error", (err) => {
+      // CONNACK 134/135 (MQTT 5), 4/5 (3.1.1): wrong credentials. Retrying would not help.
+      if ([4, 5, 134, 135].includes(err.code)) {
+        loginProblem(`The broker refused the login: ${err.message}`);
+        disconnect();
+      } else {
+        loginProblem(`Connection problem: ${err.message}`);
+      }
+    });
+    client.on("message", onMessage);
+  }
+
+  function disconnect() {
+    tab.removeItem("mqtt-vllm-worker:autoconnect");
+    if (page.client) page.client.end(true);
+    page.client = null;
+    page.workers.clear();
+    renderWorkers();
+    setBroker("not connected", "off");
+    setReady(false);
+  }
+
+  // Subscribe first, publish after: a reply is published once, and one that arrives before the
+  // subscription is in place is never delivered to this client.
+  function subscribe(client) {
+    const wanted = [topic("reply"), topic("stream"), `${page.prefix}/_worker/+/status`];
+    client.subscribe(wanted, { qos: 1 }, (err, granted) => {
+      if (err) return loginProblem(`Subscribing failed: ${err.message}`);
+      const refused = (granted || []).filter((g) => g.qos >= 0x80).map((g) => g.topic);
+      if (refused.includes(wanted[0])) return loginProblem(`The broker refused the subscription to ${wanted[0]}`);
+      if (client !== page.client) return;
+      setReady(true);
+      // A request whose reply did not arrive (a reload, a lost connection) is sent again with
+      // its requestId: the worker answers it from its store, or joins the running one. Never twice generated.
+      for (const turn of page.turns.filter((t) => t.status === "pending")) {
+        turn.resumed = true;
+        turn.stream = newStream();
+        render(turn);
+        publishRequest(turn);
+      }
+    });
+  }
+
+  function publishRequest(turn) {
+    page.client.publish(topic("request"), turn.payload, { qos: 1 }, (err) => {
+      if (err) failTurn(turn, err.code === 135 ? "not_authorized" : "publish_failed", err.message);
+    });
+  }
+
+  function failTurn(turn, code, message) {
+    turn.status = "error";
+    turn.error = { code, message };
+    saveTurns();
+    render(turn);
+    updateCancel();
+  }
+
+  function onMessage(t, payload) {
+    const text = decoder.decode(payload);
+    const parts = t.split("/");
+    if (t.startsWith(`${page.prefix}/_worker/`)) {
+      const workerId = parts[parts.length - 2];
+      if (text) page.workers.set(workerId, text);
+      else page.workers.delete(workerId); // a retained status cleared
+      renderWorkers();
+      return;
+    }
+    let body;
+    try {
+      body = JSON.parse(text);
+    } catch {
+      return;
+    }
+    const turn = page.turns.find((x) => x.requestId === body.requestId);
+    if (t === topic("stream")) {
+      if (!turn || turn.status !== "pending") return; // a late delta of a finished reply
+      turn.stream = turn.stream || newStream();
+      addDelta(turn.stream, body);
+      renderSoon(turn);
+      return;
+    }
+    if (t !== topic("reply")) return;
+    if (body.action) {
+      if (body.action === "reset" && body.ok) note("The worker forgot this conversation.");
+      return;
+    }
+    if (body.error && !turn) {
+      note(`${body.error.code}: ${body.error.message}`, "note error");
+      return;
+    }
+    if (!turn || turn.status !== "pending") return; // a second copy (a resumed request)
+    delete turn.stream;
+    delete turn.cancelling;
+    delete turn.resumed;
+    if (body.error) {
+      failTurn(turn, body.error.code, body.error.message);
+      return;
+    }
+    Object.assign(turn, {
+      status: "done",
+      reply: body.reply,
+      reasoning: body.reasoning || "",
+      finishReason: body.finishReason,
+      usage: body.usage,
+      latency: body.latency,
+      roundTripMs: turn.sentAt ? Date.now() - turn.sentAt : undefined,
+    });
+    saveTurns();
+    render(turn);
+    updateCancel();
+  }
+
+  // ---- actions
+  function send() {
+    const message = $("message").value;
+    if (!page.ready || !message.trim()) return;
+    // Always a requestId of our own: the idempotency key (a redelivered or re-sent request is
+    // answered from the worker's store) and how replies, deltas and cancels find their turn.
+    const request = { message, requestId: randomId("r-"), stream: true, includeReasoning: true };
+    const maxTokens = Number($("max-tokens").value);
+    if ($("max-tokens").value && Number.isFinite(maxTokens)) request.maxTokens = maxTokens;
+    const temperature = Number($("temperature").value);
+    if ($("temperature").value && Number.isFinite(temperature)) request.temperature = temperature;
+    if ($("system-prompt").value.trim()) request.systemPrompt = $("system-prompt").value;
+    const turn = {
+      requestId: request.requestId,
+      message,
+      payload: JSON.stringify(request),
+      status: "pending",
+      sentAt: Date.now(),
+      stream: newStream(),
+    };
+    page.turns.push(turn);
+    saveTurns();
+    render(turn);
+    atEnd = true; // one's own message: always show it, and what follows
+    $("message").value = "";
+    updateCancel();
+    publishRequest(turn);
+  }
+
+  function cancel() {
+    for (const turn of page.turns.filter((t) => t.status === "pending")) {
+      turn.cancelling = true;
+      render(turn);
+      page.client.publish(topic("control"), JSON.stringify({ action: "cancel", requestId: turn.requestId }), { qos: 1 });
+    }
+  }
+
+  function reset() {
+    page.client.publish(topic("control"), JSON.stringify({ action: "reset" }), { qos: 1 });
+    page.turns = [];
+    local.removeItem(transcriptKey());
+    redraw();
+  }
+
+  function newSession() {
+    $("session-id").value = randomId("web-");
+    if (page.client) {
+      disconnect();
+      connect();
+    } else {
+      page.turns = [];
+      redraw();
+    }
+  }
+
+  document.addEventListener("DOMContentLoaded", () => {
+    const box = $("transcript");
+    box.addEventListener("scroll", () => {
+      atEnd = box.scrollHeight - box.scrollTop - box.clientHeight < 40;
+    });
+    initFields();
+    renderWorkers();
+    $("login-form").addEventListener("submit", (e) => {
+      e.preventDefault();
+      if (!page.client) connect();
+    });
+    $("disconnect").addEventListener("click", disconnect);
+    $("composer").addEventListener("submit", (e) => {
+      e.preventDefault();
+      send();
+    });
+    $("message").addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
+        e.preventDefault();
+        send();
+      }
+    });
+    $("cancel").addEventListener("click", cancel);
+    $("reset").addEventListener("click", reset);
+    $("new-session").addEventListener("click", newSession);
+    // A reload in this tab reconnects by itself and resumes the session.
+    if (tab.getItem("mqtt-vllm-worker:autoconnect") && $("username").value) connect();
+  });
+})();
