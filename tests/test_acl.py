@@ -82,8 +82,8 @@ class UserClient:
         self._client.loop_stop()
 
 
-@pytest.fixture
-def acl_broker(tmp_path: Path) -> Iterator[Mosquitto]:
+def documented_acl_broker(tmp_path: Path, *, websockets: bool = False) -> Mosquitto:
+    """mosquitto with PASSWORDS and docs/security.md's ACL (and a WebSockets listener), started."""
     passwd = password_file(tmp_path / "passwd", PASSWORDS)
     acl = tmp_path / "acl"
     acl.write_text(documented_acl())
@@ -92,8 +92,15 @@ def acl_broker(tmp_path: Path) -> Iterator[Mosquitto]:
         f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n",
         keep_root=True,  # mosquitto as root can read the files in pytest's 0700 directories
         autosave="default",
+        websockets=websockets,
     )
     broker.start()
+    return broker
+
+
+@pytest.fixture
+def acl_broker(tmp_path: Path) -> Iterator[Mosquitto]:
+    broker = documented_acl_broker(tmp_path)
     yield broker
     broker.stop()
 

@@ -18,8 +18,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from support import REPO, Client, Mosquitto, WorkerProcess, password_file
-from test_acl import PASSWORDS, documented_acl, logged_in_worker
+from support import REPO, Client, Mosquitto, WorkerProcess
+from test_acl import PASSWORDS, documented_acl_broker, logged_in_worker
 
 from worker.web import STATIC_DIR, page_url, start
 
@@ -316,17 +316,7 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
 @pytest.fixture
 def acl_ws_broker(tmp_path: Path) -> Iterator[Mosquitto]:
     """mosquitto with passwords and docs/security.md's ACL, and a WebSockets listener."""
-    passwd = password_file(tmp_path / "passwd", PASSWORDS)
-    acl = tmp_path / "acl"
-    acl.write_text(documented_acl())
-    broker = Mosquitto(
-        tmp_path,
-        f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n",
-        keep_root=True,  # mosquitto as root can read the files in pytest's 0700 directories
-        autosave="default",
-        websockets=True,
-    )
-    broker.start()
+    broker = documented_acl_broker(tmp_path, websockets=True)
     yield broker
     broker.stop()
 
