@@ -224,3 +224,32 @@ def test_an_exception_while_dispatching_does_not_stop_the_worker(broker: Mosquit
     finally:
         client.close()
         live.close()
+
+
+def test_a_message_whose_properties_cannot_be_read_is_still_answered(
+    broker: Mosquitto, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Handed over without its properties (here: the ResponseTopic): answered on the session's
+    own reply topic, not dropped."""
+    from paho.mqtt.packettypes import PacketTypes
+    from paho.mqtt.properties import Properties
+
+    live = LiveWorker(broker.port, generation={"max_tokens": 2})
+    client = Client(broker.port, [f"{live.prefix}/+/+/reply"])
+    real = worker.transport.InboundMessage
+
+    def failing(*args: Any, **kwargs: Any) -> Any:
+        if kwargs.get("response_topic") is not None:
+            raise RuntimeError("a bug reading the properties")
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(worker.transport, "InboundMessage", failing)
+    try:
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        props.ResponseTopic = live.topic("eve", "s2", "reply")
+        client.publish(live.topic("eve", "s2"), {"message": "hi", "requestId": "p1"}, properties=props)
+        assert client.wait_topic(live.topic("eve", "s2", "reply"), timeout=15).json()["requestId"] == "p1"
+        assert len(live.wait_acked(1)) == 1
+    finally:
+        client.close()
+        live.close()

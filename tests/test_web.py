@@ -10,6 +10,7 @@ import itertools
 import os
 import re
 import shutil
+import time
 import urllib.error
 import urllib.request
 import uuid
@@ -21,6 +22,7 @@ import pytest
 from support import REPO, Client, Mosquitto, WorkerProcess
 from test_acl import PASSWORDS, documented_acl_broker, logged_in_worker
 
+from worker.messages import log_ref
 from worker.web import STATIC_DIR, page_url, start
 
 CHROMIUM = "/usr/bin/chromium"
@@ -252,8 +254,17 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
     for other in busy:
         client.publish(f"chat/{user}/{session}/request", {"message": "Busy.", "maxTokens": 1000, "requestId": other})
     request_id = send(browser, "Now a very long story, please.", 1000)
+    wait(browser, lambda d: d.find_element("id", "cancel").is_enabled(), "the page to send the request", timeout=60)
     browser.find_element("id", "cancel").click()
     wait(browser, lambda d: last_turn(d)["meta"] != "generating…", "the page to act on the click", timeout=60)
+    # The busy requests go only once the worker has the page's cancel (its log names the
+    # request by log_ref): cancelled before, they could let the page's request run to its end
+    # while the page's cancel is still on its way from a slow browser.
+    ref = log_ref(request_id)
+    deadline = time.monotonic() + 60
+    while not re.search(rf"Cancel\w* (?:running |queued )?(?:request )?(?:for )?{ref}", shared_worker.log()):
+        assert time.monotonic() < deadline, "the worker never got the page's cancel"
+        time.sleep(0.05)
     for other in busy:  # not needed any more
         client.publish(f"chat/{user}/{session}/control", {"action": "cancel", "requestId": other})
     shown = finished(browser, request_id)

@@ -444,12 +444,36 @@ class MqttTransport:
             )
             self._loop.call_soon_threadsafe(self.inbox.put_nowait, inbound)
         except Exception:
-            # Not handed over, so never answered: left unacknowledged (the service's
-            # _acknowledge is the only place that acknowledges), the broker delivers it again
-            # after a reconnect. It holds one Receive Maximum slot until then.
-            logger.exception(
-                "error in MQTT message callback; message {} left unacknowledged", getattr(message, "mid", "?")
+            logger.exception("error in MQTT message callback on message {}", getattr(message, "mid", "?"))
+            self._hand_over_bare(client, message)
+
+    def _hand_over_bare(self, client: mqtt.Client, message: mqtt.MQTTMessage) -> None:
+        """A message whose properties could not be read is handed over without them, so the
+        service still answers it. Only if not even that can be built is it acknowledged here
+        (with the error above): left unacknowledged it would hold one of the Receive Maximum
+        slots until the next reconnect, and then fail the same way; with a small Receive
+        Maximum the worker would receive nothing more (docs/reliability.md)."""
+        try:
+            bare = InboundMessage(
+                topic=str(message.topic),
+                payload=bytes(message.payload),
+                qos=int(message.qos),
+                mid=int(message.mid),
+                retain=bool(message.retain),
+                response_topic=None,
+                correlation_data=None,
+                received_at=time.monotonic(),
+                session=self._session,
+                dup=bool(message.dup),
             )
+            self._loop.call_soon_threadsafe(self.inbox.put_nowait, bare)
+        except Exception:
+            logger.exception("MQTT message {} cannot be handed over at all: acknowledged unanswered", message.mid)
+            try:
+                if message.qos > 0:
+                    client.ack(message.mid, message.qos)
+            except Exception:
+                logger.exception("could not acknowledge the dropped message")
 
     # -- event loop side ----------------------------------------------------------------
 
