@@ -49,7 +49,11 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 
 
 def engine_args(model: Path) -> list[str]:
-    """The CPU engine settings every test worker uses: small, eager, 32-token blocks."""
+    """The CPU engine settings every test worker uses: small, eager, 32-token blocks, and a
+    fixed 256 MiB KV cache (about 500,000 tokens of the tiny model). A share of host memory
+    (--gpu-memory-utilization 0.3) gave each worker 6.45 GiB of KV cache, resident at once:
+    the shared worker, the real-model worker and the two members of test_failover did not fit
+    the 24 GiB machine together (the kernel's OOM killer took an engine)."""
     return [
         "--model",
         str(model),
@@ -58,6 +62,8 @@ def engine_args(model: Path) -> list[str]:
         str(BLOCK_SIZE),
         "--gpu-memory-utilization",
         "0.3",
+        "--engine-extra",
+        '{"kv_cache_memory_bytes": 268435456}',
         "--max-model-len",
         "2048",
         "--max-num-seqs",
