@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import signal
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -116,10 +117,19 @@ def test_a_killed_owners_unanswered_request_is_answered_once_by_the_other_worker
         assert f"Replied {log_ref('t1')} of ann/chat" in members[owner].log()  # the second turn followed the first
         survivor = next(name for name in members if name != owner)
 
-        # Turn 2 runs long on the owner; killed once its first tokens are out. Turn 3 is sent
-        # after the kill, before anyone has noticed: it goes to the dead owner's stream too.
+        # Turn 2 goes to the owner, whose engine core is frozen first (SIGSTOP) so that it
+        # cannot finish the turn, whatever the machine's speed; the owner is then killed. (Killed
+        # "once its first tokens are out", a loaded machine let it finish the 1000 tokens first
+        # now and then, and the survivor answered from the store.) Turn 3 is sent after the
+        # kill, before anyone has noticed: it goes to the dead owner's stream too.
+        engine = [
+            p for p in psutil.Process(members[owner].proc.pid).children(recursive=True) if "EngineCore" in p.name()
+        ]
+        assert engine, "vLLM's engine core runs in a child process"
+        for process in engine:
+            process.suspend()
         sender.publish(request_topic, request(2, maxTokens=1000, stream=True))
-        watcher.wait_topic(f"{PREFIX}/ann/chat/stream", timeout=120)
+        time.sleep(1)  # routed to the owner's stream and read (had it not been, the result is the same)
         members[owner].signal_group(signal.SIGKILL)
         members[owner].proc.wait(10)
         sender.publish(request_topic, request(3))
