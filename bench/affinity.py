@@ -70,7 +70,7 @@ def start_workers(mode: str, model: Path, port: int, redis_port: int, workdir: P
 
 
 def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> dict[str, Any]:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, system_tokens=300, user_tokens=(60, 120), max_tokens=32)
@@ -187,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    from worker.tinymodel import generate_tiny_model
+    from devtools.tinymodel import generate_tiny_model
 
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)

@@ -98,7 +98,7 @@ def _stats_sources(stats: list[dict[str, Any]]) -> dict[str, int]:
 
 
 def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .harness import Broker, WorkerRun
     from .mqtt_driver import MqttDriver
@@ -222,7 +222,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
 def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
     """FP8 weights and KV cache: the engine's KV-cache size and batch-1 decode (the worker's
     defaults otherwise: the whole GPU, no host tier). Dummy weights: speed and memory only."""
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .harness import Broker, WorkerRun, decode_rate
     from .mqtt_driver import MqttDriver

@@ -198,7 +198,7 @@ def profile_worker(worker: WorkerRun, output: Path) -> subprocess.Popen[bytes] |
 
 
 def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think_s: float = 0.0) -> dict[str, Any]:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
 
@@ -286,7 +286,7 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
 
 def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
     """The same requests with and without a JSON schema, through the worker."""
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
 
@@ -332,7 +332,7 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
 
 
 async def inprocess_phase(profile: Profile, model: Path, think_s: float = 0.0) -> dict[str, Any]:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .inprocess import InProcess
 
@@ -368,7 +368,7 @@ async def inprocess_phase(profile: Profile, model: Path, think_s: float = 0.0) -
 
 
 async def ablation_phase(profile: Profile, model: Path, out: Path) -> None:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .inprocess import InProcess
 
@@ -486,7 +486,7 @@ def restart_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> d
 
 
 def prepare_model(geometry: str | None, out: Path) -> Path:
-    from worker.tinymodel import generate_geometry_model, generate_tiny_model
+    from devtools.tinymodel import generate_geometry_model, generate_tiny_model
 
     model = REPO / ".cache" / "models" / (geometry or "tiny")
     if not (model / "config.json").exists():

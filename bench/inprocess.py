@@ -9,8 +9,8 @@ import time
 import uuid
 from typing import Any
 
-from worker.config import EngineConfig
-from worker.tokenizer import ChatTokenizer
+from worker.config.models import EngineConfig
+from worker.engine.tokenizer import ChatTokenizer
 
 from .common import Record, Workload, history_messages, think_time
 from .mqtt_driver import Progress
@@ -20,7 +20,7 @@ class InProcess:
     def __init__(self, engine_config: EngineConfig, tokenizer: ChatTokenizer) -> None:
         from vllm.v1.engine.async_llm import AsyncLLM
 
-        from worker.vllm_engine import engine_arguments, make_engine_args
+        from worker.engine.vllm import engine_arguments, make_engine_args
 
         self.tokenizer = tokenizer
         started = time.perf_counter()

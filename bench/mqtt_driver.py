@@ -15,7 +15,7 @@ from typing import Any
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from worker.transport import set_tcp_nodelay
+from worker.transport.mqtt import set_tcp_nodelay
 
 from .common import Record, Workload, think_time
 

@@ -94,7 +94,7 @@ def turns_without_history(records: list[Record]) -> int:
 
 
 def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: str, extra: list[str]) -> dict[str, Any]:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     from .common import make_workload
     from .mqtt_driver import MqttDriver

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.config import EngineConfig, flag_for
+from worker.config.models import EngineConfig, flag_for
 
 
 @dataclass(frozen=True)

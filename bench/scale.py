@@ -41,7 +41,7 @@ def generate_load(
     import paho.mqtt.client as mqtt
     from paho.mqtt.enums import CallbackAPIVersion
 
-    from worker.transport import set_tcp_nodelay
+    from worker.transport.mqtt import set_tcp_nodelay
 
     received: list[tuple[float, str]] = []  # list.append is atomic: paho's thread only appends
     client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"load-{user}", protocol=mqtt.MQTTv5)

@@ -23,13 +23,13 @@ class ZeroCostEngine:
     over ``gen_s`` seconds (0: only yielding to the event loop between updates)."""
 
     def __init__(self, reply_tokens: int, deltas: int, gen_s: float) -> None:
-        from worker.engine import EngineInfo
+        from worker.engine.port import EngineInfo
 
         self.info = EngineInfo("zero-cost", "0", "zero-cost", max_model_len=1 << 20, block_size=16, prefix_caching=True)
         self.reply_tokens, self.deltas, self.gen_s = reply_tokens, max(1, deltas), gen_s
 
     async def generate(self, request: Any) -> AsyncIterator[Any]:
-        from worker.engine import GenerationUpdate
+        from worker.engine.port import GenerationUpdate
 
         total = min(self.reply_tokens, request.sampling.max_tokens)
         prompt = len(request.prompt_token_ids)
@@ -45,7 +45,7 @@ class ZeroCostEngine:
         pass
 
     def take_stats(self) -> Any:
-        from worker.engine import EngineStats
+        from worker.engine.port import EngineStats
 
         return EngineStats()
 
@@ -77,13 +77,13 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
     ``options``: the ZeroCostEngine's arguments, and ``redis_url`` for the Redis store and
     intake (each worker its own connections, as worker/main.py sets them up), else an
     in-memory store each."""
-    from worker.config import WorkerConfig
-    from worker.intake import Intake
-    from worker.logs import configure_logging
-    from worker.service import Service
+    from worker.config.models import WorkerConfig
+    from worker.core.service import Service
+    from worker.intake.group import Intake
+    from worker.protocol.topics import Topics
     from worker.store import open_store
-    from worker.topics import Topics
-    from worker.transport import MqttSettings, MqttTransport
+    from worker.system.logs import configure_logging
+    from worker.transport.mqtt import MqttSettings, MqttTransport
 
     configure_logging(os.environ.get("SIM_LOG_LEVEL", "WARNING"), json_logs=False)
     loop = asyncio.get_running_loop()

@@ -1,6 +1,6 @@
 """A progress bar of a worker's start, read from its log: for the benchmark and the demos.
 
-The worker logs each start phase as it ends (worker/startup.py): libraries imported, tokenizer
+The worker logs each start phase as it ends (worker/system/progress.py): libraries imported, tokenizer
 loaded, engine ready, then "Serving ..." once the broker has acknowledged its subscriptions
 (from then on a request is answered). Each moves the bar; the text beside it is the worker's
 latest start line ("Still starting the engine: 45 s" while vLLM loads, compiles and captures
@@ -17,13 +17,13 @@ from tqdm import tqdm
 
 # The lines that end a start phase, in order: each one found moves the bar a step.
 PHASES_DONE = (
-    "worker.startup: Imported in ",
-    "worker.startup: Tokenizer loaded in ",
-    "worker.startup: Engine ready in ",
-    "worker.startup: Warm-up phase over in ",
+    "worker.system.progress: Imported in ",
+    "worker.system.progress: Tokenizer loaded in ",
+    "worker.system.progress: Engine ready in ",
+    "worker.system.progress: Warm-up phase over in ",
     "worker.main: Serving ",
 )
-START_LINE = re.compile(r"\| (?:worker\.startup|worker\.main): (.*)$", re.M)
+START_LINE = re.compile(r"\| (?:worker\.system\.progress|worker\.main): (.*)$", re.M)
 
 
 class StartBar:

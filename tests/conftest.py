@@ -19,14 +19,14 @@ BLOCK_SIZE = 32
 
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tinymodel import generate_tiny_model
+    from devtools.tinymodel import generate_tiny_model
 
     return generate_tiny_model(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
 def tokenizer(tiny_model: Path):  # type: ignore[no-untyped-def]
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     return ChatTokenizer(str(tiny_model))
 

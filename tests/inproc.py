@@ -14,13 +14,14 @@ from typing import Any, TypeVar
 
 from test_service import FakeEngine, WordRenderer
 
-from worker.config import WorkerConfig
-from worker.intake import Intake
-from worker.redisstore import RedisStreams
-from worker.service import Service
-from worker.store import HistoryStore, open_store
-from worker.topics import Topics
-from worker.transport import InboundMessage, MqttSettings, MqttTransport
+from worker.config.models import WorkerConfig
+from worker.core.service import Service
+from worker.intake.group import Intake
+from worker.intake.streams import RedisStreams
+from worker.protocol.topics import Topics
+from worker.store import open_store
+from worker.store.port import HistoryStore
+from worker.transport.mqtt import InboundMessage, MqttSettings, MqttTransport
 
 T = TypeVar("T")
 _ids = itertools.count()

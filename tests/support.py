@@ -22,7 +22,7 @@ from typing import Any, Literal
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
-from worker.transport import set_tcp_nodelay
+from worker.transport.mqtt import set_tcp_nodelay
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -22,7 +22,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from support import REPO, Mosquitto, Received, password_file
 from test_service import mentions
 
-from worker.transport import MqttSettings
+from worker.transport.mqtt import MqttSettings
 
 PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret"}
 PRESENCE = "chat/_worker/gpu-1/status"

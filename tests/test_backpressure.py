@@ -21,7 +21,7 @@ from paho.mqtt.properties import Properties
 from support import Client, Mosquitto
 from test_service import mentions
 
-from worker.config import LimitsConfig
+from worker.config.models import LimitsConfig
 
 
 @pytest.fixture

@@ -13,9 +13,9 @@ from inproc import LiveWorker
 from support import Client, Mosquitto
 from test_service import Harness
 
-import worker.transport
-from worker.engine import EngineInfo
-from worker.messages import log_ref
+import worker.transport.mqtt
+from worker.engine.port import EngineInfo
+from worker.protocol.messages import log_ref
 
 PAYLOAD_LIMIT = 120_000
 
@@ -184,14 +184,14 @@ def test_an_exception_in_the_message_callback_does_not_stop_the_network_loop(
     # only slot and the broker would send nothing more.
     live = LiveWorker(broker.port, limits={"max_pending_requests": 1}, generation={"max_tokens": 2})
     client = Client(broker.port, [f"{live.prefix}/+/+/reply"])
-    real = worker.transport.InboundMessage
+    real = worker.transport.mqtt.InboundMessage
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("payload") == b'"boom"':
             raise RuntimeError("a bug in the callback")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker.transport, "InboundMessage", failing)
+    monkeypatch.setattr(worker.transport.mqtt, "InboundMessage", failing)
     try:
         client.publish(live.topic("eve", "s1"), "boom")
         client.publish(live.topic("eve", "s1"), {"message": "still there?", "requestId": "r1"})
@@ -236,14 +236,14 @@ def test_a_message_whose_properties_cannot_be_read_is_still_answered(
 
     live = LiveWorker(broker.port, generation={"max_tokens": 2})
     client = Client(broker.port, [f"{live.prefix}/+/+/reply"])
-    real = worker.transport.InboundMessage
+    real = worker.transport.mqtt.InboundMessage
 
     def failing(*args: Any, **kwargs: Any) -> Any:
         if kwargs.get("response_topic") is not None:
             raise RuntimeError("a bug reading the properties")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(worker.transport, "InboundMessage", failing)
+    monkeypatch.setattr(worker.transport.mqtt, "InboundMessage", failing)
     try:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.ResponseTopic = live.topic("eve", "s2", "reply")

@@ -11,7 +11,7 @@ import pytest
 from bench.common import Record
 from bench.multigpu import turns_without_history, worker_commands
 from bench.profiles import PROFILES
-from worker.cli import load_config
+from worker.config.loader import load_config
 
 
 def flags(args: list[str], name: str) -> str:

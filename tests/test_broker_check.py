@@ -21,8 +21,8 @@ from loguru import logger
 from pki import Pki, make_pki, tls_listener
 from support import Mosquitto, NotifyListener, WorkerProcess, free_port, password_file
 
-from worker.config import nvidia_gpu_present
-from worker.transport import BrokerUnavailable, MqttSettings, MqttTransport, check_broker
+from worker.config.models import nvidia_gpu_present
+from worker.transport.mqtt import BrokerUnavailable, MqttSettings, MqttTransport, check_broker
 
 
 @pytest.fixture

@@ -31,7 +31,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from support import Mosquitto
 
-from worker.messages import log_ref
+from worker.protocol.messages import log_ref
 
 LONG = 250  # tokens: ~2.5 s with the fake engine
 SHORT = 5

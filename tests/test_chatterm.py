@@ -8,8 +8,8 @@ import io
 import time
 from typing import Any
 
-from worker.chatterm import REPLY, Pending, Terminal, printable
-from worker.messages import ChatReply, Latency, Usage
+from worker.chat.terminal import REPLY, Pending, Terminal, printable
+from worker.protocol.messages import ChatReply, Latency, Usage
 
 
 def terminal(**flags: Any) -> tuple[Terminal, io.StringIO]:

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.cli import ConfigError, example_config, load_config
-from worker.config import WorkerConfig, default_worker_id, env_for, flag_for, sections
+from worker.config.loader import ConfigError, example_config, load_config
+from worker.config.models import WorkerConfig, default_worker_id, env_for, flag_for, sections
 from worker.main import main
 
 REPO = Path(__file__).resolve().parent.parent
@@ -182,15 +182,15 @@ def test_a_worker_without_a_gpu_is_named_cpu(monkeypatch: pytest.MonkeyPatch) ->
     assert default_worker_id(None, gpu=False).endswith("-cpu")
     assert default_worker_id(None, gpu=True).endswith("-gpuall")
     assert default_worker_id("2", gpu=False).endswith("-gpu2")  # asked for: a warning at start says it is absent
-    monkeypatch.setattr("worker.config.nvidia_gpu_present", lambda: False)
+    monkeypatch.setattr("worker.config.models.nvidia_gpu_present", lambda: False)
     assert WorkerConfig().effective_worker_id.endswith("-cpu")
-    monkeypatch.setattr("worker.config.nvidia_gpu_present", lambda: True)
+    monkeypatch.setattr("worker.config.models.nvidia_gpu_present", lambda: True)
     assert WorkerConfig().effective_worker_id.endswith("-gpuall")
 
 
 def test_example_config_is_current_and_loads(model_dir: str) -> None:
     text = (REPO / "config.example.toml").read_text()
-    assert text == example_config(), "regenerate: python -m worker.cli --example-config > config.example.toml"
+    assert text == example_config(), "regenerate: python -m worker.config.loader --example-config > config.example.toml"
     for fields in sections().values():
         for key in fields:
             assert re.search(rf"^#? ?{key} =", text, re.M), key
@@ -199,10 +199,12 @@ def test_example_config_is_current_and_loads(model_dir: str) -> None:
 
 
 def test_configuration_reference_is_current() -> None:
-    from worker.cli import reference_markdown
+    from worker.config.loader import reference_markdown
 
     text = (REPO / "docs" / "configuration.md").read_text()
-    assert text == reference_markdown(), "regenerate: python -m worker.cli --reference > docs/configuration.md"
+    assert text == reference_markdown(), (
+        "regenerate: python -m worker.config.loader --reference > docs/configuration.md"
+    )
 
 
 def test_command_line_password_warns(tmp_path: Path, model_dir: str) -> None:

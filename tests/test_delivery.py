@@ -11,8 +11,9 @@ from typing import Any
 
 from test_service import Harness, MemoryTransport
 
-from worker.engine import EngineDead
-from worker.store import MemoryStore, SqliteStore
+from worker.engine.port import EngineDead
+from worker.store.memory import MemoryStore
+from worker.store.sqlite import SqliteStore
 
 REQUEST = {"message": "hello there", "requestId": "r1", "maxTokens": 3}
 TOPIC = "chat/u/s1/request"

@@ -157,8 +157,8 @@ def test_a_publish_the_broker_does_not_take_is_a_typed_failure(tmp_path_factory:
 
     from support import free_port
 
-    from worker.broker import PublishNotSent, PublishRefused
-    from worker.transport import MqttSettings, MqttTransport
+    from worker.transport.mqtt import MqttSettings, MqttTransport
+    from worker.transport.port import PublishNotSent, PublishRefused
 
     workdir = tmp_path_factory.mktemp("acl-broker")
     (workdir / "acl").write_text("topic readwrite allowed/#\n")

@@ -241,18 +241,18 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
     expected = [
         r"\| INFO +\| worker\.main: Worker shared \S+ starting: model \S+, broker 127\.0\.0\.1:\d+, store sqlite$",
         r"\| INFO +\| worker\.main: MQTT broker at 127\.0\.0\.1:\d+ accepted the login$",  # before the load
-        r"\| INFO +\| worker\.startup: Importing vLLM, torch and transformers$",
-        r"worker\.startup: Imported in \d+\.\d s$",
-        r"worker\.startup: Loading the tokenizer: \S+$",
-        r"worker\.startup: Tokenizer loaded in \d+\.\d s$",
-        r"worker\.startup: Starting the engine: vLLM is loading \S+$",
+        r"\| INFO +\| worker\.system\.progress: Importing vLLM, torch and transformers$",
+        r"worker\.system\.progress: Imported in \d+\.\d s$",
+        r"worker\.system\.progress: Loading the tokenizer: \S+$",
+        r"worker\.system\.progress: Tokenizer loaded in \d+\.\d s$",
+        r"worker\.system\.progress: Starting the engine: vLLM is loading \S+$",
         r"\| INFO +\| vllm\.[\w.]+: Loading weights took ",  # from the engine's process
-        r"\| INFO +\| worker\.startup: Engine ready in \d+\.\d s$",
+        r"\| INFO +\| worker\.system\.progress: Engine ready in \d+\.\d s$",
         # The shared worker warms up (--warmup on; auto is off on the CPU backend) before online.
-        r"worker\.startup: Warming the engine up$",
+        r"worker\.system\.progress: Warming the engine up$",
         r"worker\.vllm_engine: Warm-up done in \d+\.\d s: (\d+) of \1 steps, \d+ requests \(default sampling at "
         r"batch 1 to 4; ",
-        r"\| INFO +\| worker\.startup: Warm-up phase over in \d+\.\d s$",
+        r"\| INFO +\| worker\.system\.progress: Warm-up phase over in \d+\.\d s$",
         r"worker\.transport: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
         r"worker\.main: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
         r"worker\.main: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",

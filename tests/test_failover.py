@@ -18,8 +18,8 @@ import pytest
 from conftest import engine_args
 from support import Client, Mosquitto, RedisServer, WorkerProcess
 
-from worker.messages import log_ref
-from worker.tokenizer import ChatTokenizer
+from worker.engine.tokenizer import ChatTokenizer
+from worker.protocol.messages import log_ref
 
 pytestmark = pytest.mark.e2e
 PREFIX = "fleet"

@@ -27,12 +27,13 @@ from typing import Any
 import pytest
 from test_service import Harness, MemoryTransport
 
-import worker.service
-import worker.store
-from worker.broker import InboundMessage, PublishNotSent, PublishRefused
-from worker.engine import EngineError
-from worker.history import SessionHistory
-from worker.store import DATABASE_NAME, SqliteStore, StoreUnavailable
+import worker.core.service
+import worker.store.sqlite
+from worker.core.history import SessionHistory
+from worker.engine.port import EngineError
+from worker.store.port import StoreUnavailable
+from worker.store.sqlite import DATABASE_NAME, SqliteStore
+from worker.transport.port import InboundMessage, PublishNotSent, PublishRefused
 
 TOPIC = "chat/u/s1/request"
 
@@ -173,8 +174,8 @@ class FaultyStore(SqliteStore):
             raise self.fail_counts
         return SqliteStore.count_delivery.__wrapped__(self, *args)  # type: ignore[attr-defined]
 
-    save = worker.store._guarded(_save_or_fail)  # type: ignore[assignment]
-    count_delivery = worker.store._guarded(_count_or_fail)  # type: ignore[assignment]
+    save = worker.store.sqlite._guarded(_save_or_fail)  # type: ignore[assignment]
+    count_delivery = worker.store.sqlite._guarded(_count_or_fail)  # type: ignore[assignment]
 
 
 @pytest.mark.parametrize("code", list(REFUSALS))
@@ -441,7 +442,7 @@ def boom(*args: Any, **kwargs: Any) -> Any:
 
 
 STAGES: dict[str, Callable[[Harness, pytest.MonkeyPatch], None]] = {
-    "parsing": lambda h, mp: mp.setattr(worker.service, "parse_chat_request", boom),
+    "parsing": lambda h, mp: mp.setattr(worker.core.service, "parse_chat_request", boom),
     "admission": lambda h, mp: mp.setattr(h.service, "_admit", boom),
     "counting the delivery": lambda h, mp: mp.setattr(h.service.sessions.store, "count_delivery", boom),
     "rendering the prompt": lambda h, mp: mp.setattr(h.service.turns.renderer, "render", boom),

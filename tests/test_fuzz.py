@@ -21,7 +21,7 @@ from inproc import LiveWorker
 from paho.mqtt.enums import CallbackAPIVersion
 from support import Mosquitto
 
-from worker.messages import ErrorCode
+from worker.protocol.messages import ErrorCode
 
 PAYLOAD_LIMIT = 2048
 CODES = {code.value for code in ErrorCode}

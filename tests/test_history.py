@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.history import (
+from worker.core.history import (
     HistoryLimits,
     ReasoningSplitter,
     SessionHistory,
@@ -15,7 +15,7 @@ from worker.history import (
     history_tokens,
     split_reasoning,
 )
-from worker.messages import RequestError
+from worker.protocol.messages import RequestError
 
 
 def conversation(n: int, words: int = 5) -> SessionHistory:
@@ -290,7 +290,7 @@ def test_every_added_token_written_in_text_is_encoded_as_text(tiny_model: Path, 
     """Each entry of the tokenizer's added vocabulary, written in a message, a past reply or
     the system prompt, adds none of its ids to the prompt: the prompt has exactly the
     control tokens that the same conversation with plain text in its place has."""
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     model = tiny_model if listing == "as saved" else tokenizer_without_special_listing(tiny_model, tmp_path)
     tokenizer = ChatTokenizer(str(model))
@@ -319,7 +319,7 @@ def test_every_added_token_written_in_text_is_encoded_as_text(tiny_model: Path, 
 def test_every_added_token_of_a_real_models_tokenizer_written_in_text_is_encoded_as_text(real_model: Path) -> None:
     """The same with SmolLM2-135M-Instruct's own tokenizer (its ChatML tokens are added
     tokens as the model's authors saved them)."""
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     tokenizer = ChatTokenizer(str(real_model))
     added = tokenizer._tokenizer.get_added_vocab()

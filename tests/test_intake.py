@@ -17,8 +17,9 @@ import pytest
 from inproc import LiveWorker
 from support import Client, Mosquitto, RedisServer
 
-from worker.history import SessionHistory, Turn
-from worker.redisstore import RedisStore, RedisStreams
+from worker.core.history import SessionHistory, Turn
+from worker.intake.streams import RedisStreams
+from worker.store.redis import RedisStore
 
 _groups = itertools.count()
 

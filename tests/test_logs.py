@@ -15,7 +15,7 @@ from support import REPO
 
 SCRIPT = """
 import logging, multiprocessing, sys
-from worker.logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
+from worker.system.logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 
 def child():
     # What vLLM's engine process does first (vllm 0.32; older ones on import): its logging

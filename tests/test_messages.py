@@ -5,8 +5,9 @@ from typing import Any
 
 import pytest
 
-from worker.engine import EngineStats
-from worker.messages import (
+from worker.core.stats import StatsCollector, percentile
+from worker.engine.port import EngineStats
+from worker.protocol.messages import (
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
     ChatReply,
@@ -22,8 +23,7 @@ from worker.messages import (
     parse_control,
     request_key,
 )
-from worker.stats import StatsCollector, percentile
-from worker.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
+from worker.protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 
 
 def test_old_script_payload_is_accepted() -> None:

@@ -20,11 +20,11 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from support import Client, WorkerProcess, free_port
 
-from worker.config import StatsConfig, WorkerConfig
-from worker.engine import EngineInfo, EngineStats
-from worker.messages import ErrorCode, Latency, Usage
-from worker.metrics import OUTCOMES, PREFIX, LiveSources, MetricsEndpoint, WorkerMetrics
-from worker.stats import StatsCollector
+from worker.config.models import StatsConfig, WorkerConfig
+from worker.core.stats import StatsCollector
+from worker.engine.port import EngineInfo, EngineStats
+from worker.protocol.messages import ErrorCode, Latency, Usage
+from worker.system.metrics import OUTCOMES, PREFIX, LiveSources, MetricsEndpoint, WorkerMetrics
 
 
 @dataclass
@@ -153,7 +153,7 @@ def test_observer_and_scrape_time_values() -> None:
 
 
 def test_peek_stats_resets_nothing() -> None:
-    from worker.vllm_engine import VllmEngine
+    from worker.engine.vllm import VllmEngine
 
     sink = EngineStats(running=1, max_running=9, extra={"a": 1.0})
     engine = VllmEngine(None, EngineInfo("vllm", "0", "m", 64, 16, True), [], sink)

@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 from support import REPO, Mosquitto, NotifyListener
 
-from worker.children import PARENT_ENV, die_with_parent, set_parent_death_signal
-from worker.notify import Notifier
-from worker.transport import MqttSettings, MqttTransport
+from worker.system.children import PARENT_ENV, die_with_parent, set_parent_death_signal
+from worker.system.notify import Notifier
+from worker.transport.mqtt import MqttSettings, MqttTransport
 
 
 @pytest.fixture

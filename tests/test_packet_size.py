@@ -15,9 +15,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from support import Client, Mosquitto
 
-from worker.messages import ChatReply, Latency, Usage
-from worker.packets import fit_answer, split_to_fit
-from worker.transport import publish_packet_size
+from worker.protocol.messages import ChatReply, Latency, Usage
+from worker.protocol.packets import fit_answer, split_to_fit
+from worker.transport.mqtt import publish_packet_size
 
 MAX_PACKET = 2048
 # Multi-byte characters (2, 3 and 4 bytes in UTF-8) and characters JSON escapes.

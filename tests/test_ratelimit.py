@@ -6,9 +6,9 @@ from __future__ import annotations
 from inproc import LiveWorker
 from support import Client, Mosquitto
 
-from worker.config import LimitsConfig
-from worker.messages import log_ref
-from worker.ratelimit import RateLimiter
+from worker.config.models import LimitsConfig
+from worker.core.ratelimit import RateLimiter
+from worker.protocol.messages import log_ref
 
 
 class Clock:

@@ -29,7 +29,7 @@ PREFIX = "think"
 
 @pytest.fixture(scope="module")
 def think_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from worker.tinymodel import generate_tiny_model
+    from devtools.tinymodel import generate_tiny_model
 
     return generate_tiny_model(tmp_path_factory.mktemp("think-model"), think=True)
 
@@ -130,7 +130,7 @@ def test_reasoning_only_when_asked_in_reply_and_stream(thinking_worker: WorkerPr
 
 
 def test_the_history_keeps_no_reasoning(thinking_worker: WorkerProcess, client: Client, think_model: Path) -> None:
-    from worker.tokenizer import ChatTokenizer
+    from worker.engine.tokenizer import ChatTokenizer
 
     session = "s-" + uuid.uuid4().hex[:12]
     first_message, second_message = "Plan a trip to the mountains.", "And pack what?"

@@ -13,9 +13,10 @@ from typing import TypeVar
 import pytest
 from support import RedisServer
 
-from worker.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
-from worker.redisstore import RedisStore, RedisStreams
-from worker.store import SessionCache
+from worker.core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from worker.intake.streams import RedisStreams
+from worker.store.cache import SessionCache
+from worker.store.redis import RedisStore
 
 T = TypeVar("T")
 _prefixes = itertools.count()

@@ -31,7 +31,7 @@ import pytest
 from conftest import engine_args
 from support import Client, Mosquitto, NotifyListener, WorkerProcess, free_port
 
-from worker.store import DATABASE_NAME
+from worker.store.sqlite import DATABASE_NAME
 
 pytestmark = pytest.mark.e2e
 KEEPALIVE = 5

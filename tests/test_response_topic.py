@@ -13,8 +13,8 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from support import Client, Mosquitto
 
-from worker.config import WorkerConfig
-from worker.topics import InvalidTopic, SessionAddress, Topics
+from worker.config.models import WorkerConfig
+from worker.protocol.topics import InvalidTopic, SessionAddress, Topics
 
 
 def asking(response_topic: str, correlation: bytes) -> Properties:

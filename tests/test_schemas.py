@@ -16,8 +16,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from worker.engine import EngineStats
-from worker.messages import (
+from worker.core.stats import StatsCollector
+from worker.engine.port import EngineStats
+from worker.protocol.messages import (
     ChatReply,
     ControlReply,
     ErrorBody,
@@ -30,9 +31,8 @@ from worker.messages import (
     parse_chat_request,
     parse_control,
 )
-from worker.schemas import PAYLOADS, SUFFIX, main, rendered, schema_for
-from worker.stats import StatsCollector
-from worker.topics import SessionAddress, Topics
+from worker.protocol.schemas import PAYLOADS, SUFFIX, main, rendered, schema_for
+from worker.protocol.topics import SessionAddress, Topics
 
 REPO = Path(__file__).resolve().parent.parent
 SCHEMAS = REPO / "docs" / "schemas"
@@ -51,7 +51,7 @@ def schema_accepts(name: str, payload: bytes) -> bool:
 
 def test_committed_schemas_are_current() -> None:
     committed = {path.name: path.read_text(encoding="utf-8") for path in SCHEMAS.glob("*" + SUFFIX)}
-    assert committed == rendered(), "regenerate: python -m worker.schemas docs/schemas"
+    assert committed == rendered(), "regenerate: python -m worker.protocol.schemas docs/schemas"
 
 
 def test_command_writes_the_same_files(tmp_path: Path) -> None:

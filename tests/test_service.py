@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from worker.config import WorkerConfig
-from worker.engine import (
+from worker.config.models import WorkerConfig
+from worker.core.history import ChatMessage
+from worker.core.service import Service
+from worker.engine.port import (
     EngineDead,
     EngineError,
     EngineInfo,
@@ -22,11 +24,9 @@ from worker.engine import (
     StructuredOutput,
     StructuredOutputRejected,
 )
-from worker.history import ChatMessage
-from worker.messages import log_ref
-from worker.service import Service
-from worker.store import HistoryStore
-from worker.transport import InboundMessage
+from worker.protocol.messages import log_ref
+from worker.store.port import HistoryStore
+from worker.transport.mqtt import InboundMessage
 
 
 class WordRenderer:

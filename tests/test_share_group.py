@@ -12,7 +12,7 @@ import pytest
 from inproc import LiveWorker
 from support import Client, Mosquitto
 
-from worker.messages import log_ref
+from worker.protocol.messages import log_ref
 
 PREFIX = "grouped"
 

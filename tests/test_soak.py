@@ -25,7 +25,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from support import Mosquitto, WorkerProcess
 
-from worker.store import DATABASE_NAME
+from worker.store.sqlite import DATABASE_NAME
 
 pytestmark = pytest.mark.e2e
 SESSIONS = 50

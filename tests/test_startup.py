@@ -1,4 +1,4 @@
-"""The start phases' progress lines (startup.py): in the log and as systemd's STATUS, with a
+"""The start phases' progress lines (worker/system/progress.py): in the log and as systemd's STATUS, with a
 heartbeat while a phase holds its thread, as vLLM's engine start does. The lines of a real
 worker's start are checked in test_e2e.py (log) and test_reliability.py (STATUS)."""
 
@@ -13,8 +13,8 @@ import pytest
 from loguru import logger
 from support import NotifyListener
 
-from worker.notify import Notifier
-from worker.startup import start_phase
+from worker.system.notify import Notifier
+from worker.system.progress import start_phase
 
 
 @pytest.fixture
@@ -79,22 +79,27 @@ def test_a_quick_phase_has_no_heartbeat(log_lines: list[str]) -> None:
 
 
 def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """The demos' and the benchmark's bar (bench/startbar.py), from the lines startup.py logs."""
+    """The demos' and the benchmark's bar (bench/startbar.py), from the lines worker/system/progress.py logs."""
     from bench.startbar import StartBar
 
     def line(text: str) -> str:
         return f"2026-01-01 00:00:00.000 | INFO    | {text}\n"
 
     log = tmp_path / "worker.log"
-    earlier = "".join(line(f"worker.{t}") for t in ("startup: Imported in 1.0 s", "main: Serving m as w via h:1 (x)"))
+    earlier = "".join(
+        line(f"worker.{t}") for t in ("system.progress: Imported in 1.0 s", "main: Serving m as w via h:1 (x)")
+    )
     log.write_text(earlier)  # a finished start from before: not this one's
     bar = StartBar(log, offset=log.stat().st_size, interactive=False)
     assert bar.poll() is False
     with log.open("a") as fh:
-        fh.write(line("worker.startup: Importing vLLM, torch and transformers"))
-        fh.write(line("worker.startup: Imported in 7.5 s") + line("vllm.config: not a start line"))
-        fh.write(line("worker.startup: Tokenizer loaded in 0.3 s") + line("worker.startup: Engine ready in 20.8 s"))
-        fh.write(line("worker.startup: Warm-up phase over in 4.1 s"))
+        fh.write(line("worker.system.progress: Importing vLLM, torch and transformers"))
+        fh.write(line("worker.system.progress: Imported in 7.5 s") + line("vllm.config: not a start line"))
+        fh.write(
+            line("worker.system.progress: Tokenizer loaded in 0.3 s")
+            + line("worker.system.progress: Engine ready in 20.8 s")
+        )
+        fh.write(line("worker.system.progress: Warm-up phase over in 4.1 s"))
         fh.write("2026-01-01 00:00:00.000 | INFO    | worker.main: Serv")  # a line being written
     assert bar.poll() is False and bar.done == 4
     with log.open("a") as fh:

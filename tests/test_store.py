@@ -11,8 +11,11 @@ from pathlib import Path
 
 import pytest
 
-from worker.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
-from worker.store import DATABASE_NAME, HistoryStore, MemoryStore, SessionCache, SqliteStore, StoreUnavailable
+from worker.core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from worker.store.cache import SessionCache
+from worker.store.memory import MemoryStore
+from worker.store.port import HistoryStore, StoreUnavailable
+from worker.store.sqlite import DATABASE_NAME, SqliteStore
 
 Factory = Callable[[Path], HistoryStore]
 STORES: dict[str, Factory] = {"sqlite": SqliteStore, "memory": lambda _: MemoryStore()}
@@ -23,7 +26,7 @@ def make_store(request: pytest.FixtureRequest) -> Factory:
     """Each store; Redis's (shared by a group's workers) on the tests' redis-server, under a
     key prefix of its own per test."""
     if request.param == "redis":
-        from worker.redisstore import RedisStore
+        from worker.store.redis import RedisStore
 
         server = request.getfixturevalue("redis_server")
         prefix = f"store-test-{next(_prefixes)}"

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from worker import cli
-from worker.cli import load_config
-from worker.config import WorkerConfig
+from worker.config import loader
+from worker.config.loader import load_config
+from worker.config.models import WorkerConfig
 
 SYSTEMD = Path(__file__).resolve().parent.parent / "systemd"
 UNIT = SYSTEMD / "mqtt-vllm-worker.service"
@@ -69,7 +69,7 @@ def test_worker_toml_is_the_one_place_of_the_settings() -> None:
     s = unit_settings(UNIT)
     assert shlex.split(s["ExecStart"][0])[1:] == ["-m", "worker"]
     assert "WORKER_CONFIG=/etc/mqtt-vllm-worker/worker.toml" in s["Environment"]
-    config = WorkerConfig.model_validate(cli.tomllib.loads((SYSTEMD / "worker.toml").read_text()))
+    config = WorkerConfig.model_validate(loader.tomllib.loads((SYSTEMD / "worker.toml").read_text()))
     assert config.engine.model and config.engine.visible_devices == "0" and config.mqtt.username
 
 

@@ -26,7 +26,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from pki import Pki, make_pki, tls_listener
 from support import Client, Mosquitto, free_port, password_file
 
-from worker.transport import MqttSettings, MqttTransport
+from worker.transport.mqtt import MqttSettings, MqttTransport
 
 
 @pytest.fixture(scope="module")

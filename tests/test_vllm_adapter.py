@@ -18,8 +18,8 @@ from vllm.engine.arg_utils import AsyncEngineArgs
 from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
-from worker.config import EngineConfig
-from worker.engine import (
+from worker.config.models import EngineConfig
+from worker.engine.port import (
     EngineError,
     EngineInfo,
     EngineStats,
@@ -29,7 +29,7 @@ from worker.engine import (
     StructuredOutputRejected,
     WarmupPlan,
 )
-from worker.vllm_engine import (
+from worker.engine.vllm import (
     Host,
     VllmEngine,
     _SchedulerStatsRecorder,
@@ -148,7 +148,7 @@ def test_the_host_tier_defaults_to_a_share_of_host_memory_on_gpus_and_off_on_the
 
 
 def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCaptureFixture) -> None:
-    from worker.config import EngineConfig
+    from worker.config.models import EngineConfig
 
     config = EngineConfig(model="m", quantization="fp8", kv_cache_dtype="fp8", kv_offload_gib=12.5)
     args = precision_and_offload_args(config, GPU_HOST)
@@ -169,7 +169,7 @@ def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCa
 def test_the_cpu_backend_leaves_out_what_it_lacks_and_says_so() -> None:
     from loguru import logger
 
-    from worker.config import EngineConfig
+    from worker.config.models import EngineConfig
 
     lines: list[str] = []
     sink = logger.add(lines.append, format="{level} {message}")

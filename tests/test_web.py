@@ -22,7 +22,7 @@ import pytest
 from support import REPO, Client, Mosquitto, WorkerProcess
 from test_acl import PASSWORDS, documented_acl_broker, logged_in_worker
 
-from worker.messages import log_ref
+from worker.protocol.messages import log_ref
 from worker.web import STATIC_DIR, page_url, start
 
 CHROMIUM = "/usr/bin/chromium"

@@ -24,21 +24,21 @@ from typing import TYPE_CHECKING
 from loguru import logger
 
 from . import __version__
-from .children import expect_children
-from .cli import ConfigError, load_config, render_toml
-from .config import WorkerConfig, nvidia_gpu_present
-from .engine import WarmupPlan
-from .logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
-from .notify import Notifier
-from .startup import start_phase
+from .config.loader import ConfigError, load_config, render_toml
+from .config.models import WorkerConfig, nvidia_gpu_present
+from .engine.port import WarmupPlan
+from .system.children import expect_children
+from .system.logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
+from .system.notify import Notifier
+from .system.progress import start_phase
 
 # How often the worker checks that vLLM's engine is alive: a dead engine is noticed within
 # about this long also while no generation runs (a running one notices at once).
 ENGINE_CHECK_INTERVAL = 1.0
 
 if TYPE_CHECKING:
-    from .topics import Topics
-    from .transport import MqttSettings
+    from .protocol.topics import Topics
+    from .transport.mqtt import MqttSettings
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -70,7 +70,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def mqtt_settings(config: WorkerConfig, topics: Topics, worker_id: str) -> MqttSettings:
-    from .transport import MqttSettings
+    from .transport.mqtt import MqttSettings
 
     return MqttSettings(
         host=config.mqtt.host,
@@ -104,7 +104,7 @@ async def broker_accepts(
     saying why not). With ``wait``, a broker that is down or unreachable is tried again with
     the reconnect delays until it answers or ``stop`` is set; a refused login or a TLS error is
     final either way: waiting does not change credentials or certificates."""
-    from .transport import BrokerUnavailable
+    from .transport.mqtt import BrokerUnavailable
 
     where = f"{settings.host}:{settings.port}"
     notifier.status(f"Checking the MQTT broker at {where}")
@@ -189,8 +189,8 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     # The whole configuration is some 80 lines: at DEBUG (--check-config prints it too).
     logger.debug("Configuration:\n{}", render_toml(config.masked(), comments=False).rstrip())
 
-    from .topics import Topics
-    from .transport import check_broker  # paho only: imports in milliseconds
+    from .protocol.topics import Topics
+    from .transport.mqtt import check_broker  # paho only: imports in milliseconds
 
     topics = Topics(config.mqtt.topic_prefix)
     settings = mqtt_settings(config, topics, worker_id)
@@ -204,11 +204,12 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
         return 2
 
     with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
-        from .metrics import LiveSources, MetricsEndpoint
-        from .store import StoreError, open_store
-        from .tokenizer import ChatTokenizer
-        from .transport import MqttTransport
-        from .vllm_engine import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+        from .engine.tokenizer import ChatTokenizer
+        from .engine.vllm import VllmEngine  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+        from .store import open_store
+        from .store.port import StoreError
+        from .system.metrics import LiveSources, MetricsEndpoint
+        from .transport.mqtt import MqttTransport
 
     try:  # before the model load: a port in use fails fast
         metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
@@ -254,12 +255,12 @@ async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[N
     route_library_logging()
     notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
 
-    from .service import Service
+    from .core.service import Service
 
     transport = MqttTransport(settings, loop)
     intake = None
     if config.history.store == "redis":
-        from .intake import Intake
+        from .intake.group import Intake
 
         # One instance per start: a restart is a new one.
         intake = Intake.for_group(config, transport, topics, f"{worker_id}.{secrets.token_hex(4)}", request_stop)

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from .messages import ErrorCode, RequestError
+from ..protocol.messages import ErrorCode, RequestError
 
 ChatMessage = dict[str, str]
 THINK_OPEN = "<think>"

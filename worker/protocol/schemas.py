@@ -1,6 +1,6 @@
 """JSON Schemas (draft 2020-12) of the MQTT contract's payloads, generated from the wire models.
 
-``python -m worker.schemas docs/schemas`` writes one ``<name>.schema.json`` per payload; a test
+``python -m worker.protocol.schemas docs/schemas`` writes one ``<name>.schema.json`` per payload; a test
 fails when the committed files are stale. No I/O at import.
 
 - Inbound payloads (request, control) are validated with ``extra="forbid"``: their schemas say
@@ -24,7 +24,8 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from .config import GenerationConfig, LimitsConfig
+from ..config.models import GenerationConfig, LimitsConfig
+from ..core.stats import StatsReport
 from .messages import (
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
@@ -35,7 +36,6 @@ from .messages import (
     ErrorReply,
     StreamDelta,
 )
-from .stats import StatsReport
 from .topics import WORKER_NAMESPACE, Inbound
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
@@ -225,7 +225,7 @@ def write(directory: Path) -> list[Path]:
 def main(argv: Sequence[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
     if len(args) != 1 or args[0].startswith("-"):
-        print("usage: python -m worker.schemas DIRECTORY   (e.g. docs/schemas)", file=sys.stderr)
+        print("usage: python -m worker.protocol.schemas DIRECTORY   (e.g. docs/schemas)", file=sys.stderr)
         return 2
     for path in write(Path(args[0])):
         print(path)

@@ -15,8 +15,8 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
 
-from .engine import EngineStats
-from .messages import Latency, Usage
+from ..engine.port import EngineStats
+from ..protocol.messages import Latency, Usage
 
 
 def percentile(values: list[float], q: float) -> float:

@@ -14,7 +14,9 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TextIO
 
-from .chatclient import (
+from ..core.stats import StatsReport
+from ..protocol.messages import REASONING_BUDGET, ChatReply
+from .client import (
     Answer,
     ChatClient,
     Connected,
@@ -30,8 +32,6 @@ from .chatclient import (
     Unreadable,
     WorkerStatus,
 )
-from .messages import ChatReply
-from .stats import StatsReport
 
 PROMPT = "you> "
 REPLY = "bot> "
@@ -73,7 +73,6 @@ class Pending:
     thinking: bool = False  # reasoning was shown and the answer has not begun
 
 
-REASONING_BUDGET = "reasoning_budget"  # finishReason: the thinking budget ran out
 # Control characters other than newline and tab, shown as U+FFFD: a model's text may hold any
 # of them (the tiny random model's does), and a terminal acts on some: ESC starts sequences
 # that clear the screen, move the cursor or set the window title; CR overwrites the line.

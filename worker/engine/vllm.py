@@ -29,8 +29,8 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from .config import EngineConfig
-from .engine import (
+from ..config.models import EngineConfig
+from .port import (
     EngineDead,
     EngineError,
     EngineInfo,

@@ -25,10 +25,10 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
-from .messages import ChatReply, ChatRequest, ControlReply, ControlRequest, ErrorReply, StreamDelta
-from .stats import StatsReport
-from .topics import WORKER_NAMESPACE, SessionAddress, Topics
-from .transport import set_tcp_nodelay, use_credentials_and_tls
+from ..core.stats import StatsReport
+from ..protocol.messages import ChatReply, ChatRequest, ControlReply, ControlRequest, ErrorReply, StreamDelta
+from ..protocol.topics import WORKER_NAMESPACE, SessionAddress, Topics
+from ..transport.mqtt import set_tcp_nodelay, use_credentials_and_tls
 
 # How long the broker keeps this client's subscriptions and queued replies while it is
 # disconnected (a dropped connection, a broker restart with persistence): replies published

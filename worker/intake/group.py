@@ -34,10 +34,10 @@ from typing import Protocol
 
 from loguru import logger
 
-from .broker import InboundMessage
-from .broker import Transport as Broker
-from .config import WorkerConfig
-from .topics import InvalidTopic, Topics
+from ..config.models import WorkerConfig
+from ..protocol.topics import InvalidTopic, Topics
+from ..transport.port import InboundMessage
+from ..transport.port import Transport as Broker
 
 READ_BATCH = 64
 READ_BLOCK_MS = 1000
@@ -133,7 +133,7 @@ class Intake:
     ) -> Intake:
         """The intake of a worker instance, on the Redis of ``config`` (redis is imported here
         only: a worker without the Redis store never loads it)."""
-        from .redisstore import RedisStreams
+        from .streams import RedisStreams
 
         redis = config.redis
         streams = RedisStreams(

@@ -26,10 +26,10 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, ProcessColl
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, InfoMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from .config import StatsConfig
-from .engine import EngineStats
-from .messages import ErrorCode, Latency, Usage
-from .stats import StatsCollector
+from ..config.models import StatsConfig
+from ..core.stats import StatsCollector
+from ..engine.port import EngineStats
+from ..protocol.messages import ErrorCode, Latency, Usage
 
 PREFIX = "mqtt_vllm_worker"
 

@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from .broker import InboundMessage, PublishNotSent, PublishRefused
+from .port import InboundMessage, PublishNotSent, PublishRefused
 
 ONLINE = b"online"
 OFFLINE = b"offline"

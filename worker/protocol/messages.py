@@ -114,6 +114,11 @@ class Latency(WireModel):
     total_ms: float  # received -> reply published
 
 
+# finishReason of a reply whose thinking used up its budget (the request's reasoningBudget,
+# else generation.reasoning_budget): the worker stopped the generation there.
+REASONING_BUDGET = "reasoning_budget"
+
+
 class ChatReply(WireModel):
     session_id: str
     request_id: str

@@ -1,11 +1,5 @@
-"""Where sessions live between requests and across restarts: SQLite by default, memory for
-tests and throwaway runs.
-
-What is stored per session: the system prompt and the kept turns (as trimmed), and the
-answers given to its requests by request key, so a redelivered request is answered from here
-and never generates twice. ``reset`` deletes the conversation and the answers' text but keeps
-their keys (tombstones). Per request key, the number of deliveries that did not end in an
-answer: a request that keeps killing the worker is recognised (a poison request).
+"""The default session store: one SQLite file in ``history.state_dir`` (the HistoryStore
+contract, and what is stored: port.py).
 
 SQLite runs in WAL mode with ``synchronous=NORMAL``: a turn is one transaction, and a
 committed transaction survives the worker's crash or SIGKILL (it is in the OS's page cache
@@ -27,18 +21,16 @@ WAL, which still holds the pages as they were before.
 from __future__ import annotations
 
 import functools
-import json
 import sqlite3
 import time
-from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol, TypeVar
+from typing import Any, TypeVar
 
 from loguru import logger
 
-from .config import HistoryConfig, RedisConfig
-from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from ..core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory
+from .port import StoreUnavailable, decode_history, encode_state
 
 DATABASE_NAME = "sessions.sqlite3"
 # How long one statement waits for another connection's lock, and how often it is tried: the
@@ -52,23 +44,6 @@ BUSY_TRIES = 3
 OPEN_LOCKED_TIMEOUT = 60.0
 _CORRUPTION = {11, 26}  # SQLITE_CORRUPT, SQLITE_NOTADB: the only errors that prove a damaged file
 _BUSY = {5, 6}  # SQLITE_BUSY, SQLITE_LOCKED
-
-
-class StoreError(Exception):
-    """A store operation failed. The request it served gets an error answer, never silence."""
-
-
-class StoreUnavailable(StoreError):
-    """The store cannot be used now (locked past the busy timeout, disk full, read-only, I/O
-    error, Redis unreachable). It may recover by itself; the request can be sent again."""
-
-
-class SessionUnreadable(StoreError):
-    """One session's stored state cannot be parsed: that session alone is affected."""
-
-    def __init__(self, session: str, detail: str) -> None:
-        super().__init__(f"the stored state of session {session} cannot be read: {detail}")
-        self.session = session
 
 
 def _sqlite_code(exc: sqlite3.Error) -> int | None:
@@ -137,69 +112,6 @@ CREATE TABLE IF NOT EXISTS deliveries (
     PRIMARY KEY (session, key)
 );
 """
-
-
-def open_store(config: HistoryConfig, redis: RedisConfig, prefix: str) -> HistoryStore:
-    if config.store == "memory":
-        return MemoryStore()
-    if config.store == "redis":
-        from .redisstore import RedisStore  # imports redis, an optional dependency
-
-        logger.info("Sessions are stored in Redis, shared with the worker's group")
-        return RedisStore(redis.url, prefix, config.session_ttl)
-    store = SqliteStore(config.state_dir)
-    logger.info("Sessions are stored in {}", store.path)
-    return store
-
-
-class HistoryStore(Protocol):
-    # Shared by several workers (Redis): another worker may have changed a session since this
-    # one loaded it, so it is loaded again for every request.
-    shared: bool
-
-    def load(self, session: str) -> SessionHistory | None: ...
-
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
-        """The session's state and one answer (payload None: the state only), at once. None,
-        or, from a shared store, the answer another worker stored for key first: then nothing
-        was written, and that answer is the one to give."""
-
-    def reset(self, session: str) -> None: ...
-
-    def count_delivery(self, session: str, key: str) -> int:
-        """Count one more delivery of a request; how many there have been."""
-
-    def uncount_delivery(self, session: str, key: str) -> None:
-        """A delivery that ended without an answer for a reason other than the request (a
-        graceful stop): not held against it."""
-
-    def expire(self, idle_seconds: float) -> list[str]:
-        """Delete sessions idle for longer; their names."""
-
-    def close(self) -> None: ...
-
-
-def _state(history: SessionHistory) -> str:
-    turns = [{"key": t.key, "user": t.user, "assistant": t.assistant} for t in history.turns]
-    return json.dumps({"systemPrompt": history.system_prompt, "turns": turns}, ensure_ascii=False)
-
-
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn]]:
-    """The system prompt and turns of a stored state; SessionUnreadable when it is damaged."""
-    try:
-        data = json.loads(state)
-        turns = [Turn(str(t["key"]), str(t["user"]), str(t["assistant"])) for t in data["turns"]]
-        system_prompt = data["systemPrompt"]
-        if system_prompt is not None and not isinstance(system_prompt, str):
-            raise TypeError("systemPrompt is not a string")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
-        raise SessionUnreadable(session, f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    return system_prompt, turns
-
-
-def _history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    system_prompt, turns = parse_state(session, state)
-    return SessionHistory(system_prompt, turns, OrderedDict(answers))
 
 
 class SqliteStore:
@@ -274,7 +186,7 @@ class SqliteStore:
         ).fetchall()
         if row is None and not answers:
             return None
-        return _history(session, row[0] if row else _state(SessionHistory()), list(reversed(answers)))
+        return decode_history(session, row[0] if row else encode_state(SessionHistory()), list(reversed(answers)))
 
     @_guarded
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
@@ -283,7 +195,7 @@ class SqliteStore:
             self._db.execute(
                 "INSERT INTO sessions (name, state, updated) VALUES (?, ?, ?) "
                 "ON CONFLICT (name) DO UPDATE SET state = excluded.state, updated = excluded.updated",
-                (session, _state(history), now),
+                (session, encode_state(history), now),
             )
             if payload is not None:
                 self._db.execute(
@@ -365,97 +277,3 @@ class _Transaction:
 
     def __exit__(self, exc_type: object, exc: object, tb: object) -> None:
         self._db.execute("COMMIT" if exc_type is None else "ROLLBACK")
-
-
-class MemoryStore:
-    """The same contract in this process's memory: gone when it exits."""
-
-    shared = False
-
-    def __init__(self) -> None:
-        self._sessions: dict[str, tuple[SessionHistory, float]] = {}
-        self._deliveries: dict[tuple[str, str], int] = {}
-
-    def load(self, session: str) -> SessionHistory | None:
-        entry = self._sessions.get(session)
-        return entry[0] if entry else None
-
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
-        self._sessions[session] = (history, time.time())
-        self._deliveries.pop((session, key), None)
-        return None
-
-    def reset(self, session: str) -> None:
-        entry = self._sessions.get(session)
-        if entry:
-            entry[0].reset()  # the same object the cache holds: already reset, kept for clarity
-
-    def count_delivery(self, session: str, key: str) -> int:
-        count = self._deliveries[(session, key)] = self._deliveries.get((session, key), 0) + 1
-        return count
-
-    def uncount_delivery(self, session: str, key: str) -> None:
-        if self._deliveries.get((session, key), 0) > 0:
-            self._deliveries[(session, key)] -= 1
-
-    def expire(self, idle_seconds: float) -> list[str]:
-        cutoff = time.time() - idle_seconds
-        names = [name for name, (_, updated) in self._sessions.items() if updated < cutoff]
-        for name in names:
-            del self._sessions[name]
-        return names
-
-    def close(self) -> None:
-        self._sessions.clear()
-
-
-class SessionCache:
-    """The live sessions in memory, least recently used first, over the store: beyond
-    capacity the oldest is dropped from memory (it stays in the store)."""
-
-    def __init__(self, store: HistoryStore, capacity: int) -> None:
-        self.store = store
-        self.capacity = capacity
-        self._sessions: OrderedDict[str, SessionHistory] = OrderedDict()
-
-    def get(self, name: str) -> SessionHistory:
-        history = self._sessions.get(name)
-        if history is None or self.store.shared:
-            history = self._sessions[name] = self.store.load(name) or SessionHistory()
-        self._sessions.move_to_end(name)
-        self._evict()
-        return history
-
-    def _evict(self) -> None:
-        while len(self._sessions) > self.capacity:
-            self._sessions.popitem(last=False)
-
-    def save(self, name: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
-        """Commit a session's new state with the answer to key: in the store (one
-        transaction) first, then in memory, so a store that fails (StoreError) leaves both as
-        they were. ``history`` is the draft the turn ran on (SessionHistory.draft). None, or
-        the answer another worker stored for key first (HistoryStore.save)."""
-        first = self.store.save(name, history, key, payload)
-        if payload is not None:
-            history.remember_answer(key, first if first is not None else payload)
-        self._sessions[name] = history
-        self._sessions.move_to_end(name)
-        self._evict()
-        return first
-
-    def reset(self, name: str) -> None:
-        """Forget the conversation, in the store first. The stored state is not read: a session
-        whose row is unreadable can be reset."""
-        self.store.reset(name)
-        cached = self._sessions.get(name)
-        if cached is not None:
-            cached.reset()
-
-    def expire(self, idle_seconds: float) -> int:
-        names = self.store.expire(idle_seconds)
-        for name in names:
-            self._sessions.pop(name, None)
-        return len(names)
-
-    def __len__(self) -> int:
-        return len(self._sessions)

@@ -29,7 +29,7 @@ from typing import Any
 
 from loguru import logger
 
-from .history import THINK_OPEN, ChatMessage
+from ..core.history import THINK_OPEN, ChatMessage
 
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 SEGMENT_CACHE_SIZE = 8192

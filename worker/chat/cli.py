@@ -26,8 +26,12 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from . import __version__
-from .chatclient import (
+from .. import __version__
+from ..config.loader import ConfigError, check_connection_files, describe
+from ..config.models import MqttConfig, flag_for, sections
+from ..protocol.messages import REASONING_BUDGET
+from ..protocol.topics import InvalidTopic, SessionAddress
+from .client import (
     Answer,
     ChatClient,
     ClientSettings,
@@ -39,9 +43,7 @@ from .chatclient import (
     Ready,
     Refused,
 )
-from .chatterm import REASONING_BUDGET, Terminal, budget_note, usage_line
-from .config import MqttConfig, flag_for, sections
-from .topics import InvalidTopic, SessionAddress
+from .terminal import Terminal, budget_note, usage_line
 
 EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 ENV_PREFIX = "CHAT_"
@@ -135,25 +137,12 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Clien
             values[key], origin[key] = getattr(args, key), flag
     try:
         config = MqttConfig.model_validate(values)
+        check_connection_files(config, section="")
+        password = config.password_value()
     except ValidationError as exc:
-        problems = []
-        for error in exc.errors():
-            key = str(error["loc"][0]) if error["loc"] else ""
-            where = f" ({origin[key]})" if key in origin else ""
-            problems.append(f"{key or 'connection'}{where}: {error['msg'].removeprefix('Value error, ')}")
-        raise UsageError("; ".join(problems)) from None
-    if config.password is not None and config.password_file is not None:
-        raise UsageError("a password and a password file are both set: keep one")
-    password = config.password.get_secret_value() if config.password else None
-    if config.password_file is not None:
-        try:
-            lines = config.password_file.read_text(encoding="utf-8").splitlines()
-        except OSError as exc:
-            raise UsageError(f"cannot read the password file {config.password_file}: {exc.strerror}") from None
-        password = lines[0] if lines else ""
-    for path in (config.tls_ca_file, config.tls_cert_file, config.tls_key_file):
-        if path is not None and not path.is_file():
-            raise UsageError(f"cannot read {path}")
+        raise UsageError(describe(exc, {(key,): where for key, where in origin.items()})) from None
+    except ConfigError as exc:
+        raise UsageError(str(exc)) from None
     return ClientSettings(
         host=config.host,
         port=config.port,

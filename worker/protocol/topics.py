@@ -17,7 +17,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from .config import TOPIC_PART
+from ..config.models import TOPIC_PART
 
 WORKER_NAMESPACE = "_worker"
 

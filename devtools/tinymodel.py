@@ -36,8 +36,8 @@ and chat template), whose vocab is the trained one extended with synthetic
 letter n-grams (and their merges) to exactly the geometry's ``vocab_size``, so
 every id a dummy-weight model can sample decodes.
 
-Usage: ``python -m worker.tinymodel OUTDIR [--vocab-size N] [--think]``
-or ``python -m worker.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen2.5-7b,qwq-32b} [--think]``.
+Usage: ``python -m devtools.tinymodel OUTDIR [--vocab-size N] [--think]``
+or ``python -m devtools.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen2.5-7b,qwq-32b} [--think]``.
 """
 
 from __future__ import annotations

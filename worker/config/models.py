@@ -133,6 +133,14 @@ class MqttConfig(Section):
             )
         return self
 
+    def password_value(self) -> str | None:
+        """The password from the file (its first line), else the value given directly; OSError
+        when the file cannot be read."""
+        if self.password_file is not None:
+            lines = self.password_file.read_text(encoding="utf-8").splitlines()
+            return lines[0] if lines else ""
+        return self.password.get_secret_value() if self.password else None
+
 
 class EngineConfig(Section):
     model: str | None = opt(None, "Model directory (or hub id) to serve. Required.", flag="--model")
@@ -447,10 +455,7 @@ class WorkerConfig(Section):
 
     def mqtt_password(self) -> str | None:
         """The password from the file, else the value given directly."""
-        if self.mqtt.password_file is not None:
-            lines = self.mqtt.password_file.read_text(encoding="utf-8").splitlines()
-            return lines[0] if lines else ""
-        return self.mqtt.password.get_secret_value() if self.mqtt.password else None
+        return self.mqtt.password_value()
 
     def masked(self) -> dict[str, Any]:
         """The effective config as plain data, secrets replaced by ``***``."""

@@ -1,74 +1,26 @@
-"""Redis adapter: the shared history store, and the durable intake's streams and leases.
+"""The intake's side of Redis: one instance's stream, its heartbeat, routing to session
+owners and taking over the streams of dead instances (the design: group.py).
 
-The only module that imports redis. Two clients over one URL: a synchronous one for the
-history store (the store's contract is synchronous, and a turn makes two or three calls of
-well under a millisecond on a LAN), and an asyncio one for the intake, whose consumer blocks
-on XREADGROUP.
+An asyncio client: the intake's consumer blocks on XREADGROUP. Keys, all under the topic
+prefix P (the store's keys: store/redis.py):
 
-Keys, all under the topic prefix P (workers of one group share it):
-
-P:{<session>}:state      the session's JSON state (as SQLite's sessions.state)
-P:{<session>}:answers    hash: request key -> reply payload ("" is a tombstone after a reset)
-P:{<session>}:order      sorted set: request key by time, to keep the newest 256 answers
-P:{<session>}:deliveries hash: request key -> deliveries without an answer
 P:instances              set of worker instances (one per worker process start)
 P:alive:<instance>       the instance's heartbeat (expires after worker_lease)
 P:stream:<instance>      the instance's intake stream (consumer group "workers")
 P:owner:<session>        the instance that owns the session (expires after owner_lease)
 P:moved:<instance>       where a dead instance's stream went (expires after owner_lease)
 
-A session's keys share a hash tag ({...}), so its save script is valid on a Redis Cluster;
-the intake's scripts name streams of other instances and need one primary (or Sentinel).
-Every multi-key change is one Lua script: atomic, no home-made locking.
+The scripts name streams of other instances and need one primary (or Sentinel). Every
+multi-key change is one Lua script: atomic, no home-made locking.
 """
 
 from __future__ import annotations
 
-import functools
-import json
-import time
-from collections import OrderedDict
-from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any
 
-import redis
 import redis.asyncio as aioredis
 
-from .history import ANSWERED_KEYS_PER_SESSION, SessionHistory
-from .store import StoreUnavailable, parse_state
-
 GROUP = "workers"
-
-# KEYS: state, answers, order, deliveries. ARGV: state json, key, payload ("" none), now,
-# ttl ms (0: none), newest kept. Returns the payload already stored for key by another worker
-# (then nothing is written), else false.
-_SAVE = """
-if ARGV[3] ~= '' then
-  local stored = redis.call('HGET', KEYS[2], ARGV[2])
-  if stored and stored ~= '' then return stored end
-  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
-  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
-  local old = redis.call('ZRANGE', KEYS[3], 0, -tonumber(ARGV[6]) - 1)
-  if #old > 0 then
-    redis.call('ZREM', KEYS[3], unpack(old))
-    redis.call('HDEL', KEYS[2], unpack(old))
-  end
-end
-redis.call('SET', KEYS[1], ARGV[1])
-redis.call('HDEL', KEYS[4], ARGV[2])
-for i = 1, 4 do
-  if ARGV[5] == '0' then redis.call('PERSIST', KEYS[i]) else redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
-end
-return false
-"""
-
-# KEYS: state, answers. Deletes the conversation, blanks the answers' text (tombstones).
-_RESET = """
-redis.call('DEL', KEYS[1])
-local keys = redis.call('HKEYS', KEYS[2])
-for _, key in ipairs(keys) do redis.call('HSET', KEYS[2], key, '') end
-return #keys
-"""
 
 # KEYS: owner key of the session. ARGV: prefix, this instance, owner lease ms, then the
 # entry's fields. The session's owner (following moved: links of dead instances), or this
@@ -132,107 +84,7 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-T = TypeVar("T")
-
-
-def _guarded(method: Callable[..., T]) -> Callable[..., T]:
-    """RedisStore methods: Redis unreachable or failing is StoreUnavailable (store.py)."""
-
-    @functools.wraps(method)
-    def guarded(*args: Any, **kwargs: Any) -> T:
-        try:
-            return method(*args, **kwargs)
-        except redis.RedisError as exc:
-            raise StoreUnavailable(f"the Redis store failed: {exc}") from exc
-
-    return guarded
-
-
 ASYNC_CONNECTIONS = 64  # per worker, for the intake's concurrent operations
-
-
-class RedisStore:
-    """The HistoryStore contract (store.py) on Redis, shared by the workers of a group.
-
-    Sessions expire by Redis's own key expiry (session_ttl after their last save), so
-    expire() has nothing to do. save() of an answer is conditional: the first answer stored
-    for a request key stands, a second one (a worker that was taken for dead but was only
-    slow) is not written, and the stored one is returned for publishing instead."""
-
-    shared = True
-
-    def __init__(self, url: str, prefix: str, session_ttl: float) -> None:
-        self._db = redis.Redis.from_url(url)
-        self._db.ping()  # fail at start, not at the first request
-        self._prefix = prefix
-        self._ttl_ms = int(session_ttl * 1000)
-        self._save = self._db.register_script(_SAVE)
-        self._reset = self._db.register_script(_RESET)
-
-    def _keys(self, session: str) -> list[str]:
-        tag = f"{self._prefix}:{{{session}}}"
-        return [f"{tag}:state", f"{tag}:answers", f"{tag}:order", f"{tag}:deliveries"]
-
-    @_guarded
-    def load(self, session: str) -> SessionHistory | None:
-        state_key, answers_key, order_key, _ = self._keys(session)
-        pipe = self._db.pipeline(transaction=True)
-        pipe.get(state_key)
-        pipe.hgetall(answers_key)
-        pipe.zrange(order_key, 0, -1)
-        state, answers, order = pipe.execute()
-        if state is None and not answers:
-            return None
-        history = SessionHistory()
-        if state is not None:
-            history.system_prompt, history.turns = parse_state(session, state)
-        answered: OrderedDict[str, bytes | None] = OrderedDict()
-        for key in order:
-            payload = answers.get(key)
-            if payload is not None:
-                answered[_text(key)] = payload or None
-        history.answered = answered
-        return history
-
-    @_guarded
-    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
-        turns = [{"key": t.key, "user": t.user, "assistant": t.assistant} for t in history.turns]
-        state = json.dumps({"systemPrompt": history.system_prompt, "turns": turns}, ensure_ascii=False)
-        args: list[str | bytes | int] = [
-            state,
-            key,
-            payload or b"",
-            repr(time.time()),
-            self._ttl_ms,
-            ANSWERED_KEYS_PER_SESSION,
-        ]
-        stored = self._save(keys=self._keys(session), args=args)
-        return bytes(stored) if stored else None
-
-    @_guarded
-    def reset(self, session: str) -> None:
-        self._reset(keys=self._keys(session)[:2])
-
-    @_guarded
-    def count_delivery(self, session: str, key: str) -> int:
-        deliveries = self._keys(session)[3]
-        pipe = self._db.pipeline(transaction=True)
-        pipe.hincrby(deliveries, key, 1)
-        if self._ttl_ms:
-            pipe.pexpire(deliveries, self._ttl_ms)
-        return int(pipe.execute()[0])
-
-    @_guarded
-    def uncount_delivery(self, session: str, key: str) -> None:
-        deliveries = self._keys(session)[3]
-        if int(self._db.hget(deliveries, key) or 0) > 0:
-            self._db.hincrby(deliveries, key, -1)
-
-    def expire(self, idle_seconds: float) -> list[str]:
-        return []  # Redis expires the keys itself (session_ttl, set on every save)
-
-    def close(self) -> None:
-        self._db.close()
 
 
 class RedisStreams:

@@ -22,11 +22,9 @@ from typing import Any
 
 from loguru import logger
 
-from .broker import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
-from .config import WorkerConfig
-from .engine import Engine, EngineDead
-from .history import HistoryLimits, PromptRenderer, SessionHistory
-from .messages import (
+from ..config.models import WorkerConfig
+from ..engine.port import Engine, EngineDead
+from ..protocol.messages import (
     ChatRequest,
     ControlReply,
     ErrorBody,
@@ -40,11 +38,15 @@ from .messages import (
     parse_control,
     request_key,
 )
-from .packets import fit_answer
+from ..protocol.packets import fit_answer
+from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
+from ..store.cache import SessionCache
+from ..store.memory import MemoryStore
+from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
+from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
+from .history import HistoryLimits, PromptRenderer, SessionHistory
 from .ratelimit import RateLimiter
 from .stats import StatsCollector
-from .store import HistoryStore, MemoryStore, SessionCache, SessionUnreadable, StoreError, StoreUnavailable
-from .topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
 
 DISPATCH_TRIES = 60

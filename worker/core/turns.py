@@ -16,9 +16,8 @@ from dataclasses import dataclass, field
 
 from loguru import logger
 
-from .broker import InboundMessage, Publisher
-from .config import GenerationConfig
-from .engine import (
+from ..config.models import GenerationConfig
+from ..engine.port import (
     Engine,
     EngineDead,
     EngineError,
@@ -27,16 +26,8 @@ from .engine import (
     StructuredOutput,
     StructuredOutputRejected,
 )
-from .history import (
-    HistoryLimits,
-    PromptRenderer,
-    ReasoningSplitter,
-    SessionHistory,
-    Turn,
-    build_prompt,
-    split_reasoning,
-)
-from .messages import (
+from ..protocol.messages import (
+    REASONING_BUDGET,
     ChatReply,
     ChatRequest,
     ErrorCode,
@@ -47,9 +38,19 @@ from .messages import (
     Usage,
     log_ref,
 )
-from .packets import split_to_fit
+from ..protocol.packets import split_to_fit
+from ..protocol.topics import SessionAddress, Topics
+from ..transport.port import InboundMessage, Publisher
+from .history import (
+    HistoryLimits,
+    PromptRenderer,
+    ReasoningSplitter,
+    SessionHistory,
+    Turn,
+    build_prompt,
+    split_reasoning,
+)
 from .stats import StatsCollector
-from .topics import SessionAddress, Topics
 
 
 @dataclass
@@ -84,9 +85,6 @@ class Outcome:
     cached_tokens: int = 0
     reasoning: str | None = None  # the think block, when the request asked for it
     reasoning_tokens: int | None = None  # completion tokens spent reasoning (a model that thinks)
-
-
-REASONING_BUDGET = "reasoning_budget"  # finishReason: the thinking budget stopped the generation
 
 
 @dataclass

@@ -1,0 +1,1 @@
+"""Development tools shared by tests/, bench/ and scripts/ (not shipped in the wheel)."""

@@ -1,0 +1,7 @@
+"""The terminal chat client (``mqtt-vllm-chat``, ``python -m worker.chat``): a program of its
+own beside the worker, speaking the worker's protocol (worker/protocol) over MQTT.
+
+- ``cli.py``: options, settings and the program's entry point
+- ``client.py``: the MQTT side (paho): connects, sends, turns what arrives into events
+- ``terminal.py``: the interactive loop: prompt, streaming output, commands
+"""

@@ -1,0 +1,10 @@
+"""The worker's logic, without I/O of its own: it talks to the broker, the engine and the
+store through their ports (transport/port.py, engine/port.py, store/port.py).
+
+- ``service.py``: Service, one request's path from delivery to acknowledgement: dispatch,
+  per-session order, admission, cancel and reset, the answer and the acknowledgement
+- ``turns.py``: TurnRunner, one chat turn: prompt, generation, streaming, the committed reply
+- ``history.py``: SessionHistory, a conversation and its trimming to the context window
+- ``stats.py``: latency and usage statistics, published per worker
+- ``ratelimit.py``: per-session request rate limits
+"""

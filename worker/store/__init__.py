@@ -1,0 +1,30 @@
+"""Where sessions live between requests and across restarts.
+
+- ``port.py``: the HistoryStore contract, its typed faults, the stored state's encoding
+- ``sqlite.py``: the default, one SQLite file in ``history.state_dir``
+- ``memory.py``: this process's memory (tests, throwaway runs)
+- ``redis.py``: Redis, shared by the workers of a share group (imports redis, optional)
+- ``cache.py``: SessionCache, the live sessions in memory over any of them
+"""
+
+from __future__ import annotations
+
+from loguru import logger
+
+from ..config.models import HistoryConfig, RedisConfig
+from .memory import MemoryStore
+from .port import HistoryStore
+from .sqlite import SqliteStore
+
+
+def open_store(config: HistoryConfig, redis: RedisConfig, prefix: str) -> HistoryStore:
+    if config.store == "memory":
+        return MemoryStore()
+    if config.store == "redis":
+        from .redis import RedisStore  # imports redis, an optional dependency
+
+        logger.info("Sessions are stored in Redis, shared with the worker's group")
+        return RedisStore(redis.url, prefix, config.session_ttl)
+    store = SqliteStore(config.state_dir)
+    logger.info("Sessions are stored in {}", store.path)
+    return store

@@ -1,0 +1,50 @@
+"""The HistoryStore contract in this process's memory, for tests and throwaway runs
+(history.store = "memory"): gone when the worker exits."""
+
+from __future__ import annotations
+
+import time
+
+from ..core.history import SessionHistory
+
+
+class MemoryStore:
+    """The same contract in this process's memory: gone when it exits."""
+
+    shared = False
+
+    def __init__(self) -> None:
+        self._sessions: dict[str, tuple[SessionHistory, float]] = {}
+        self._deliveries: dict[tuple[str, str], int] = {}
+
+    def load(self, session: str) -> SessionHistory | None:
+        entry = self._sessions.get(session)
+        return entry[0] if entry else None
+
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
+        self._sessions[session] = (history, time.time())
+        self._deliveries.pop((session, key), None)
+        return None
+
+    def reset(self, session: str) -> None:
+        entry = self._sessions.get(session)
+        if entry:
+            entry[0].reset()  # the same object the cache holds: already reset, kept for clarity
+
+    def count_delivery(self, session: str, key: str) -> int:
+        count = self._deliveries[(session, key)] = self._deliveries.get((session, key), 0) + 1
+        return count
+
+    def uncount_delivery(self, session: str, key: str) -> None:
+        if self._deliveries.get((session, key), 0) > 0:
+            self._deliveries[(session, key)] -= 1
+
+    def expire(self, idle_seconds: float) -> list[str]:
+        cutoff = time.time() - idle_seconds
+        names = [name for name, (_, updated) in self._sessions.items() if updated < cutoff]
+        for name in names:
+            del self._sessions[name]
+        return names
+
+    def close(self) -> None:
+        self._sessions.clear()

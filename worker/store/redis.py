@@ -1,0 +1,163 @@
+"""The shared history store on Redis (history.store = "redis"): the workers of a share group
+see each other's sessions. The intake's streams and leases on the same Redis are in
+intake/streams.py.
+
+A synchronous client: the store's contract is synchronous, and a turn makes two or three calls
+of well under a millisecond on a LAN.
+
+Keys, all under the topic prefix P (workers of one group share it):
+
+P:{<session>}:state      the session's JSON state (as SQLite's sessions.state)
+P:{<session>}:answers    hash: request key -> reply payload ("" is a tombstone after a reset)
+P:{<session>}:order      sorted set: request key by time, to keep the newest 256 answers
+P:{<session>}:deliveries hash: request key -> deliveries without an answer
+
+A session's keys share a hash tag ({...}), so its save script is valid on a Redis Cluster.
+Every multi-key change is one Lua script: atomic, no home-made locking.
+"""
+
+from __future__ import annotations
+
+import functools
+import time
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+
+from ..core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory
+from .port import StoreUnavailable, encode_state, parse_state
+
+# KEYS: state, answers, order, deliveries. ARGV: state json, key, payload ("" none), now,
+# ttl ms (0: none), newest kept. Returns the payload already stored for key by another worker
+# (then nothing is written), else false.
+_SAVE = """
+if ARGV[3] ~= '' then
+  local stored = redis.call('HGET', KEYS[2], ARGV[2])
+  if stored and stored ~= '' then return stored end
+  redis.call('HSET', KEYS[2], ARGV[2], ARGV[3])
+  redis.call('ZADD', KEYS[3], ARGV[4], ARGV[2])
+  local old = redis.call('ZRANGE', KEYS[3], 0, -tonumber(ARGV[6]) - 1)
+  if #old > 0 then
+    redis.call('ZREM', KEYS[3], unpack(old))
+    redis.call('HDEL', KEYS[2], unpack(old))
+  end
+end
+redis.call('SET', KEYS[1], ARGV[1])
+redis.call('HDEL', KEYS[4], ARGV[2])
+for i = 1, 4 do
+  if ARGV[5] == '0' then redis.call('PERSIST', KEYS[i]) else redis.call('PEXPIRE', KEYS[i], ARGV[5]) end
+end
+return false
+"""
+
+# KEYS: state, answers. Deletes the conversation, blanks the answers' text (tombstones).
+_RESET = """
+redis.call('DEL', KEYS[1])
+local keys = redis.call('HKEYS', KEYS[2])
+for _, key in ipairs(keys) do redis.call('HSET', KEYS[2], key, '') end
+return #keys
+"""
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+T = TypeVar("T")
+
+
+def _guarded(method: Callable[..., T]) -> Callable[..., T]:
+    """RedisStore methods: Redis unreachable or failing is StoreUnavailable (store.py)."""
+
+    @functools.wraps(method)
+    def guarded(*args: Any, **kwargs: Any) -> T:
+        try:
+            return method(*args, **kwargs)
+        except redis.RedisError as exc:
+            raise StoreUnavailable(f"the Redis store failed: {exc}") from exc
+
+    return guarded
+
+
+class RedisStore:
+    """The HistoryStore contract (store.py) on Redis, shared by the workers of a group.
+
+    Sessions expire by Redis's own key expiry (session_ttl after their last save), so
+    expire() has nothing to do. save() of an answer is conditional: the first answer stored
+    for a request key stands, a second one (a worker that was taken for dead but was only
+    slow) is not written, and the stored one is returned for publishing instead."""
+
+    shared = True
+
+    def __init__(self, url: str, prefix: str, session_ttl: float) -> None:
+        self._db = redis.Redis.from_url(url)
+        self._db.ping()  # fail at start, not at the first request
+        self._prefix = prefix
+        self._ttl_ms = int(session_ttl * 1000)
+        self._save = self._db.register_script(_SAVE)
+        self._reset = self._db.register_script(_RESET)
+
+    def _keys(self, session: str) -> list[str]:
+        tag = f"{self._prefix}:{{{session}}}"
+        return [f"{tag}:state", f"{tag}:answers", f"{tag}:order", f"{tag}:deliveries"]
+
+    @_guarded
+    def load(self, session: str) -> SessionHistory | None:
+        state_key, answers_key, order_key, _ = self._keys(session)
+        pipe = self._db.pipeline(transaction=True)
+        pipe.get(state_key)
+        pipe.hgetall(answers_key)
+        pipe.zrange(order_key, 0, -1)
+        state, answers, order = pipe.execute()
+        if state is None and not answers:
+            return None
+        history = SessionHistory()
+        if state is not None:
+            history.system_prompt, history.turns = parse_state(session, state)
+        answered: OrderedDict[str, bytes | None] = OrderedDict()
+        for key in order:
+            payload = answers.get(key)
+            if payload is not None:
+                answered[_text(key)] = payload or None
+        history.answered = answered
+        return history
+
+    @_guarded
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
+        args: list[str | bytes | int] = [
+            encode_state(history),
+            key,
+            payload or b"",
+            repr(time.time()),
+            self._ttl_ms,
+            ANSWERED_KEYS_PER_SESSION,
+        ]
+        stored = self._save(keys=self._keys(session), args=args)
+        return bytes(stored) if stored else None
+
+    @_guarded
+    def reset(self, session: str) -> None:
+        self._reset(keys=self._keys(session)[:2])
+
+    @_guarded
+    def count_delivery(self, session: str, key: str) -> int:
+        deliveries = self._keys(session)[3]
+        pipe = self._db.pipeline(transaction=True)
+        pipe.hincrby(deliveries, key, 1)
+        if self._ttl_ms:
+            pipe.pexpire(deliveries, self._ttl_ms)
+        return int(pipe.execute()[0])
+
+    @_guarded
+    def uncount_delivery(self, session: str, key: str) -> None:
+        deliveries = self._keys(session)[3]
+        if int(self._db.hget(deliveries, key) or 0) > 0:
+            self._db.hincrby(deliveries, key, -1)
+
+    def expire(self, idle_seconds: float) -> list[str]:
+        return []  # Redis expires the keys itself (session_ttl, set on every save)
+
+    def close(self) -> None:
+        self._db.close()
