@@ -1,4 +1,4 @@
-"""The Prometheus endpoint (worker/metrics.py).
+"""The Prometheus endpoint (worker/system/metrics.py).
 
 Without an engine: the observer and the scrape-time collector on a private registry, the
 endpoint's HTTP server, and that it is off by default. End to end: the shared worker (real

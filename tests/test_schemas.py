@@ -82,7 +82,7 @@ def test_schema_is_valid_draft_2020_12(payload: Any) -> None:
 
 
 def test_topics_are_the_workers() -> None:
-    """The topics named in the descriptions are those worker/topics.py builds."""
+    """The topics named in the descriptions are those worker/protocol/topics.py builds."""
     topics, address = Topics("chat"), SessionAddress("alice", "s1")
     built = {
         "request": topics.request(address),

@@ -6,7 +6,8 @@ engine, then MQTT for good, so that the retained ``online`` status means the wor
 answer. Stop order (SIGTERM/SIGINT or an injected trigger): stop receiving, let running
 generations finish up to ``drain_timeout``, publish ``offline``, disconnect, and shut the
 engine down. A second signal stops at once. Under systemd (``Type=notify``) each
-step is reported (notify.py), and the engine's processes die with the worker (children.py).
+step is reported (system/notify.py), and the engine's processes die with the worker
+(system/children.py).
 """
 
 from __future__ import annotations

@@ -1,5 +1,6 @@
-"""The terminal chat client (``mqtt-vllm-chat``, ``python -m worker.chat``): a program of its
-own beside the worker, speaking the worker's protocol (worker/protocol) over MQTT.
+"""The terminal chat client (``mqtt-vllm-chat``, ``python -m worker.chat``), a program of its own.
+
+It speaks the worker's protocol (worker/protocol) over MQTT.
 
 - ``cli.py``: options, settings and the program's entry point
 - ``client.py``: the MQTT side (paho): connects, sends, turns what arrives into events

@@ -25,8 +25,15 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from pydantic import BaseModel, ValidationError
 
-from ..core.stats import StatsReport
-from ..protocol.messages import ChatReply, ChatRequest, ControlReply, ControlRequest, ErrorReply, StreamDelta
+from ..protocol.messages import (
+    ChatReply,
+    ChatRequest,
+    ControlReply,
+    ControlRequest,
+    ErrorReply,
+    StatsReport,
+    StreamDelta,
+)
 from ..protocol.topics import WORKER_NAMESPACE, SessionAddress, Topics
 from ..transport.mqtt import set_tcp_nodelay, use_credentials_and_tls
 

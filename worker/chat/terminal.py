@@ -1,6 +1,8 @@
-"""The interactive terminal of the chat client: one loop on the main thread over the client's
-event queue, fed by paho's thread (replies, deltas, connection changes), a thread reading
-typed lines, and the SIGINT handler (Ctrl-C cancels the running reply)."""
+"""The chat client's interactive terminal.
+
+One loop on the main thread over the client's event queue, fed by paho's thread (replies,
+deltas, connection changes), a thread reading typed lines, and the SIGINT handler (Ctrl-C
+cancels the running reply)."""
 
 from __future__ import annotations
 
@@ -14,8 +16,7 @@ from dataclasses import dataclass, field
 from types import FrameType
 from typing import TextIO
 
-from ..core.stats import StatsReport
-from ..protocol.messages import REASONING_BUDGET, ChatReply
+from ..protocol.messages import REASONING_BUDGET, ChatReply, StatsReport
 from .client import (
     Answer,
     ChatClient,
@@ -158,7 +159,7 @@ class Terminal:
         while not isinstance(event := self.client.next_event(3600), Ready):
             if isinstance(event, Refused):
                 self.write(f"[{event.reason}]\n")
-                return 3  # as chat.py's EXIT_NO_ANSWER
+                return 3  # as cli.py's EXIT_NO_ANSWER
             if isinstance(event, ConnectFailed) and not self.failing:
                 self.failing = True
                 self.write(f"[cannot reach the broker at {where} ({event.error}); retrying, Ctrl-C to give up]\n")

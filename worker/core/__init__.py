@@ -1,5 +1,7 @@
-"""The worker's logic, without I/O of its own: it talks to the broker, the engine and the
-store through their ports (transport/port.py, engine/port.py, store/port.py).
+"""The worker's logic, without I/O of its own.
+
+It talks to the broker, the engine and the store through their ports (transport/port.py,
+engine/port.py, store/port.py).
 
 - ``service.py``: Service, one request's path from delivery to acknowledgement: dispatch,
   per-session order, admission, cancel and reset, the answer and the acknowledgement

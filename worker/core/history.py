@@ -24,7 +24,7 @@ ANSWERED_KEYS_PER_SESSION = 256
 
 
 class PromptRenderer(Protocol):
-    """The model's chat template and tokenizer (see tokenizer.py)."""
+    """The model's chat template and tokenizer (see engine/tokenizer.py)."""
 
     opens_reasoning: bool  # the generation prompt opens <think> (QwQ-style templates)
 

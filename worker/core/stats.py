@@ -12,11 +12,8 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from pydantic import BaseModel, ConfigDict
-from pydantic.alias_generators import to_camel
-
 from ..engine.port import EngineStats
-from ..protocol.messages import Latency, Usage
+from ..protocol.messages import Latency, StatsReport, Usage
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -28,69 +25,9 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[rank - 1]
 
 
-class StatsReport(BaseModel):
-    """The stats message (camelCase JSON on <prefix>/_worker/<id>/stats)."""
-
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
-
-    worker_id: str
-    timestamp: float
-    uptime_s: float
-    interval_s: float
-    # cumulative since start
-    processed: int
-    errors: int
-    errors_by_code: dict[str, int]
-    cancelled: int
-    invalid_topics: int
-    prompt_tokens_total: int
-    completion_tokens_total: int
-    cached_tokens_total: int
-    # over the last interval
-    requests: int
-    avg_latency_ms: float
-    p50_latency_ms: float
-    p95_latency_ms: float
-    avg_ttft_ms: float
-    p95_ttft_ms: float
-    avg_queue_ms: float
-    gen_tokens_per_s: float
-    # from the engine's scheduler
-    prefix_cache_hit_rate: float  # over the interval, 0..1
-    prefix_cache_hit_rate_total: float  # since start, 0..1
-    kv_cache_usage: float  # 0..1
-    # where the prompt tokens' KV came from over the interval (the engine's prefill counters):
-    gpu_hit_tokens: int  # found in the GPU's prefix cache
-    host_hit_tokens: int  # loaded back from the host-memory tier (kv_offload_gib)
-    computed_prompt_tokens: int  # computed (prefilled)
-    avg_recomputed_tokens_per_turn: float  # a reply's prompt tokens not found cached, averaged
-    kv_offload_gib: float  # size of the host-memory tier; 0: off
-    running: int
-    waiting: int
-    max_running: int  # most requests running at once during the interval
-    # worker
-    sessions: int
-    pending: int
-
-    def to_json(self) -> bytes:
-        return self.model_dump_json(by_alias=True).encode()
-
-    def log_line(self) -> str:
-        return (
-            f"Stats: Processed={self.processed}, Errors={self.errors}, "
-            f"AvgLatency={self.avg_latency_ms / 1000:.2f}s, P95={self.p95_latency_ms / 1000:.2f}s, "
-            f"TTFT={self.avg_ttft_ms / 1000:.3f}s, Gen={self.gen_tokens_per_s:.1f} tok/s, "
-            f"PrefixHit={self.prefix_cache_hit_rate * 100:.1f}%, KV={self.kv_cache_usage * 100:.1f}%, "
-            f"PromptTokens(GPU hit/host hit/computed)={self.gpu_hit_tokens}/{self.host_hit_tokens}/"
-            f"{self.computed_prompt_tokens}, RecomputedPerTurn={self.avg_recomputed_tokens_per_turn:.0f}, "
-            f"Running={self.running}, MaxRunning={self.max_running}, Waiting={self.waiting}, "
-            f"Sessions={self.sessions}, Pending={self.pending}"
-        )
-
-
 class StatsObserver(Protocol):
     """Told of each record as it happens (on the event loop: must not block), e.g. the
-    Prometheus metrics (metrics.py)."""
+    Prometheus metrics (system/metrics.py)."""
 
     def reply(self, usage: Usage, latency: Latency, finish_reason: str | None) -> None: ...
 

@@ -1,6 +1,6 @@
 """The engine interface: what the service needs from an inference engine, in its own types.
 
-The vLLM adapter (vllm_engine.py) implements it; tests may implement it with a fake that
+The vLLM adapter (engine/vllm.py) implements it; tests may implement it with a fake that
 fails on demand. Nothing here imports vLLM.
 """
 

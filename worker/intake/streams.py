@@ -1,5 +1,7 @@
-"""The intake's side of Redis: one instance's stream, its heartbeat, routing to session
-owners and taking over the streams of dead instances (the design: group.py).
+"""The intake's side of Redis (the design: group.py).
+
+One instance's stream, its heartbeat, routing to session owners and taking over the streams of
+dead instances.
 
 An asyncio client: the intake's consumer blocks on XREADGROUP. Keys, all under the topic
 prefix P (the store's keys: store/redis.py):
@@ -89,7 +91,7 @@ ASYNC_CONNECTIONS = 64  # per worker, for the intake's concurrent operations
 
 class RedisStreams:
     """The intake's side of Redis: one instance's stream, its heartbeat, routing to session
-    owners and taking over the streams of dead instances (see intake.py for the design)."""
+    owners and taking over the streams of dead instances (see group.py for the design)."""
 
     def __init__(self, url: str, prefix: str, instance: str, *, worker_lease: float, owner_lease: float) -> None:
         # A blocking pool: a burst of acknowledgements and routes waits for a connection.

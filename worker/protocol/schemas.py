@@ -25,7 +25,6 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
 from ..config.models import GenerationConfig, LimitsConfig
-from ..core.stats import StatsReport
 from .messages import (
     MAX_SCHEMA_DEPTH,
     MAX_SCHEMA_NODES,
@@ -34,6 +33,7 @@ from .messages import (
     ControlReply,
     ControlRequest,
     ErrorReply,
+    StatsReport,
     StreamDelta,
 )
 from .topics import WORKER_NAMESPACE, Inbound
@@ -57,7 +57,7 @@ class Payload:
     name: str  # the file's stem
     title: str
     model: type[BaseModel]
-    topic: str  # the topic layout of worker/topics.py, <prefix> being topic_prefix (default chat)
+    topic: str  # the topic layout of worker/protocol/topics.py, <prefix> being topic_prefix (default chat)
     inbound: bool  # client -> worker (validated), else worker -> client
     about: str  # the topic's delivery and the rules a schema cannot express
 

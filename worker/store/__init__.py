@@ -12,19 +12,23 @@ from __future__ import annotations
 from loguru import logger
 
 from ..config.models import HistoryConfig, RedisConfig
-from .memory import MemoryStore
 from .port import HistoryStore
-from .sqlite import SqliteStore
 
 
 def open_store(config: HistoryConfig, redis: RedisConfig, prefix: str) -> HistoryStore:
+    """The store the configuration names. Each adapter is imported here, when it is chosen: the
+    core imports this package (its port) without SQLite or Redis."""
     if config.store == "memory":
+        from .memory import MemoryStore
+
         return MemoryStore()
     if config.store == "redis":
         from .redis import RedisStore  # imports redis, an optional dependency
 
         logger.info("Sessions are stored in Redis, shared with the worker's group")
         return RedisStore(redis.url, prefix, config.session_ttl)
+    from .sqlite import SqliteStore
+
     store = SqliteStore(config.state_dir)
     logger.info("Sessions are stored in {}", store.path)
     return store

@@ -1,5 +1,6 @@
-"""The live sessions in memory over the store (any HistoryStore): what a turn reads and
-commits to."""
+"""SessionCache: the live sessions in memory, over any HistoryStore.
+
+What a turn reads, and commits its answer to (store first, memory second)."""
 
 from __future__ import annotations
 

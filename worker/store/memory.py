@@ -1,5 +1,6 @@
-"""The HistoryStore contract in this process's memory, for tests and throwaway runs
-(history.store = "memory"): gone when the worker exits."""
+"""The session store in this process's memory (history.store = "memory").
+
+For tests and throwaway runs: the sessions are gone when the worker exits."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
-"""The session store's port: the HistoryStore contract every store keeps, its typed faults
-(docs/reliability.md), and the stored state's JSON encoding, which SQLite and Redis share.
+"""The session store's port: the HistoryStore contract, its typed faults, the stored state.
+
+Every store keeps the contract; the faults are those of docs/reliability.md; SQLite and Redis
+share the stored state's JSON encoding.
 
 What is stored per session: the system prompt and the kept turns (as trimmed), and the
 answers given to its requests by request key, so a redelivered request is answered from here

@@ -1,5 +1,6 @@
-"""The shared history store on Redis (history.store = "redis"): the workers of a share group
-see each other's sessions. The intake's streams and leases on the same Redis are in
+"""The session store on Redis (history.store = "redis"), shared by a group's workers.
+
+The workers of a share group see each other's sessions. The intake's streams and leases on the same Redis are in
 intake/streams.py.
 
 A synchronous client: the store's contract is synchronous, and a turn makes two or three calls
@@ -69,7 +70,7 @@ T = TypeVar("T")
 
 
 def _guarded(method: Callable[..., T]) -> Callable[..., T]:
-    """RedisStore methods: Redis unreachable or failing is StoreUnavailable (store.py)."""
+    """RedisStore methods: Redis unreachable or failing is StoreUnavailable (port.py)."""
 
     @functools.wraps(method)
     def guarded(*args: Any, **kwargs: Any) -> T:
@@ -82,7 +83,7 @@ def _guarded(method: Callable[..., T]) -> Callable[..., T]:
 
 
 class RedisStore:
-    """The HistoryStore contract (store.py) on Redis, shared by the workers of a group.
+    """The HistoryStore contract (port.py) on Redis, shared by the workers of a group.
 
     Sessions expire by Redis's own key expiry (session_ttl after their last save), so
     expire() has nothing to do. save() of an answer is conditional: the first answer stored

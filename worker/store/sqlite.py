@@ -1,5 +1,6 @@
-"""The default session store: one SQLite file in ``history.state_dir`` (the HistoryStore
-contract, and what is stored: port.py).
+"""The default session store: one SQLite file in ``history.state_dir``.
+
+The contract, and what is stored: port.py.
 
 SQLite runs in WAL mode with ``synchronous=NORMAL``: a turn is one transaction, and a
 committed transaction survives the worker's crash or SIGKILL (it is in the OS's page cache

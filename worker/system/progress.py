@@ -1,9 +1,10 @@
-"""The worker's start, told as it goes: the slow phases (the tokenizer, then vLLM's engine:
-weight loading, compilation, CUDA-graph capture, which take from seconds to minutes) are
-logged when they begin and end, with their duration, and while one runs a heartbeat line
-says it is still running and for how long; under systemd each is also a ``STATUS=`` line
-(``systemctl status`` shows it). vLLM's own INFO lines about the load and the capture come in
-between (logs.py routes them).
+"""The worker's start phases, told as they go, with a heartbeat while one runs.
+
+The slow phases (the tokenizer, then vLLM's engine: weight loading, compilation, CUDA-graph
+capture, which take from seconds to minutes) are logged when they begin and end, with their
+duration, and while one runs a heartbeat line says it is still running and for how long; under
+systemd each is also a ``STATUS=`` line (``systemctl status`` shows it). vLLM's own INFO lines
+about the load and the capture come in between (logs.py routes them).
 
 Why the heartbeat runs on a thread and not on the event loop: vLLM's engine start holds the
 event loop (it waits for its engine process in a blocking poll) and must run on the main

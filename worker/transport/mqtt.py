@@ -1,5 +1,4 @@
-"""MQTT transport on paho-mqtt 2.x (MQTT v5), handing messages to one asyncio loop: the
-broker port of broker.py.
+"""The MQTT transport on paho-mqtt 2.x (MQTT v5): the broker port (port.py) of the worker.
 
 paho runs its own network thread. Its callbacks do no work: they put what arrived on the
 event loop's queue with ``call_soon_threadsafe`` and return; anything they raise is logged

@@ -1,8 +1,8 @@
 """What the service needs of the broker: inbound messages, publishing, acknowledging.
 
 The one declaration of the transport port, with no paho in it: the MQTT adapter
-(transport.py), the Redis intake (intake.py) and the tests' fakes implement it, and the
-core (service.py, turns.py) depends on nothing else of MQTT.
+(mqtt.py), the Redis intake (intake/group.py) and the tests' fakes implement it, and the
+core (core/service.py, core/turns.py) depends on nothing else of MQTT.
 
 A publish is a future that completes when the broker has taken the message. When it was not
 taken, the future fails with a typed error, never a silent success: the service acknowledges a
@@ -34,7 +34,7 @@ class InboundMessage:
     # Which broker session delivered it (see MqttTransport._session): packet ids are only
     # meaningful within one.
     session: int = 0
-    # The Redis stream entry it was read from (intake.py): acknowledged there, not to the broker.
+    # The Redis stream entry it was read from (intake/group.py): acknowledged there, not to the broker.
     entry: str | None = None
     # MQTT's DUP flag: the broker delivers this message again (same packet id) because an
     # earlier delivery was not acknowledged. A message sent anew by a client has it clear,

@@ -5,7 +5,7 @@
 
 (() => {
   const $ = (id) => document.getElementById(id);
-  // A topic part, as the worker checks it (worker/topics.py).
+  // A topic part, as the worker checks it (worker/protocol/topics.py).
   const PART = /^[A-Za-z0-9._:-]{1,128}$/;
   const PREFIX = /^[A-Za-z0-9._:-]{1,128}(\/[A-Za-z0-9._:-]{1,128})*$/;
   // What a user can do about each error code (docs/protocol.md, "Errors").

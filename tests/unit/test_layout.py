@@ -1,0 +1,152 @@
+"""The layout's rules (docs/architecture.md), checked on the code as it is:
+
+- third-party I/O (vLLM, torch, transformers, paho, Redis, Prometheus, SQLite, sockets) is
+  imported only in the adapters named below, also inside functions;
+- the core, the wire types, the configuration and the ports import none of it, not even
+  indirectly (checked in a fresh interpreter);
+- the shipped package imports nothing of what the wheel leaves out (devtools, tests, bench);
+- README.md's layout table is the one devtools/layout.py generates from the docstrings.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from devtools import layout
+
+REPO = Path(__file__).resolve().parents[2]
+WORKER = REPO / "worker"
+
+# The libraries that do I/O or carry an engine, and the only modules that may import each.
+ADAPTERS: dict[str, set[str]] = {
+    "vllm": {"worker/engine/vllm.py"},
+    "torch": {"worker/models.py"},
+    "transformers": {"worker/engine/tokenizer.py", "worker/models.py"},
+    "tokenizers": set(),
+    "gguf": set(),
+    "paho": {"worker/transport/mqtt.py", "worker/chat/client.py"},
+    "redis": {"worker/store/redis.py", "worker/intake/streams.py"},
+    "prometheus_client": {"worker/system/metrics.py"},
+    "sqlite3": {"worker/store/sqlite.py"},
+    "ssl": {"worker/transport/mqtt.py"},
+    # models.py: gethostname() for the default worker id, no connection
+    "socket": {
+        "worker/transport/mqtt.py",
+        "worker/system/notify.py",
+        "worker/web/__init__.py",
+        "worker/config/models.py",
+    },
+    "http": {"worker/web/__init__.py"},
+    "urllib": {"worker/web/__init__.py"},
+    "subprocess": {"worker/models.py"},
+    "ctypes": {"worker/system/children.py"},
+}
+# Importable without any of the libraries above: the logic, the wire and the ports.
+PURE = [
+    "worker.core.service",
+    "worker.core.turns",
+    "worker.core.history",
+    "worker.core.stats",
+    "worker.core.ratelimit",
+    "worker.protocol.messages",
+    "worker.protocol.topics",
+    "worker.protocol.packets",
+    "worker.protocol.schemas",
+    "worker.config.models",
+    "worker.config.loader",
+    "worker.engine.port",
+    "worker.transport.port",
+    "worker.store.port",
+    "worker.store.cache",
+    "worker.store.memory",
+    "worker.intake.group",
+]
+# What the pure modules must not load, even indirectly (the standard library's asyncio loads
+# socket and ssl, pydantic loads urllib: those are not checked at run time).
+HEAVY = sorted(set(ADAPTERS) - {"socket", "ssl", "http", "urllib", "subprocess", "ctypes"})
+UNSHIPPED = ("devtools", "tests", "bench")
+
+
+def imports_of(path: Path) -> set[str]:
+    """Top-level names of the absolute imports anywhere in a module (functions included)."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.Import):
+            names |= {alias.name.split(".")[0] for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def worker_modules() -> list[Path]:
+    return sorted(WORKER.rglob("*.py"))
+
+
+def test_io_libraries_are_imported_only_in_their_adapters() -> None:
+    misplaced = {
+        f"{path.relative_to(REPO).as_posix()} imports {library}"
+        for path in worker_modules()
+        for library in imports_of(path) & ADAPTERS.keys()
+        if path.relative_to(REPO).as_posix() not in ADAPTERS[library]
+    }
+    assert not misplaced, f"only the adapters of ADAPTERS may: {sorted(misplaced)}"
+
+
+def test_every_adapter_listed_still_imports_its_library() -> None:
+    """A stale entry would let a new module import the library unseen under an old name."""
+    stale = {
+        f"{adapter} ({library})"
+        for library, adapters in ADAPTERS.items()
+        for adapter in adapters
+        if library not in imports_of(REPO / adapter)
+    }
+    assert not stale
+
+
+def test_the_core_the_wire_and_the_ports_load_without_io_libraries() -> None:
+    """In a fresh interpreter, so that what they import indirectly counts too."""
+    code = (
+        "import importlib, json, sys\n"
+        f"for name in {PURE!r}: importlib.import_module(name)\n"
+        f"print(json.dumps(sorted(m for m in sys.modules if m.split('.')[0] in {HEAVY!r})))"
+    )
+    result = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True)
+    assert json.loads(result.stdout) == []
+
+
+def test_the_shipped_package_imports_nothing_the_wheel_leaves_out() -> None:
+    leaks = {
+        f"{path.relative_to(REPO).as_posix()} imports {name}"
+        for path in worker_modules()
+        for name in imports_of(path) & set(UNSHIPPED)
+    }
+    assert not leaks
+
+
+def test_the_readme_layout_table_is_current() -> None:
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    assert layout.readme_with_table(readme, layout.table()) == readme, "regenerate: python -m devtools.layout --write"
+
+
+def test_the_layout_table_names_every_module_and_package(tmp_path: Path) -> None:
+    """A new module shows up as a row; one without a docstring is refused."""
+    repo = tmp_path / "repo"
+    for package in layout.PACKAGES:
+        (repo / package).mkdir(parents=True)
+        (repo / package / "__init__.py").write_text(f'"""The {package} package. More."""\n')
+    (repo / "worker" / "core").mkdir()
+    (repo / "worker" / "core" / "__init__.py").write_text('"""Core."""\n')
+    (repo / "worker" / "core" / "new.py").write_text('"""A new module: it does X.\n\nDetails."""\n')
+    (repo / "worker" / "__main__.py").write_text("")
+    table = layout.table(repo)
+    assert "| `worker/core/new.py` | A new module: it does X. |" in table
+    assert "| `worker/core/` | Core. |" in table and "__main__" not in table
+    (repo / "worker" / "core" / "bare.py").write_text("x = 1\n")
+    with pytest.raises(ValueError, match="has no docstring"):
+        layout.table(repo)
