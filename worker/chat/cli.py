@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import __version__
-from ..config.loader import ConfigError, check_connection_files, describe
+from ..config.loader import ConfigError, check_connection_files, problems
 from ..config.models import MqttConfig, flag_for, sections
 from ..protocol.messages import REASONING_BUDGET
 from ..protocol.topics import InvalidTopic, SessionAddress
@@ -140,7 +140,14 @@ def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> Clien
         check_connection_files(config, section="")
         password = config.password_value()
     except ValidationError as exc:
-        raise UsageError(describe(exc, {(key,): where for key, where in origin.items()})) from None
+        found = problems(exc, {(key,): where for key, where in origin.items()})
+        raise UsageError(
+            "; ".join(
+                f"{p.name or 'connection'}{f' ({p.source})' if p.source else ''}: "
+                f"{p.message.removeprefix('Value error, ')}"
+                for p in found
+            )
+        ) from None
     except ConfigError as exc:
         raise UsageError(str(exc)) from None
     return ClientSettings(

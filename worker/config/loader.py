@@ -11,6 +11,7 @@ import json
 import os
 import sys
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args, get_origin
 
@@ -144,21 +145,40 @@ def load_config(
     return config, args
 
 
-def describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> str:
-    """Every problem of a validation error on one line, each with where its value came from:
-    origin maps a field's location (section, key) or (key,) to a flag, a variable or the file."""
-    problems = []
+@dataclass(frozen=True)
+class Problem:
+    """One problem of a validation error, with where its value came from."""
+
+    name: str  # the field's dotted location ("mqtt.port"; "port" in a section's own model)
+    source: str | None  # the flag, variable or file that gave the value
+    message: str  # pydantic's message
+    unknown: bool  # a key or section the models do not have (extra="forbid")
+
+
+def problems(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> list[Problem]:
+    """The problems of a validation error; origin maps a field's location, (section, key) or
+    (key,), to where its value came from. The worker and the chat client word them each their
+    own way (describe, worker/chat/cli.py)."""
+    found = []
     for error in exc.errors():
         loc = tuple(str(part) for part in error["loc"])
-        name = ".".join(loc) or "config"
         source = (origin.get(loc[:2]) if len(loc) >= 2 else None) or (origin.get(loc[:1]) if loc else None)
-        where = f" ({source})" if source else ""
-        if error["type"] == "extra_forbidden":
-            kind = "section" if len(loc) == 1 else "key"
-            problems.append(f"unknown {kind} '{name}'{where}")
+        found.append(Problem(".".join(loc), source, error["msg"], error["type"] == "extra_forbidden"))
+    return found
+
+
+def describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> str:
+    """The worker's configuration error: every problem, on one line."""
+    lines = []
+    for problem in problems(exc, origin):
+        name = problem.name or "config"
+        where = f" ({problem.source})" if problem.source else ""
+        if problem.unknown:
+            kind = "section" if "." not in name else "key"
+            lines.append(f"unknown {kind} '{name}'{where}")
         else:
-            problems.append(f"invalid '{name}'{where}: {error['msg']}")
-    return "; ".join(problems)
+            lines.append(f"invalid '{name}'{where}: {problem.message}")
+    return "; ".join(lines)
 
 
 def _check_usable(config: WorkerConfig) -> None:
