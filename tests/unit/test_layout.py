@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -150,3 +151,16 @@ def test_the_layout_table_names_every_module_and_package(tmp_path: Path) -> None
     (repo / "worker" / "core" / "bare.py").write_text("x = 1\n")
     with pytest.raises(ValueError, match="has no docstring"):
         layout.table(repo)
+
+
+def test_the_docs_name_only_files_that_exist() -> None:
+    """A file moved or renamed leaves no stale path in the README or docs/."""
+    pages = [REPO / "README.md", REPO / "bench" / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    path = re.compile(r"(?<![\w/.-])((?:worker|devtools|bench|tests|scripts)/[\w/]*\.(?:py|sh))\b")
+    missing = {
+        f"{page.relative_to(REPO)}: {match}"
+        for page in pages
+        for match in path.findall(page.read_text(encoding="utf-8"))
+        if not (REPO / match).is_file()
+    }
+    assert not missing
