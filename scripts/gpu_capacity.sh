@@ -19,7 +19,7 @@ export TRITON_CACHE_DIR=/root/triton/$profile
 out=/root/bench/$name
 model=/root/models/$geometry
 mkdir -p "$out"
-[ -f "$model/config.json" ] || python3 -m worker.tinymodel "$model" --geometry "$geometry"
+[ -f "$model/config.json" ] || python3 -m devtools.tinymodel "$model" --geometry "$geometry"
 status=0
 python3 -m bench --profile "$profile" --model "$model" --out "$out" --phases "$phase" \
   --mosquitto /root/mosq/bin/mosquitto 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" || status=$?

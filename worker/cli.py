@@ -213,7 +213,7 @@ def model_dir_problem(path: Path, *, weights: bool = True) -> str | None:
     return (
         f"is not a model directory: it lacks {listed}"
         + ". --model takes a directory in the Hugging Face layout, e.g. a downloaded model "
-        "or one made by python -m worker.tinymodel DIR"
+        "or one made by python -m devtools.tinymodel DIR"
     )
 
 
