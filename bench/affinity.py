@@ -31,24 +31,11 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from .common import REPO, make_workload
-from .harness import Broker, free_port
+from .harness import start_broker, start_redis
 
 SESSIONS = 8
 TURNS = 6
 BLOCK = 32
-
-
-class Redis:
-    def __init__(self, workdir: Path) -> None:
-        self.port = free_port()
-        binary = shutil.which("redis-server") or "/usr/bin/redis-server"
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(workdir), "--save", ""]
-        self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        time.sleep(0.5)
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
 
 
 def start_workers(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> list[subprocess.Popen[bytes]]:
@@ -192,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
         model = generate_tiny_model(workdir / "model")
-        broker, redis = Broker(args.mosquitto, workdir), Redis(workdir)
+        broker, redis = start_broker(args.mosquitto, workdir), start_redis(None, workdir)
         try:
             results = [run_mode(mode, model, broker.port, redis.port, workdir) for mode in ("owner", "receiver")]
         finally:

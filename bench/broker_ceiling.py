@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import save
-from .harness import Broker
+from .harness import start_broker
 from .scale import SysCounters, cpu_seconds
 from .simworkers import GROUP, PREFIX
 
@@ -32,7 +32,7 @@ from .simworkers import GROUP, PREFIX
 def measure(mosquitto: str, out: Path, publishers: int, subscribers: int, messages: int) -> dict[str, Any]:
     import psutil
 
-    broker = Broker(mosquitto, out, extra_settings="sys_interval 1\n")
+    broker = start_broker(mosquitto, out, "sys_interval 1\n")
     counters = SysCounters(broker.port)
     port = str(broker.port)
     common = ["-h", "127.0.0.1", "-p", port, "-q", "1", "-V", "mqttv5"]

@@ -100,7 +100,7 @@ def _stats_sources(stats: list[dict[str, Any]]) -> dict[str, int]:
 def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
     from worker.engine.tokenizer import ChatTokenizer
 
-    from .harness import Broker, WorkerRun
+    from .harness import WorkerRun, start_broker
     from .mqtt_driver import MqttDriver
 
     name = "capacity_offload" if offload else "capacity"
@@ -108,7 +108,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
     caches_empty = _cache_dirs()
     tier = ["--kv-offload-gib", str(profile.capacity_offload_gib if offload else 0)]
     args = ["--model", str(model), "--stats-interval", "2", *profile.capacity_worker_args, *tier]
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     log = out / f"worker-{name}.log"
     offset = log.stat().st_size if log.exists() else 0
     worker = WorkerRun(args, broker.port, log)
@@ -224,12 +224,12 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
     defaults otherwise: the whole GPU, no host tier). Dummy weights: speed and memory only."""
     from worker.engine.tokenizer import ChatTokenizer
 
-    from .harness import Broker, WorkerRun, decode_rate
+    from .harness import WorkerRun, decode_rate, start_broker
     from .mqtt_driver import MqttDriver
 
     tokenizer = ChatTokenizer(str(model))
     args = ["--model", str(model), *profile.fp8_worker_args, "--kv-offload-gib", "0"]
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     log = out / "worker-fp8.log"
     offset = log.stat().st_size if log.exists() else 0
     worker = WorkerRun(args, broker.port, log)

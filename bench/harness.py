@@ -25,7 +25,6 @@ import functools
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -34,6 +33,9 @@ from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
+
+from devtools.mosquitto import Mosquitto
+from devtools.redis_server import RedisServer
 
 from .common import REPO, Record, current_commit, load, make_workload, run_metadata, save, summarize
 from .profiles import PROFILES, Profile
@@ -56,37 +58,19 @@ SCHEMA = {
 }
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def start_broker(binary: str, workdir: Path, extra_config: str = "") -> Mosquitto:
+    """The benchmarks' mosquitto, started: the tests' broker without persistence or a log
+    (nothing written to disk while it is measured)."""
+    broker = Mosquitto(workdir, extra_config, binary=binary, persistence=False, log=False)
+    broker.start()
+    return broker
 
 
-class Broker:
-    def __init__(self, binary: str, workdir: Path, extra_settings: str = "") -> None:
-        self.port = free_port()
-        conf = workdir / "mosquitto.conf"
-        # set_tcp_nodelay and max_inflight_messages: see "Broker settings" in docs/protocol.md.
-        settings = "allow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n"
-        conf.write_text(f"listener {self.port} 127.0.0.1\n{settings}{extra_settings}")
-        env = dict(os.environ)
-        lib = Path(binary).resolve().parent.parent / "lib"
-        if lib.is_dir():  # a carried bundle (the GPU machine): its own libraries
-            env["LD_LIBRARY_PATH"] = f"{lib}:{env.get('LD_LIBRARY_PATH', '')}"
-        self.proc = subprocess.Popen(
-            [binary, "-c", str(conf)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        for _ in range(100):
-            try:
-                socket.create_connection(("127.0.0.1", self.port), timeout=0.2).close()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"mosquitto ({binary}) did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
+def start_redis(binary: str | None, workdir: Path) -> RedisServer:
+    """The benchmarks' redis-server (``binary``, or Debian's), started: no persistence, no log."""
+    server = RedisServer(workdir, binary=binary, appendonly=False, log=False)
+    server.start()
+    return server
 
 
 class WorkerRun:
@@ -204,7 +188,7 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
 
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     cache_empty = not any(Path(os.environ["VLLM_CACHE_ROOT"]).glob("*"))
     worker = WorkerRun(
         ["--model", str(model), "--stats-interval", "2", *profile.worker_args], broker.port, out / "worker.log"
@@ -292,7 +276,7 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
 
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     worker = WorkerRun(["--model", str(model), *profile.worker_args], broker.port, out / "worker-structured.log")
     driver = MqttDriver("127.0.0.1", broker.port)
     result: dict[str, Any] = {}
@@ -475,7 +459,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def restart_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
     """A second start on the compile cache the first one filled (as systemd's CacheDirectory keeps it)."""
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     try:
         worker = WorkerRun(["--model", str(model), *profile.worker_args], broker.port, out / "worker-restart.log")
         worker.stop()

@@ -28,7 +28,6 @@ import itertools
 import os
 import shlex
 import shutil
-import subprocess
 import time
 from collections import defaultdict
 from pathlib import Path
@@ -37,7 +36,7 @@ from typing import Any
 from tqdm import tqdm
 
 from .common import REPO, Record, load, run_metadata, save
-from .harness import Broker, WorkerRun, free_port, prepare_model, stamped, timed
+from .harness import WorkerRun, prepare_model, stamped, start_broker, start_redis, timed
 from .profiles import PROFILES, Profile
 
 PHASES = ("single", "dp", "tp")
@@ -101,7 +100,7 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
 
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
-    broker = Broker(mosquitto, out)
+    broker = start_broker(mosquitto, out)
     common = ["--model", str(model), "--stats-interval", "2", *profile.worker_args, *extra]
     workers: dict[str, WorkerRun] = {}
     result: dict[str, Any] = {"phase": phase, "workers": {}}
@@ -229,24 +228,6 @@ def write_report(out: Path) -> dict[str, Any]:
     return result
 
 
-class RedisServer:
-    """A throwaway redis-server for the workers' shared store (no persistence)."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        self.port = free_port()
-        args = [binary, "--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen(
-            [*args, "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
-        )
-        time.sleep(0.5)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server ({binary}) did not start")
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.multigpu", description=__doc__.splitlines()[0])
     parser.add_argument("--profile", choices=sorted(PROFILES), default="smoke")
@@ -276,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         if path.exists():
             print(f"{phase}: done before ({path})")
             continue
-        redis = RedisServer(args.redis_server, out) if args.redis_server else None
+        redis = start_redis(args.redis_server, out) if args.redis_server else None
         extra = shlex.split(args.worker_args.replace("{redis_port}", str(redis.port) if redis else "{redis_port}"))
         started = time.perf_counter()
         try:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from devtools.redis_server import RedisServer
+
 from .common import REPO, percentile, save
 from .simworkers import PREFIX, host_workers
 
@@ -148,45 +150,18 @@ class SysCounters:
         self.client.loop_stop()
 
 
-class RedisServer:
-    """A throwaway redis-server for the workers' shared store, and its command counter."""
-
-    def __init__(self, binary: str, workdir: Path) -> None:
-        from .harness import free_port
-
-        self.port = free_port()
-        args = ["--port", str(self.port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no"]
-        self.proc = subprocess.Popen([binary, *args, "--dir", str(workdir)], stdout=subprocess.DEVNULL)
-        time.sleep(0.5)
-        if self.proc.poll() is not None:
-            raise RuntimeError(f"redis-server ({binary}) did not start")
-
-    def commands(self) -> int:
-        import redis
-
-        client = redis.Redis(port=self.port)
-        try:
-            return int(client.info("stats")["total_commands_processed"])
-        finally:
-            client.close()
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        self.proc.wait(10)
-
-
 def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
-    from .harness import Broker
+    from .harness import start_broker, start_redis
 
     sys_settings = "sys_interval 1\n"
-    broker = Broker(args.mosquitto, out, extra_settings=sys_settings)
+    broker = start_broker(args.mosquitto, out, sys_settings)
     processes = min(args.processes, workers)
     env = {**os.environ, "PYTHONPATH": f"{REPO}:{os.environ.get('PYTHONPATH', '')}"}
     hosts: list[subprocess.Popen[str]] = []
     options = {"reply_tokens": args.reply_tokens, "deltas": args.deltas, "gen_s": args.gen_ms / 1000}
     result: dict[str, Any] = {"workers": workers, "worker_processes": processes, "steps": []}
     counters = SysCounters(broker.port)
-    redis = RedisServer(args.redis_server, out) if args.redis_server else None
+    redis = start_redis(args.redis_server, out) if args.redis_server else None
     if redis is not None:
         options["redis_url"] = f"redis://127.0.0.1:{redis.port}/0"
         result["store"] = "redis"

@@ -1,7 +1,7 @@
 """Simulated workers for the load test (bench/scale.py): the worker's real Service and
 MqttTransport (and with Redis its Intake and RedisStore), each its own MQTT client, client id
 and status topic, all in one share group, with an engine that costs nothing and a
-one-token-per-word renderer.
+one-token-per-word renderer (devtools/fakes.py: ZeroCostEngine, WordRenderer).
 
     python -m bench.scale host PORT FIRST COUNT ENGINE_JSON   # how bench/scale.py starts them
 """
@@ -11,65 +11,10 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 PREFIX = "chat"
 GROUP = "sim"
-
-
-class ZeroCostEngine:
-    """Answers every request at once: ``reply_tokens`` tokens in ``deltas`` updates, spread
-    over ``gen_s`` seconds (0: only yielding to the event loop between updates)."""
-
-    def __init__(self, reply_tokens: int, deltas: int, gen_s: float) -> None:
-        from worker.engine.port import EngineInfo
-
-        self.info = EngineInfo("zero-cost", "0", "zero-cost", max_model_len=1 << 20, block_size=16, prefix_caching=True)
-        self.reply_tokens, self.deltas, self.gen_s = reply_tokens, max(1, deltas), gen_s
-
-    async def generate(self, request: Any) -> AsyncIterator[Any]:
-        from worker.engine.port import GenerationUpdate
-
-        total = min(self.reply_tokens, request.sampling.max_tokens)
-        prompt = len(request.prompt_token_ids)
-        done_tokens = 0
-        for step in range(self.deltas):
-            await asyncio.sleep(self.gen_s / self.deltas)
-            count = total * (step + 1) // self.deltas - done_tokens
-            done_tokens += count
-            last = step + 1 == self.deltas
-            yield GenerationUpdate("w " * count, done_tokens, prompt, 0, last, "length" if last else None)
-
-    async def abort(self, request_id: str) -> None:
-        pass
-
-    def take_stats(self) -> Any:
-        from worker.engine.port import EngineStats
-
-        return EngineStats()
-
-    def is_alive(self) -> bool:
-        return True
-
-    async def shutdown(self) -> None:
-        pass
-
-
-class WordRenderer:
-    """One token per word: the service's bookkeeping without a tokenizer."""
-
-    opens_reasoning = False
-
-    def render(self, messages: Sequence[Any], *, add_generation_prompt: bool) -> list[int]:
-        words = sum(1 + len(m["content"].split()) for m in messages)
-        return [1] * (words + add_generation_prompt)
-
-    def count_text(self, text: str) -> int:
-        return len(text.split())
-
-    async def prepare(self, messages: Sequence[Any]) -> None:
-        pass  # nothing to encode ahead
 
 
 async def host_workers(port: int, first: int, count: int, options: dict[str, Any]) -> None:
@@ -77,6 +22,7 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
     ``options``: the ZeroCostEngine's arguments, and ``redis_url`` for the Redis store and
     intake (each worker its own connections, as worker/server.py sets them up), else an
     in-memory store each."""
+    from devtools.fakes import WordRenderer, ZeroCostEngine
     from worker.config.models import WorkerConfig
     from worker.core.service import Service
     from worker.intake.group import Intake

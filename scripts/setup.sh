@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # Debian packages the tests need: mosquitto (their broker), redis-server (the shared store of
 # a share group), openssl (the TLS tests make certificates), bubblewrap (a worker runs under a
 # read-only root), systemd's systemd-analyze (the unit's exposure is checked), and Chromium
-# with its ChromeDriver (the chat page's browser test, tests/test_web.py, drives it headless
+# with its ChromeDriver (the chat page's browser test, tests/engine/test_web.py, drives it headless
 # with Selenium). The tests fail, never skip, without them.
 packages=""
 { command -v mosquitto >/dev/null || [ -x /usr/sbin/mosquitto ]; } || packages="$packages mosquitto mosquitto-clients"

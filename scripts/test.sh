@@ -6,8 +6,8 @@ cd "$(dirname "$0")/.."
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 echo "==> ruff"
-.venv/bin/ruff check worker tests scripts bench
-.venv/bin/ruff format --check worker tests scripts bench
+.venv/bin/ruff check worker devtools tests scripts bench
+.venv/bin/ruff format --check worker devtools tests scripts bench
 echo "==> mypy"
 .venv/bin/mypy
 # A long step: its output into a file, its phase lines ("worker: 95 s": each phase's

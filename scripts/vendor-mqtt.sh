@@ -3,7 +3,7 @@
 # browser bundle that MQTT.js publishes in its package (dist/mqtt.min.js, with its bundled
 # dependencies' licence comments at its end), unchanged. The chat page loads it from the
 # worker's own static server, never from a CDN. To update: set VERSION, run with --update,
-# check the page (tests/test_web.py), commit the three changed files.
+# check the page (tests/engine/test_web.py), commit the three changed files.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -11,7 +11,7 @@ VERSION=5.16.0
 # npm's integrity of the package tarball (npm view mqtt@$VERSION dist.integrity); npm pack
 # checks the download against it.
 INTEGRITY=sha512-G0VsEtuJz5sJUgZJaaADMVfW7SIFPzkIuHR+d6rk+tBeSwdCfd9BaIRycRfd2AbyFDEmLlFM+SDQeti/+IbOnw==
-# sha256 of dist/mqtt.min.js in that tarball (tests/test_web.py checks the vendored file against it).
+# sha256 of dist/mqtt.min.js in that tarball (tests/engine/test_web.py checks the vendored file against it).
 BUNDLE_SHA256=f3cbeae580d3010048938ee370f2db0c15d16e6f7fc147cb32ae5510e571b387
 
 dest=worker/web/static/vendor

@@ -19,8 +19,9 @@ import tempfile
 import time
 from pathlib import Path
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent / "tests")]
-from support import Client, Mosquitto  # noqa: E402 - the tests' broker and subscriber
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+from devtools.mosquitto import Mosquitto  # noqa: E402 - the tests' broker and subscriber
+from devtools.mqtt_client import Client  # noqa: E402
 
 
 def _string(data: bytes) -> bytes:

@@ -1,0 +1,57 @@
+"""mosquitto with users and the topic ACL of docs/security.md (read from the document, so that
+the recipe is what is tested), and an in-process worker that logs in as the user ``worker``."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from worker.transport.mqtt import MqttSettings
+
+from . import REPO, inproc
+from .inproc import LiveWorker
+from .mosquitto import Mosquitto, password_file
+
+if TYPE_CHECKING:
+    import pytest
+
+PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret"}
+
+
+def documented_acl() -> str:
+    """The ```acl block of docs/security.md's "Topic ACL" section."""
+    text = (REPO / "docs" / "security.md").read_text()
+    section = text.split("## Topic ACL", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```acl\n(.*?)```", section, re.S)
+    assert match, "docs/security.md: no ```acl block in the Topic ACL section"
+    return match.group(1)
+
+
+def documented_acl_broker(tmp_path: Path, *, websockets: bool = False) -> Mosquitto:
+    """mosquitto with PASSWORDS and docs/security.md's ACL (and a WebSockets listener), started."""
+    passwd = password_file(tmp_path / "passwd", PASSWORDS)
+    acl = tmp_path / "acl"
+    acl.write_text(documented_acl())
+    broker = Mosquitto(
+        tmp_path,
+        f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n",
+        keep_root=True,  # mosquitto as root can read the files in pytest's 0700 directories
+        autosave="default",
+        websockets=websockets,
+    )
+    broker.start()
+    return broker
+
+
+def logged_in_worker(port: int, monkeypatch: pytest.MonkeyPatch, **sections: dict[str, Any]) -> LiveWorker:
+    """A LiveWorker on the documented topics (prefix chat, worker id gpu-1) that logs in as
+    the user worker."""
+
+    def with_credentials(**settings: Any) -> MqttSettings:
+        return dataclasses.replace(MqttSettings(**settings), username="worker", password=PASSWORDS["worker"])
+
+    monkeypatch.setattr(inproc, "MqttSettings", with_credentials)
+    mqtt_section = {"topic_prefix": "chat", "worker_id": "gpu-1"} | sections.pop("mqtt", {})
+    return LiveWorker(port, engine=None, mqtt=mqtt_section, **sections)

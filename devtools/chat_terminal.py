@@ -1,0 +1,80 @@
+"""The chat client (``python -m worker.chat``) as its user runs it: interactive, in a
+pseudo-terminal (pexpect), or as a one-shot command."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import pexpect
+
+from . import REPO
+
+USAGE = re.compile(
+    r"\[prompt (\d+) tokens \((\d+) cached\), reply (\d+) tokens, ttft [\d.]+ ms, total [\d.]+ ms, "
+    r"round trip [\d.]+ ms, (\w+)\]"
+)
+PROMPT = "you> "
+REPLY = "bot> "
+
+
+def chat_command(port: int, *args: str) -> list[str]:
+    return [sys.executable, "-m", "worker.chat", "--mqtt-port", str(port), *args]
+
+
+class Chat:
+    """The interactive client in a pseudo-terminal."""
+
+    def __init__(self, port: int, *args: str) -> None:
+        command = chat_command(port, *args)
+        self.child = pexpect.spawn(
+            command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=120
+        )
+        self.child.expect(r"\[connected; ")
+        self.child.expect_exact(PROMPT)
+
+    def send(self, line: str) -> None:
+        self.child.sendline(line)
+
+    def expect(self, pattern: str, timeout: float = 120) -> re.Match[str]:
+        self.child.expect(pattern, timeout=timeout)
+        match = self.child.match
+        assert isinstance(match, re.Match)
+        return match
+
+    def turn(self, message: str) -> tuple[str, re.Match[str]]:
+        """Send a message (with stats on); what the terminal showed as the reply, and the stats."""
+        self.send(message)
+        self.child.expect_exact(REPLY)
+        match = self.expect(USAGE.pattern)
+        shown = str(self.child.before).replace("\r\n", "\n")
+        self.child.expect_exact(PROMPT)
+        return shown, match
+
+    def quit(self) -> int:
+        self.send("/quit")
+        self.child.expect_exact("bye")
+        self.child.expect(pexpect.EOF)
+        self.child.close()
+        return int(self.child.exitstatus or 0)
+
+    def kill(self) -> None:
+        if self.child.isalive():
+            self.child.terminate(force=True)
+
+
+def run_chat(
+    port: int, *args: str, stdin: str | None = None, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        chat_command(port, *args),
+        cwd=REPO,
+        input=stdin,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )

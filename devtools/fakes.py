@@ -1,0 +1,219 @@
+"""Fakes of the worker's ports, for the tests and the benchmarks: engines, a renderer, an
+in-memory transport, and a Service on them (``Harness``). Where no real part can show a
+behaviour: an engine that fails at a chosen request, a transport whose every publish is taken
+at once, an engine that costs nothing under load.
+
+``FakeEngine`` (the tests) records every request and generates one token every 10 ms, so that
+cancels, concurrency and scripted deltas can be observed; ``ZeroCostEngine`` (bench/scale.py's
+simulated workers) records nothing and answers at once, so that a load run measures the
+worker, the broker and the store rather than the fake."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from worker.config.models import WorkerConfig
+from worker.core.history import ChatMessage
+from worker.core.service import Service
+from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from worker.protocol.messages import log_ref
+from worker.store.port import HistoryStore
+from worker.transport.port import InboundMessage
+
+
+class WordRenderer:
+    """One token per word; enough for the service's bookkeeping."""
+
+    opens_reasoning = False
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
+        words = [w for m in messages for w in (m["role"], *m["content"].split())]
+        return [1] * (len(words) + (1 if add_generation_prompt else 0))
+
+    def count_text(self, text: str) -> int:
+        return len(text.split())
+
+    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+        pass
+
+
+def mentions(engine_request_id: str, text: str) -> bool:
+    """Whether an engine request id names this request key (by its log_ref) or topic part."""
+    return text in engine_request_id or log_ref(text) in engine_request_id
+
+
+def names(key: str, request: GenerationRequest) -> bool:
+    """Whether the engine request serves the request with this key (the service puts its
+    log_ref in the engine's request id)."""
+    return log_ref(key) in request.request_id or key in request.request_id
+
+
+class FakeEngine:
+    """Generates ``w0 w1 ...`` up to the request's max_tokens, a token every 10 ms, ending
+    "cancelled" once aborted; raises what ``fail`` names for a request; plays the deltas of
+    ``script`` for the request it names. Records what it started and the most it ran at once."""
+
+    def __init__(self) -> None:
+        self.info = EngineInfo("fake", "0", "fake", max_model_len=4096, block_size=16, prefix_caching=True)
+        self.fail: dict[str, Exception] = {}  # message text -> what generate raises
+        self.running = 0
+        self.most_running = 0
+        self.aborted: set[str] = set()
+        self.started: list[str] = []
+        self.requests: list[GenerationRequest] = []
+        self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
+        self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        self.started.append(request.request_id)
+        self.requests.append(request)
+        for text, exc in self.fail.items():
+            if names(text, request):
+                raise exc
+        for text, deltas in self.script.items():
+            if names(text, request):
+                for i, delta in enumerate(deltas):
+                    if self.before_step:
+                        self.before_step(text, i)
+                    done = i + 1 == len(deltas)
+                    yield GenerationUpdate(
+                        delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None
+                    )
+                return
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            for i in range(request.sampling.max_tokens):
+                await asyncio.sleep(0.01)
+                if request.request_id in self.aborted:
+                    yield GenerationUpdate("", i, len(request.prompt_token_ids), 0, True, "cancelled")
+                    return
+                done = i + 1 == request.sampling.max_tokens
+                yield GenerationUpdate(
+                    f"w{i} ", i + 1, len(request.prompt_token_ids), 0, done, "length" if done else None
+                )
+        finally:
+            self.running -= 1
+
+    async def abort(self, request_id: str) -> None:
+        self.aborted.add(request_id)
+
+    def take_stats(self) -> EngineStats:
+        return EngineStats(max_running=self.most_running)
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        pass
+
+
+class MemoryTransport:
+    """The transport without a broker: every publish is taken at once and recorded; messages
+    are handed in with ``deliver``."""
+
+    def __init__(self) -> None:
+        self.inbox: asyncio.Queue[InboundMessage] = asyncio.Queue()
+        self.published: list[tuple[str, dict[str, Any]]] = []
+        self.acked: list[int] = []
+        self._mid = 0
+
+    def publish(
+        self, topic: str, payload: bytes, *, qos: int = 1, retain: bool = False, correlation_data: bytes | None = None
+    ) -> asyncio.Future[None]:
+        self.published.append((topic, json.loads(payload)))
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        done.set_result(None)  # no broker: taken at once
+        return done
+
+    def ack(self, message: InboundMessage) -> None:
+        self.acked.append(message.mid)
+
+    def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
+        return None  # no broker, no Maximum Packet Size
+
+    def deliver(self, topic: str, payload: Any, mid: int | None = None, *, dup: bool = False) -> int:
+        """Hand in a message as the broker would: a new packet id, unless mid is given (with
+        dup, a redelivery of that message)."""
+        if mid is None:
+            self._mid += 1
+            mid = self._mid
+        data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
+        self.inbox.put_nowait(InboundMessage(topic, data, 1, mid, False, None, None, time.monotonic(), dup=dup))
+        return mid
+
+    def replies(self, session: str) -> list[dict[str, Any]]:
+        return [p for t, p in self.published if t.endswith(f"/{session}/reply")]
+
+
+class Harness:
+    """A Service on the FakeEngine, a WordRenderer and a MemoryTransport; ``limits`` as keyword
+    arguments."""
+
+    def __init__(
+        self,
+        generation: dict[str, Any] | None = None,
+        *,
+        store: HistoryStore | None = None,
+        history: dict[str, Any] | None = None,
+        **limits: Any,
+    ) -> None:
+        config = WorkerConfig.model_validate(
+            {
+                "engine": {"model": "fake"},
+                "limits": limits,
+                "mqtt": {"worker_id": "t"},
+                "generation": generation or {},
+                "history": history or {},
+            }
+        )
+        self.engine = FakeEngine()
+        self.transport = MemoryTransport()
+        self.stop_codes: list[int] = []
+        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store)
+
+    async def run_until(self, condition: Any, timeout: float = 10) -> None:
+        consumer = asyncio.ensure_future(self.service.consume())
+        deadline = time.monotonic() + timeout
+        try:
+            while not condition():
+                assert time.monotonic() < deadline, f"timed out; published: {self.transport.published}"
+                await asyncio.sleep(0.01)
+        finally:
+            consumer.cancel()
+
+
+class ZeroCostEngine:
+    """Answers every request at once: ``reply_tokens`` tokens in ``deltas`` updates, spread
+    over ``gen_s`` seconds (0: only yielding to the event loop between updates)."""
+
+    def __init__(self, reply_tokens: int, deltas: int, gen_s: float) -> None:
+        self.info = EngineInfo("zero-cost", "0", "zero-cost", max_model_len=1 << 20, block_size=16, prefix_caching=True)
+        self.reply_tokens, self.deltas, self.gen_s = reply_tokens, max(1, deltas), gen_s
+
+    async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        total = min(self.reply_tokens, request.sampling.max_tokens)
+        prompt = len(request.prompt_token_ids)
+        done_tokens = 0
+        for step in range(self.deltas):
+            await asyncio.sleep(self.gen_s / self.deltas)
+            count = total * (step + 1) // self.deltas - done_tokens
+            done_tokens += count
+            last = step + 1 == self.deltas
+            yield GenerationUpdate("w " * count, done_tokens, prompt, 0, last, "length" if last else None)
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def take_stats(self) -> EngineStats:
+        return EngineStats()
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        pass

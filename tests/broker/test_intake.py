@@ -1,0 +1,159 @@
+"""The Redis intake of a share group (issue 7, point 2) with in-process workers (the fake
+engine) on the real mosquitto and redis-server: a session's turns, handed round robin to both
+workers by the broker, all run on its owner, one at a time, each with the turns before it; a Redis
+that goes away holds requests unacknowledged in the broker, and they are answered once it is
+back."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.inproc import LiveWorker
+from devtools.mosquitto import Mosquitto
+from devtools.mqtt_client import Client
+from devtools.redis_server import RedisServer
+from worker.core.history import SessionHistory, Turn
+from worker.intake.streams import RedisStreams
+from worker.store.redis import RedisStore
+
+_groups = itertools.count()
+
+
+def member(port: int, prefix: str, name: str, redis_url: str, **redis: Any) -> LiveWorker:
+    return LiveWorker(
+        port,
+        mqtt={"topic_prefix": prefix, "worker_id": name, "share_group": prefix},
+        history={"store": "redis"},
+        redis={"url": redis_url, **redis},
+    )
+
+
+@pytest.fixture
+def prefix() -> str:
+    return f"intake{next(_groups)}"
+
+
+@pytest.fixture
+def frontend(broker: Mosquitto, prefix: str) -> Iterator[Client]:
+    client = Client(broker.port, [f"{prefix}/+/+/reply"])
+    yield client
+    client.close()
+
+
+def prompts_by_session(worker: LiveWorker) -> dict[str, list[int]]:
+    """Per session, the prompt lengths of the turns this worker generated, in order."""
+    out: dict[str, list[int]] = collections.defaultdict(list)
+    for request in worker.engine.requests:
+        user, session, _key, _ = request.request_id.split("/")
+        out[f"{user}/{session}"].append(len(request.prompt_token_ids))
+    return out
+
+
+def test_a_sessions_turns_run_on_its_owner_one_at_a_time(
+    broker: Mosquitto, redis_server: RedisServer, frontend: Client, prefix: str
+) -> None:
+    """Turns sent all at once, handed round robin to both members: each session's turns run
+    on one worker, one after the other, each with every turn before it in its prompt. (Their
+    order is the order the members routed them, which two messages published back to back
+    and handed to two members do not fix: docs/scaling.md.)"""
+    workers = [member(broker.port, prefix, f"{prefix}-{n}", redis_server.url) for n in range(2)]
+    try:
+        sessions, turns = ["ann/one", "bob/two", "cy/three"], 4
+        for turn in range(turns):  # no turn waits for the one before
+            for session in sessions:
+                request = {"message": f"turn {turn} of {session}", "maxTokens": 5, "requestId": f"t{turn}"}
+                frontend.publish(f"{prefix}/{session}/request", request)
+        replies: dict[str, list[str]] = collections.defaultdict(list)
+        for _ in range(turns * len(sessions)):
+            reply = frontend.wait_for(lambda m: m.topic.endswith("/reply")).json()
+            assert "error" not in reply, reply
+            replies[reply["sessionId"]].append(reply["requestId"])
+        with pytest.raises(TimeoutError):  # nothing answered twice
+            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        for session in sessions:
+            assert sorted(replies[session.split("/")[1]]) == [f"t{t}" for t in range(turns)]
+        # The broker handed requests to both (each acknowledged what it received, once in
+        # Redis) ...
+        assert all(w.call(lambda w=w: len(w.transport.acked)) > 0 for w in workers)
+        # ... and each session ran on one worker, every turn on a longer prompt: the turns
+        # before it.
+        generated = [prompts_by_session(w) for w in workers]
+        for session in sessions:
+            (lengths,) = [g[session] for g in generated if session in g]
+            assert len(lengths) == turns and lengths == sorted(set(lengths)), lengths
+    finally:
+        for worker in workers:
+            worker.close()
+
+
+def test_requests_wait_in_the_broker_while_redis_is_away(
+    broker: Mosquitto, frontend: Client, prefix: str, tmp_path: Path
+) -> None:
+    redis = RedisServer(tmp_path)
+    redis.start()
+    worker = member(broker.port, prefix, f"{prefix}-solo", redis.url)
+    try:
+        frontend.publish(f"{prefix}/ann/s/request", {"message": "before", "maxTokens": 3, "requestId": "before"})
+        assert frontend.wait_for(lambda m: m.topic.endswith("/reply")).json()["requestId"] == "before"
+        redis.stop()  # a clean stop: its append-only file has everything
+        frontend.publish(f"{prefix}/ann/s/request", {"message": "during", "maxTokens": 3, "requestId": "during"})
+        with pytest.raises(TimeoutError):
+            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=2)
+        assert worker.call(lambda: len(worker.transport.acked)) == 1  # "during" is not acknowledged
+        redis.start()  # same port, same files
+        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30).json()
+        assert reply["requestId"] == "during" and "error" not in reply, reply
+        with pytest.raises(TimeoutError):
+            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        # It ran with the turn from before the outage (in Redis's file).
+        assert prompts_by_session(worker)["ann/s"][1] > prompts_by_session(worker)["ann/s"][0]
+    finally:
+        worker.close()
+        redis.stop()
+
+
+def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
+    broker: Mosquitto, redis_server: RedisServer, frontend: Client, prefix: str
+) -> None:
+    """A worker whose heartbeat lapsed while it generated (frozen, cut off from Redis): another
+    worker took over its stream and answered the request first. When it finishes, its own
+    answer is not stored and the first one is published instead (a client never gets two
+    different answers), and at its next heartbeat it finds it was taken over and stops."""
+    slow = member(broker.port, prefix, f"{prefix}-slow", redis_server.url, worker_lease=1.5)
+    heir = RedisStreams(redis_server.url, prefix, "heir", worker_lease=30, owner_lease=60)
+    try:
+        instance = slow.intake.streams.instance if slow.intake else ""
+        frontend.publish(f"{prefix}/ann/s/request", {"message": "long", "maxTokens": 300, "requestId": "r"})
+        while not slow.engine.started:
+            time.sleep(0.01)
+        # What the heir does once the slow worker's heartbeat has expired: it takes over the
+        # stream (the request moves to the heir) and answers the request.
+        first = b'{"sessionId": "s", "requestId": "r", "reply": "the heir\'s answer"}'
+
+        async def take_over() -> int:
+            await heir.register()
+            await heir._db.delete(f"{prefix}:alive:{instance}")  # as its expiry would
+            return await heir.take_over(instance)
+
+        assert slow.call(take_over()) == 1
+        RedisStore(redis_server.url, prefix, 3600).save(
+            "ann/s", SessionHistory(None, [Turn("r", "long", "x")]), "r", first
+        )
+        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30)
+        assert reply.payload == first
+        with pytest.raises(TimeoutError):
+            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        deadline = time.monotonic() + 10
+        while slow.stop_codes != [1]:
+            assert time.monotonic() < deadline, slow.stop_codes
+            time.sleep(0.05)
+    finally:
+        slow.call(heir.close())  # on the loop it was used on
+        slow.close()

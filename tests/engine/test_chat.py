@@ -1,0 +1,255 @@
+"""The chat client (``python -m worker.chat``) in a real terminal (pexpect's pseudo-terminal)
+and as a one-shot command, against the real mosquitto and the shared worker on the vLLM CPU
+engine. The tiny random model's text is meaningless: the tests check structure (what was
+sent, what came back, what the terminal shows), never the words or the timing."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import subprocess
+import uuid
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from devtools.chat_terminal import PROMPT, REPLY, USAGE, Chat, run_chat
+from devtools.mosquitto import Mosquitto
+from devtools.mqtt_client import Client, Received
+from devtools.net import free_port
+from devtools.worker_process import BLOCK_SIZE, WorkerProcess
+
+pytestmark = pytest.mark.e2e
+
+
+def new_session() -> str:
+    return "c-" + uuid.uuid4().hex[:12]
+
+
+@pytest.fixture
+def chats() -> Iterator[list[Chat]]:
+    started: list[Chat] = []
+    yield started
+    for chat in started:
+        chat.kill()
+
+
+def observer(port: int, user: str, session: str) -> Client:
+    """A plain MQTT client that sees the session's requests, controls, replies and deltas."""
+    return Client(port, [f"chat/{user}/{session}/#"])
+
+
+def messages(client: Client, user: str, session: str, kind: str) -> list[dict[str, Any]]:
+    """The session's messages of one kind seen so far (waiting briefly for stragglers)."""
+    topic = f"chat/{user}/{session}/{kind}"
+    with contextlib.suppress(TimeoutError):
+        client.wait_topic("\0", timeout=0.5)  # matches nothing: moves what arrived into client.seen
+    found: list[Received] = [m for m in client.seen if m.topic == topic]
+    return [json.loads(m.payload) for m in found]
+
+
+def test_two_turns_stream_and_show_cached_tokens(
+    shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat]
+) -> None:
+    session = new_session()
+    watch = observer(broker.port, "chatter", session)
+    system = "You are a helpful assistant who answers briefly and kindly. " * 4
+    chat = Chat(
+        broker.port, "--user", "chatter", "--session", session, "--show-stats", "--max-tokens", "16",
+        "--system-prompt", system,
+    )  # fmt: skip
+    chats.append(chat)
+    shown1, usage1 = chat.turn("Hello, who are you and what can you do?")
+    shown2, usage2 = chat.turn("Tell me more about the mountains in winter.")
+    prompt1, prompt2 = int(usage1[1]), int(usage2[1])
+    assert prompt2 > prompt1 >= BLOCK_SIZE  # the second turn carries the first
+    assert int(usage2[2]) >= prompt1 // BLOCK_SIZE * BLOCK_SIZE > 0  # the first prompt, from the prefix cache
+    assert chat.quit() == 0
+
+    requests = messages(watch, "chatter", session, "request")
+    replies = messages(watch, "chatter", session, "reply")
+    deltas = messages(watch, "chatter", session, "stream")
+    watch.close()
+    assert [r["stream"] for r in requests] == [True, True]
+    assert [r["systemPrompt"] for r in requests] == [system, system]
+    assert [r["requestId"] for r in replies] == [r["requestId"] for r in requests]
+    for reply, shown, usage in zip(replies, (shown1, shown2), (usage1, usage2), strict=True):
+        assert reply["usage"]["promptTokens"] == int(usage[1]) and reply["finishReason"] == usage[4]
+        streamed = "".join(d["delta"] for d in deltas if d["requestId"] == reply["requestId"])
+        assert streamed and streamed.strip() == reply["reply"].strip()  # streamed, and adds up
+        assert shown.strip() == reply["reply"].strip()  # the terminal shows the reply
+
+
+def test_reset_starts_over(shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat]) -> None:
+    session = new_session()
+    chat = Chat(broker.port, "--user", "chatter", "--session", session, "--show-stats", "--max-tokens", "8")
+    chats.append(chat)
+    _, first = chat.turn("first message of the conversation")
+    _, second = chat.turn("first message of the conversation")
+    assert int(second[1]) > int(first[1])
+    chat.send("/reset")
+    chat.expect(r"\[session reset: history and system prompt cleared\]")
+    chat.child.expect_exact(PROMPT)
+    _, again = chat.turn("first message of the conversation")
+    assert int(again[1]) == int(first[1])  # no history: the same prompt as the first turn
+    assert chat.quit() == 0
+
+
+def test_ctrl_c_and_cancel_stop_a_long_reply(
+    shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat]
+) -> None:
+    session = new_session()
+    watch = observer(broker.port, "canceller", session)
+    chat = Chat(broker.port, "--user", "canceller", "--session", session, "--max-tokens", "1000")
+    chats.append(chat)
+    stream = f"chat/canceller/{session}/stream"
+    done: set[str] = set()
+    for stop in ("ctrl-c", "/cancel"):
+        chat.send("tell me a very long story")
+        chat.child.expect_exact(REPLY)
+        # Generating now: a delta of this request (not a late one of the one cancelled before).
+        watch.wait_for(lambda m: m.topic == stream and m.json()["requestId"] not in done)
+        if stop == "ctrl-c":
+            chat.child.sendintr()
+        else:
+            chat.send("/cancel")
+        chat.expect(r"\[cancelling \(Ctrl-C again to stop waiting\)\]")
+        tokens = int(chat.expect(r"\[cancelled after (\d+) tokens\]")[1])
+        chat.child.expect_exact(PROMPT)
+        reply = watch.wait_topic(f"chat/canceller/{session}/reply").json()
+        assert reply["finishReason"] == "cancelled" and reply["usage"]["completionTokens"] == tokens < 1000
+        done.add(reply["requestId"])
+    controls = messages(watch, "canceller", session, "control")
+    assert [c["action"] for c in controls] == ["cancel", "cancel"]
+    # Still usable: Ctrl-C at the prompt does not quit, commands and turns go on.
+    chat.child.sendintr()
+    chat.expect(r"\[/quit or Ctrl-D to leave\]")
+    chat.send("/verbose on")
+    chat.expect(r"\[stats after each reply: on\]")
+    chat.child.expect_exact(PROMPT)
+    chat.send("/cancel")
+    chat.expect(r"\[nothing to cancel\]")
+    assert chat.quit() == 0
+    watch.close()
+
+
+def test_stats_command_prints_the_workers_stats(
+    shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat]
+) -> None:
+    chat = Chat(broker.port)
+    chats.append(chat)
+    chat.send("/stats")
+    line = chat.expect(r"\[worker shared \(\d+ s ago\): (Processed=\d+, Errors=\d+, [^\]]*)\]")[1]
+    assert "PrefixHit=" in line and "KV=" in line and "PromptTokens=" in line
+    chat.send("/help")
+    chat.expect(r"/reset .*\n.*/cancel")
+    assert chat.quit() == 0
+
+
+def test_one_shot_prints_the_reply_and_exits_0(shared_worker: WorkerProcess, broker: Mosquitto) -> None:
+    session = new_session()
+    watch = observer(broker.port, "scripter", session)
+    first = run_chat(broker.port, "--user", "scripter", "--session", session, "--message", "hi", "--max-tokens", "8")
+    assert first.returncode == 0, first.stderr
+    # The message on stdin, same session, with the numbers on stderr.
+    second = run_chat(
+        broker.port, "--user", "scripter", "--session", session, "--max-tokens", "8", "--show-stats", stdin="again\n"
+    )
+    assert second.returncode == 0, second.stderr
+    requests = messages(watch, "scripter", session, "request")
+    replies = messages(watch, "scripter", session, "reply")
+    watch.close()
+    assert [r["message"] for r in requests] == ["hi", "again"]
+    assert [first.stdout, second.stdout] == [r["reply"] + "\n" for r in replies]
+    usage = USAGE.search(second.stderr)
+    assert usage and int(usage[1]) == replies[1]["usage"]["promptTokens"] > replies[0]["usage"]["promptTokens"]
+
+
+def test_one_shot_error_reply_exits_1(shared_worker: WorkerProcess, broker: Mosquitto) -> None:
+    result = run_chat(broker.port, "--session", new_session(), "--message", "hi", "--max-tokens", "5000")
+    assert result.returncode == 1 and result.stdout == ""
+    assert "error invalid_request: " in result.stderr and "5000" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("args", "problem"),
+    [
+        (["--session", "no spaces please"], "invalid --user or --session"),
+        (["--user", "_worker"], "reserved"),
+        (["--max-tokens", "0"], "invalid request"),
+        (["--topic-prefix", "a/+"], "topic_prefix (--topic-prefix)"),
+        (["--mqtt-tls-cert-file", "/dev/null"], "tls_cert_file and tls_key_file go together"),
+    ],
+)
+def test_one_shot_usage_errors_exit_2(broker: Mosquitto, args: list[str], problem: str) -> None:
+    result = run_chat(broker.port, *args, "--message", "hi", "--timeout", "5")
+    assert result.returncode == 2 and problem in result.stderr, result.stderr
+
+
+def test_one_shot_without_worker_or_broker_exits_3(broker: Mosquitto) -> None:
+    # Nobody serves the prefix "nobody" on this broker.
+    result = run_chat(broker.port, "--topic-prefix", "nobody", "--message", "hi", "--timeout", "2")
+    assert result.returncode == 3 and "no answer within 2 s (no worker online)" in result.stderr
+    result = run_chat(free_port(), "--message", "hi", "--timeout", "2")
+    assert result.returncode == 3 and "no connection to the broker" in result.stderr
+
+
+def test_user_and_credentials_come_from_the_clients_own_settings(tmp_path: Path) -> None:
+    """A broker that checks passwords (and lets anonymous clients in): CHAT_MQTT_* log the
+    client in and name its namespace; the worker's WORKER_MQTT_* are never read."""
+    passwords = tmp_path / "passwd"
+    subprocess.run(["mosquitto_passwd", "-b", "-c", str(passwords), "carl", "s3cret"], check=True)
+    (tmp_path / "carl-password").write_text("s3cret\n")
+    own = Mosquitto(tmp_path, f"password_file {passwords}\n", keep_root=True)  # root reads the file
+    own.start()
+    watch = Client(own.port, ["chat/+/+/request"])
+    base = {k: v for k, v in os.environ.items() if not k.startswith(("CHAT_", "WORKER_"))}
+
+    def namespace_of(env: dict[str, str], *args: str) -> str:
+        """Where a one-shot request went (nobody answers here: it gives up after 2 s)."""
+        result = run_chat(own.port, *args, "--session", "s1", "--message", "hi", "--timeout", "2", env=env)
+        assert result.returncode == 3 and "no answer within 2 s" in result.stderr, result.stderr
+        return watch.wait_for(lambda m: m.topic.endswith("/s1/request"), timeout=10).topic.split("/")[1]
+
+    try:
+        assert namespace_of({**base, "WORKER_MQTT_USERNAME": "carl", "WORKER_MQTT_PASSWORD": "s3cret"}) == "anon"
+        assert namespace_of({**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD": "s3cret"}) == "carl"
+        with_file = {**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD_FILE": str(tmp_path / "carl-password")}
+        assert namespace_of(with_file, "--user", "dora") == "dora"
+        wrong = {**base, "CHAT_MQTT_USERNAME": "carl", "CHAT_MQTT_PASSWORD": "wrong"}
+        refused = run_chat(own.port, "--message", "hi", "--timeout", "5", env=wrong)
+        assert refused.returncode == 3 and "connection refused" in refused.stderr, refused.stderr
+    finally:
+        watch.close()
+        own.stop()
+
+
+def test_reconnects_after_the_broker_restarts(
+    shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat], tmp_path: Path
+) -> None:
+    """A broker of this test's own, bridged to the shared one (where the worker is): the client
+    talks to it, it is restarted, the client reconnects, says so, and the conversation goes on."""
+    bridge = (
+        f"connection to-shared\naddress 127.0.0.1:{broker.port}\ntopic chat/# both 1\n"
+        "cleansession false\nrestart_timeout 1\n"
+    )
+    own = Mosquitto(tmp_path, bridge, keep_root=True)  # keep_root: its persistence file is written
+    own.start()
+    try:
+        session = new_session()
+        chat = Chat(own.port, "--user", "roamer", "--session", session, "--show-stats", "--max-tokens", "8")
+        chats.append(chat)
+        _, before = chat.turn("hello before the restart")
+        own.stop()
+        chat.expect(r"\[connection to the broker lost \(.*\); reconnecting\]")
+        own.restart()
+        chat.expect(r"\[reconnected to the broker \(session resumed\)\]")
+        chat.child.expect_exact(PROMPT)
+        _, after = chat.turn("hello after the restart")
+        assert int(after[1]) > int(before[1])  # the same conversation, one turn longer
+        assert chat.quit() == 0
+    finally:
+        own.stop()

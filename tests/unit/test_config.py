@@ -1,0 +1,248 @@
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from devtools import REPO
+from worker.config.loader import ConfigError, example_config, load_config
+from worker.config.models import WorkerConfig, default_worker_id, env_for, flag_for, sections
+from worker.main import main
+
+
+@pytest.fixture
+def model_dir(tmp_path: Path) -> str:
+    model = tmp_path / "model"
+    model.mkdir()
+    for name in ("config.json", "tokenizer.json", "model.safetensors"):  # what the start checks for
+        (model / name).write_text("{}")
+    return str(model)
+
+
+def test_defaults(model_dir: str) -> None:
+    config, _ = load_config(["--model", model_dir], environ={})
+    assert config.generation.max_tokens == 256
+    assert config.generation.max_tokens_limit == 1024
+    assert config.history.max_history_turns == 6
+    assert config.history.max_history_tokens == 2000
+    assert config.mqtt.topic_prefix == "chat"
+    assert config.engine.enforce_eager is False  # CUDA graphs on by default
+
+
+def test_required_flag_names_exist() -> None:
+    flags = {flag_for(s, k, info) for s, fields in sections().items() for k, info in fields.items()}
+    required = {
+        "--model",
+        "--visible-devices",
+        "--mqtt-host",
+        "--mqtt-port",
+        "--mqtt-username",
+        "--mqtt-password-file",
+        "--topic-prefix",
+        "--worker-id",
+        "--max-tokens",
+        "--max-history-turns",
+        "--max-history-tokens",
+        "--stats-interval",
+        "--gpu-memory-utilization",
+        "--max-model-len",
+        "--max-num-seqs",
+        "--enforce-eager",
+        "--block-size",
+        "--engine-extra",
+    }
+    assert required <= flags
+    assert len(flags) == sum(len(f) for f in sections().values()), "two keys share a flag"
+    assert env_for("--mqtt-password") == "WORKER_MQTT_PASSWORD"
+
+
+def test_precedence_cli_over_env_over_toml(tmp_path: Path, model_dir: str) -> None:
+    toml = tmp_path / "w.toml"
+    toml.write_text(
+        f'[engine]\nmodel = "{model_dir}"\n[mqtt]\nport = 1000\nhost = "toml-host"\n[generation]\nmax_tokens = 100\n'
+    )
+    env = {"WORKER_MQTT_PORT": "2000", "WORKER_MAX_TOKENS": "200"}
+    config, _ = load_config(["--config", str(toml), "--mqtt-port", "3000"], environ=env)
+    assert config.mqtt.port == 3000  # CLI beats env and TOML
+    assert config.generation.max_tokens == 200  # env beats TOML
+    assert config.mqtt.host == "toml-host"  # TOML beats default
+    assert config.history.max_history_turns == 6  # default
+
+
+def test_typed_flags(model_dir: str) -> None:
+    config, _ = load_config(
+        [
+            "--model",
+            model_dir,
+            "--enforce-eager",
+            "--engine-extra",
+            '{"max_num_batched_tokens": 4096}',
+            "--stop",
+            "END",
+            "--stop",
+            "STOP",
+            "--stats-interval",
+            "2.5",
+        ],
+        environ={"WORKER_BLOCK_SIZE": "32"},
+    )
+    assert config.engine.enforce_eager is True
+    assert config.engine.extra == {"max_num_batched_tokens": 4096}
+    assert config.generation.stop == ["END", "STOP"]
+    assert config.engine.block_size == 32
+    assert config.stats.interval == 2.5
+
+
+@pytest.mark.parametrize(
+    ("toml", "argv", "env", "message"),
+    [
+        ("[mqtt]\nhosst = 'x'\n", [], {}, "unknown key 'mqtt.hosst'"),
+        ("[mqttt]\nhost = 'x'\n", [], {}, "unknown section 'mqttt'"),
+        ("", ["--mqtt-port", "70000"], {}, "invalid 'mqtt.port' (from --mqtt-port)"),
+        ("", [], {"WORKER_MAX_TOKENS": "lots"}, "invalid 'generation.max_tokens' (from WORKER_MAX_TOKENS)"),
+        ("", [], {"WORKER_NO_SUCH": "1"}, "unknown environment variable WORKER_NO_SUCH"),
+        ("", ["--max-tokens", "2000"], {}, "exceeds max_tokens_limit"),
+        ("", ["--topic-prefix", "chat/#"], {}, "invalid 'mqtt.topic_prefix'"),
+        ("", ["--engine-extra", "{nope"], {}, "--engine-extra: not valid JSON"),
+        ("[engine\n", [], {}, "is not valid TOML"),
+    ],
+)
+def test_errors_name_the_key(
+    tmp_path: Path, model_dir: str, toml: str, argv: list[str], env: dict[str, str], message: str
+) -> None:
+    path = tmp_path / "w.toml"
+    path.write_text(toml)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        load_config(["--config", str(path), "--model", model_dir, *argv], environ=env)
+
+
+def test_missing_model_is_an_error() -> None:
+    with pytest.raises(ConfigError, match="no model"):
+        load_config([], environ={})
+    with pytest.raises(ConfigError, match="does not exist"):
+        load_config(["--model", "./no/such/model"], environ={})
+
+
+def test_a_directory_that_is_not_a_model_is_refused_at_start(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Said before anything loads, naming what is missing (not a transformers traceback)."""
+    empty = tmp_path / "not-a-model"
+    empty.mkdir()
+    (empty / "notes.txt").write_text("hello")
+    assert main(["--model", str(empty)]) == 2
+    err = capsys.readouterr().err
+    assert f"engine.model: {empty} is not a model directory" in err, err
+    assert "it lacks config.json (the model's architecture), a tokenizer (tokenizer.json" in err, err
+    assert "and weights (*.safetensors or *.bin)" in err, err
+    (empty / "config.json").write_text("{}")
+    (empty / "tokenizer.json").write_text("{}")
+    with pytest.raises(ConfigError, match=r"it lacks weights \(\*\.safetensors or \*\.bin\)\.") as exc:
+        load_config(["--model", str(empty)], environ={})
+    assert "config.json" not in str(exc.value) and "tokenizer" not in str(exc.value)
+    # Random weights of the config's shapes (the benchmarks' geometry models) need none.
+    load_config(["--model", str(empty), "--engine-extra", '{"load_format": "dummy"}'], environ={})
+    (empty / "model.safetensors").write_text("{}")
+    load_config(["--model", str(empty)], environ={})
+    with pytest.raises(ConfigError, match="is a file"):
+        load_config(["--model", str(empty / "notes.txt")], environ={})
+
+
+def test_password_file_and_masking(tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    secret = tmp_path / "pw"
+    secret.write_text("s3cret-value\n")
+    config, _ = load_config(["--model", model_dir, "--mqtt-password-file", str(secret)], environ={})
+    assert config.mqtt_password() == "s3cret-value"
+    config, _ = load_config(["--model", model_dir], environ={"WORKER_MQTT_PASSWORD": "env-secret"})
+    assert config.mqtt_password() == "env-secret"
+    assert config.masked()["mqtt"]["password"] == "***"
+    assert main(["--model", model_dir, "--check-config"]) == 0
+    assert main(["--model", model_dir, "--mqtt-password", "cli-secret", "--check-config"]) == 0
+    out = capsys.readouterr().out
+    assert "cli-secret" not in out and 'password = "***"' in out
+
+
+def test_check_config_exit_codes(model_dir: str, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--model", model_dir, "--check-config", "--max-tokens", "5"]) == 0
+    assert "max_tokens = 5" in capsys.readouterr().out
+    assert main(["--model", model_dir, "--check-config", "--mqtt-port", "0"]) == 2
+    assert "mqtt.port" in capsys.readouterr().err
+
+
+def test_worker_id_default_differs_by_devices() -> None:
+    assert default_worker_id("0") != default_worker_id("1")
+    assert default_worker_id("0,1") != default_worker_id(None)
+    assert re.fullmatch(r"[A-Za-z0-9._:-]{1,128}", default_worker_id("2,3"))
+    assert WorkerConfig().effective_worker_id == default_worker_id(None)
+
+
+def test_a_worker_without_a_gpu_is_named_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    assert default_worker_id(None, gpu=False).endswith("-cpu")
+    assert default_worker_id(None, gpu=True).endswith("-gpuall")
+    assert default_worker_id("2", gpu=False).endswith("-gpu2")  # asked for: a warning at start says it is absent
+    monkeypatch.setattr("worker.config.models.nvidia_gpu_present", lambda: False)
+    assert WorkerConfig().effective_worker_id.endswith("-cpu")
+    monkeypatch.setattr("worker.config.models.nvidia_gpu_present", lambda: True)
+    assert WorkerConfig().effective_worker_id.endswith("-gpuall")
+
+
+def test_example_config_is_current_and_loads(model_dir: str) -> None:
+    text = (REPO / "config.example.toml").read_text()
+    assert text == example_config(), "regenerate: python -m worker.config.loader --example-config > config.example.toml"
+    for fields in sections().values():
+        for key in fields:
+            assert re.search(rf"^#? ?{key} =", text, re.M), key
+    config, _ = load_config(["--config", str(REPO / "config.example.toml"), "--model", model_dir], environ={})
+    assert config.model_dump(exclude={"engine": {"model"}}) == WorkerConfig().model_dump(exclude={"engine": {"model"}})
+
+
+def test_configuration_reference_is_current() -> None:
+    from worker.config.loader import reference_markdown
+
+    text = (REPO / "docs" / "configuration.md").read_text()
+    assert text == reference_markdown(), (
+        "regenerate: python -m worker.config.loader --reference > docs/configuration.md"
+    )
+
+
+def test_command_line_password_warns(tmp_path: Path, model_dir: str) -> None:
+    """The flag works but logs a warning (ps shows it); the environment and a file do not."""
+    from loguru import logger
+
+    from worker.main import warn_about_command_line_secrets
+
+    secret = tmp_path / "pw"
+    secret.write_text("file-secret\n")
+    cases = [
+        (["--mqtt-password", "cli-secret"], {}, True),
+        ([], {"WORKER_MQTT_PASSWORD": "env-secret"}, False),
+        (["--mqtt-password-file", str(secret)], {}, False),
+    ]
+    for argv, environ, warns in cases:
+        lines: list[str] = []
+        sink = logger.add(lines.append, level="WARNING", format="{message}")
+        try:
+            config, args = load_config(["--model", model_dir, *argv], environ=environ)
+            warn_about_command_line_secrets(args)
+        finally:
+            logger.remove(sink)
+        assert config.mqtt_password() in ("cli-secret", "env-secret", "file-secret")
+        assert any("command line" in line for line in lines) == warns, (argv, lines)
+        assert not any("secret" in line for line in lines)
+
+
+def test_tls_options_are_validated(tmp_path: Path, model_dir: str) -> None:
+    pem = tmp_path / "x.pem"
+    pem.write_text("not checked here")
+    with pytest.raises(ConfigError, match="tls_cert_file and tls_key_file go together"):
+        load_config(["--model", model_dir, "--mqtt-tls-ca-file", str(pem), "--mqtt-tls-cert-file", str(pem)], {})
+    with pytest.raises(ConfigError, match="need tls_ca_file"):
+        load_config(["--model", model_dir, "--mqtt-tls-insecure-skip-hostname-check"], environ={})
+    with pytest.raises(ConfigError, match=r"mqtt\.tls_ca_file: cannot read"):
+        load_config(["--model", model_dir, "--mqtt-tls-ca-file", str(tmp_path / "missing.pem")], environ={})
+    config, _ = load_config(
+        ["--model", model_dir, "--mqtt-tls-ca-file", str(pem), "--mqtt-tls-cert-file", str(pem)],
+        environ={"WORKER_MQTT_TLS_KEY_FILE": str(pem)},
+    )
+    assert config.mqtt.tls_key_file == pem and not config.mqtt.tls_insecure_skip_hostname_check

@@ -1,0 +1,360 @@
+"""The service's own rules, with an engine that fails on demand (no real engine can be made to
+fail at a chosen request) and an in-memory transport. Everything else is tested end to end."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from devtools.fakes import Harness, WordRenderer, mentions
+from worker.core.history import ChatMessage
+from worker.engine.port import EngineDead, EngineError, StructuredOutput, StructuredOutputRejected
+from worker.protocol.messages import log_ref
+
+
+def test_sessions_run_concurrently_turns_in_order() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        for turn in range(3):
+            for session in ("a", "b", "c"):
+                h.transport.deliver(
+                    f"chat/u/{session}/request",
+                    {"message": f"m{turn}", "maxTokens": 5, "requestId": f"{session}{turn}"},
+                )
+        await h.run_until(lambda: sum(len(h.transport.replies(s)) for s in "abc") == 9)
+        for session in "abc":
+            assert [r["requestId"] for r in h.transport.replies(session)] == [f"{session}{t}" for t in range(3)]
+            prompts = [r["usage"]["promptTokens"] for r in h.transport.replies(session)]
+            assert prompts == sorted(prompts) and len(set(prompts)) == 3
+        assert h.engine.most_running == 3  # one turn per session at a time, sessions in parallel
+        assert sorted(h.transport.acked) == list(range(1, 10))
+
+    asyncio.run(scenario())
+
+
+def test_engine_error_is_answered_and_engine_death_stops_the_worker() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.engine.fail = {"bad": EngineError("boom"), "dead": EngineDead("gone")}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "bad", "maxTokens": 3})
+        h.transport.deliver("chat/u/s1/request", {"message": "y", "requestId": "ok", "maxTokens": 3})
+        h.transport.deliver("chat/u/s2/request", {"message": "z", "requestId": "dead", "maxTokens": 3})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2 and h.stop_codes)
+        bad, ok = h.transport.replies("s1")
+        assert bad["error"]["code"] == "engine_error" and "boom" in bad["error"]["message"]
+        assert ok["finishReason"] == "length"  # the session goes on after a failed turn
+        # A dead engine interrupted the work: no answer, no ack (redelivered after the restart).
+        assert h.stop_codes == [1] and h.transport.replies("s2") == []
+        assert sorted(h.transport.acked) == [1, 2]
+
+    asyncio.run(scenario())
+
+
+def test_busy_limits() -> None:
+    async def scenario() -> None:
+        h = Harness(max_queued_per_session=2, max_pending_requests=4)
+        for i in range(4):  # one runs, two queue, the fourth is refused
+            h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": f"q{i}", "maxTokens": 20})
+        for i in range(3):  # the pending total is 4: the third here is refused
+            h.transport.deliver(f"chat/u/t{i}/request", {"message": "x", "requestId": f"t{i}", "maxTokens": 20})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 4 and h.transport.replies("t2"))
+        codes = {r["requestId"]: r.get("error", {}).get("code") for t, r in h.transport.published if "reply" in t}
+        assert codes["q3"] == "busy" and codes["t2"] == "busy"
+        assert codes["q0"] is None and codes["q2"] is None and codes["t0"] is None
+
+    asyncio.run(scenario())
+
+
+def test_cancel_queued_and_running_requests() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/s1/request", {"message": "long", "requestId": "run", "maxTokens": 500})
+        h.transport.deliver("chat/u/s1/request", {"message": "next", "requestId": "queued", "maxTokens": 500})
+        await h.run_until(lambda: h.engine.running == 1)
+        h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "queued"})
+        h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "run"})
+        h.transport.deliver("chat/u/s1/request", {"message": "after", "requestId": "after", "maxTokens": 2})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 3)
+        run, queued, after = h.transport.replies("s1")
+        assert (run["requestId"], run["finishReason"]) == ("run", "cancelled")
+        assert (queued["requestId"], queued["finishReason"]) == ("queued", "cancelled")
+        assert not any(mentions(rid, "queued") for rid in h.engine.started)  # never reached the engine
+        # Neither cancelled turn was stored: the prompt is that of a first turn.
+        assert (
+            after["usage"]["promptTokens"]
+            == WordRenderer().render([{"role": "user", "content": "after"}], add_generation_prompt=True).__len__()
+        )
+
+    asyncio.run(scenario())
+
+
+def test_a_cancel_while_the_turn_prepares_its_prompt_is_not_lost() -> None:
+    """A cancel that comes after the queued turn started (its prompt being prepared: the
+    tokenizer may run in a thread) but before it reached the engine. The chat page cancels
+    every pending turn at once: cancelling the running one starts the next, and the next
+    one's cancel lands in this window."""
+
+    class HeldRenderer(WordRenderer):
+        def __init__(self) -> None:
+            self.entered = asyncio.Event()
+            self.release = asyncio.Event()
+
+        async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+            self.entered.set()
+            await self.release.wait()
+
+    async def scenario() -> None:
+        h = Harness()
+        held = HeldRenderer()
+        h.service.turns.renderer = held
+        h.transport.deliver("chat/u/s1/request", {"message": "held", "requestId": "held", "maxTokens": 50})
+        consumer = asyncio.ensure_future(h.service.consume())
+        try:
+            await asyncio.wait_for(held.entered.wait(), 5)
+            h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "held"})
+            await asyncio.sleep(0.1)  # the cancel is handled
+        finally:
+            consumer.cancel()
+        held.release.set()
+        await h.run_until(lambda: h.transport.replies("s1"))
+        reply = h.transport.replies("s1")[0]
+        assert (reply["requestId"], reply["finishReason"]) == ("held", "cancelled")
+        assert h.engine.started == []
+
+    asyncio.run(scenario())
+
+
+def test_redelivery_during_generation_is_answered_once() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        payload = {"message": "hello", "maxTokens": 30}  # no requestId: keyed by topic + payload hash
+        h.transport.deliver("chat/u/s1/request", payload, mid=7)
+        await h.run_until(lambda: h.engine.running == 1)
+        h.transport.deliver("chat/u/s1/request", payload, mid=7, dup=True)  # the broker redelivers it
+        await h.run_until(lambda: h.transport.replies("s1"))
+        await asyncio.sleep(0.1)
+        h.transport.deliver("chat/u/s1/request", payload, mid=7, dup=True)  # and again, after the answer
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2)
+        first, again = h.transport.replies("s1")
+        assert first == again and first["requestId"].startswith("h-")
+        assert len(h.engine.started) == 1
+        assert h.transport.acked == [7, 7, 7]
+
+    asyncio.run(scenario())
+
+
+def test_invalid_and_retained_messages_are_acked_without_reply() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/_x/s1/request", {"message": "x"})
+        h.transport.deliver("chat/u/s 1/request", {"message": "x"})
+        await h.run_until(lambda: len(h.transport.acked) == 2)
+        assert h.transport.published == []
+        assert h.service.stats.invalid_topics == 2
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize(("message", "code"), [("word " * 5000, "too_long"), ("x", "invalid_request")])
+def test_admission_errors(message: str, code: str) -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/s1/request", {"message": message, "maxTokens": 5000 if code != "too_long" else 5})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        assert h.transport.replies("s1")[0]["error"]["code"] == code
+        assert h.engine.started == []
+
+    asyncio.run(scenario())
+
+
+def test_message_and_reply_text_are_logged_at_debug_only() -> None:
+    from loguru import logger
+
+    lines: dict[str, list[str]] = {"DEBUG": [], "INFO": []}
+    sinks = [logger.add(lambda m, k=k: lines[k].append(str(m)), level=k, format="{message}") for k in lines]
+
+    async def scenario() -> None:
+        h = Harness()
+        h.engine.script["s1"] = ["a-private-", "reply"]
+        h.transport.deliver("chat/u/s1/request", {"message": "a-private-sentence"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        assert h.transport.replies("s1")[0]["reply"] == "a-private-reply"
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        for sink in sinks:
+            logger.remove(sink)
+    assert any("a-private-sentence" in line for line in lines["DEBUG"])
+    assert any("a-private-reply" in line for line in lines["DEBUG"])
+    assert not any("a-private" in line for line in lines["INFO"]), lines["INFO"]
+
+
+SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
+
+
+def test_response_format_reaches_the_engine_and_schema_errors_are_invalid_schema() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        # A JSON string may contain "</think>": structured replies are not split as reasoning.
+        h.engine.script = {"json": ['{"n": 1, "s": "a</think>', 'b"}'], "free": ["a</think>", "b"]}
+        h.transport.deliver(
+            "chat/u/s1/request",
+            {"message": "x", "requestId": "json", "responseFormat": {"type": "json_schema", "schema": SCHEMA}},
+        )
+        h.transport.deliver(
+            "chat/u/s1/request",
+            {"message": "x", "requestId": "obj", "maxTokens": 2, "responseFormat": {"type": "json_object"}},
+        )
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "free"})
+        bad = {"type": "json_schema", "schema": {"type": "objekt"}}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "bad", "responseFormat": bad})
+        unsupported = {"type": "json_schema", "schema": {"type": "integer", "multipleOf": 3}}
+        h.engine.fail = {"refused": StructuredOutputRejected("features not supported by xgrammar")}
+        h.transport.deliver(
+            "chat/u/s1/request", {"message": "x", "requestId": "refused", "responseFormat": unsupported}
+        )
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 5)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+        ids = {log_ref(key): key for key in ("json", "obj", "free", "bad", "refused")}
+        structured = {ids[r.request_id.split("/")[-2]]: r.sampling.structured for r in h.engine.requests}
+        assert structured == {
+            "json": StructuredOutput(json_schema=SCHEMA),
+            "obj": StructuredOutput(json_schema=None),
+            "free": None,
+            "refused": StructuredOutput(json_schema=unsupported["schema"]),
+        }  # "bad" never reached the engine
+        assert json.loads(replies["json"]["reply"]) == {"n": 1, "s": "a</think>b"}
+        assert replies["free"]["reply"] == "b"  # free text: the think block is removed
+        assert replies["bad"]["error"]["code"] == "invalid_schema" and "$.type" in replies["bad"]["error"]["message"]
+        assert replies["refused"]["error"]["code"] == "invalid_schema"
+        assert "xgrammar" in replies["refused"]["error"]["message"]
+        assert h.service.stats.errors_by_code == {"invalid_schema": 2}
+
+    asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("interval_ms", [0, 50])
+def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": interval_ms})
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "maxTokens": 40, "stream": True, "requestId": "r"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        deltas = [p for t, p in h.transport.published if t.endswith("/s1/stream")]
+        reply = h.transport.replies("s1")[0]
+        assert [d["seq"] for d in deltas] == list(range(len(deltas)))
+        assert "".join(d["delta"] for d in deltas) == reply["reply"]
+        assert deltas[0]["delta"] == "w0 "  # the first token goes out at once: the client's TTFT
+        if interval_ms == 0:
+            assert len(deltas) == 40  # one per engine step
+        else:  # 40 tokens 10 ms apart in 50 ms batches
+            assert 6 <= len(deltas) <= 12
+
+    asyncio.run(scenario())
+
+
+def test_reasoning_budget_include_reasoning_and_history() -> None:
+    """A renderer whose prompt opens <think>: the fake engine's words are all reasoning."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"max_reasoning_tokens": 8, "stream_interval_ms": 0})
+        renderer = WordRenderer()
+        renderer.opens_reasoning = True
+        h.service.turns.renderer = renderer
+        h.engine.script = {"closes": ["think", "ing</th", "ink>", "\n\nthe", " answer"]}
+        send = h.transport.deliver
+        send("chat/u/s1/request", {"message": "a", "requestId": "hidden", "maxTokens": 40, "stream": True})
+        send(
+            "chat/u/s1/request",
+            {"message": "b", "requestId": "shown", "maxTokens": 40, "maxReasoningTokens": 5, "includeReasoning": True},
+        )
+        send("chat/u/s1/request", {"message": "c", "requestId": "capped", "maxTokens": 40, "maxReasoningTokens": 99})
+        send("chat/u/s1/request", {"message": "d", "requestId": "closes", "includeReasoning": True, "stream": True})
+        send("chat/u/s1/request", {"message": "e f", "requestId": "next", "maxTokens": 3})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 5)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+
+        hidden = replies["hidden"]
+        assert hidden["finishReason"] == "reasoning_budget" and hidden["reply"] == "" and "reasoning" not in hidden
+        assert hidden["usage"]["reasoningTokens"] == hidden["usage"]["completionTokens"] == 8
+        shown = replies["shown"]
+        assert shown["finishReason"] == "reasoning_budget"
+        assert shown["reasoning"] == "w0 w1 w2 w3 w4" and shown["usage"]["reasoningTokens"] == 5
+        assert replies["capped"]["usage"]["reasoningTokens"] == 8  # the request's 99, capped by the config
+        closes = replies["closes"]
+        assert closes["finishReason"] == "stop" and closes["reply"] == "the answer"
+        assert closes["reasoning"] == "thinking" and closes["usage"]["reasoningTokens"] == 3
+        # The 3-token generation of "next" never closed its think block and hit no budget.
+        assert replies["next"]["finishReason"] == "length" and replies["next"]["usage"]["reasoningTokens"] == 3
+
+        streams: dict[str, list[dict[str, Any]]] = {}
+        for topic, payload in h.transport.published:
+            if topic.endswith("/s1/stream"):
+                streams.setdefault(payload["requestId"], []).append(payload)
+        assert "hidden" not in streams  # reasoning only, not asked for: no delta
+        assert [d["seq"] for d in streams["closes"]] == list(range(len(streams["closes"])))
+        assert "".join(d.get("reasoning", "") for d in streams["closes"]) == "thinking"
+        assert "".join(d["delta"] for d in streams["closes"]).strip() == "the answer"
+        assert all(d["delta"] == "" for d in streams["closes"] if "reasoning" in d)
+
+        # The history holds the answers only: the last prompt is the rendering of the turns
+        # with their replies, none of the reasoning.
+        history = [
+            (m, replies[k]["reply"]) for m, k in zip("abcd", ["hidden", "shown", "capped", "closes"], strict=True)
+        ]
+        messages = [
+            x for m, r in history for x in ({"role": "user", "content": m}, {"role": "assistant", "content": r})
+        ]
+        expected = renderer.render([*messages, {"role": "user", "content": "e f"}], add_generation_prompt=True)
+        assert replies["next"]["usage"]["promptTokens"] == len(expected)
+
+    asyncio.run(scenario())
+
+
+def test_stream_of_a_model_that_does_not_think_is_not_held_back() -> None:
+    """The reasoning split never delays an answer: each delta is published before the engine
+    produces the next token, except a possible "<think>" at the start, held only while it
+    could still be one."""
+
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": 0})
+        h.engine.script = {
+            "plain": ["Hello", " world", "!"],
+            "blank": ["\n", "\n", "Hi"],
+            "tag": ["<thi", "nk>", "hmm", "</think>", "Yes"],
+            "text": ["<thi", "s is text", "."],
+        }
+
+        def deltas(session: str) -> list[dict[str, Any]]:
+            return [p for t, p in h.transport.published if t.endswith(f"/{session}/stream")]
+
+        published_before: dict[str, list[list[str]]] = {}
+
+        def before_step(session: str, step: int) -> None:
+            published_before.setdefault(session, []).append([d.get("reasoning") or d["delta"] for d in deltas(session)])
+
+        h.engine.before_step = before_step
+        for session in h.engine.script:
+            request = {"message": "x", "requestId": session, "stream": True, "includeReasoning": True}
+            h.transport.deliver(f"chat/u/{session}/request", request)
+        await h.run_until(lambda: all(h.transport.replies(s) for s in h.engine.script))
+        replies = {s: h.transport.replies(s)[0] for s in h.engine.script}
+
+        assert published_before["plain"] == [[], ["Hello"], ["Hello", " world"]]  # the first with the first token
+        assert published_before["blank"] == [[], ["\n"], ["\n", "\n"]]  # blanks are not held either
+        assert replies["plain"]["reply"] == "Hello world!" and "reasoning" not in replies["plain"]
+        assert "reasoningTokens" not in replies["plain"]["usage"]
+        # "<thi" may open a think block: held for one token; "<think>" did.
+        assert published_before["tag"] == [[], [], [], ["hmm"], ["hmm"]]
+        assert [(d["delta"], d.get("reasoning")) for d in deltas("tag")] == [("", "hmm"), ("Yes", None)]
+        assert replies["tag"]["reply"] == "Yes" and replies["tag"]["reasoning"] == "hmm"
+        assert replies["tag"]["usage"]["reasoningTokens"] == 4
+        # "<this" cannot: released whole as soon as that is known.
+        assert published_before["text"] == [[], [], ["<this is text"]]
+        assert replies["text"]["reply"] == "<this is text." and "reasoning" not in replies["text"]
+
+    asyncio.run(scenario())
