@@ -31,7 +31,7 @@ import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 
 from .common import REPO, make_workload
-from .harness import start_broker, start_redis
+from .runs import start_broker, start_redis
 
 SESSIONS = 8
 TURNS = 6

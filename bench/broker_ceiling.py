@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from .common import save
-from .harness import start_broker
+from .runs import start_broker
 from .scale import SysCounters, cpu_seconds
 from .simworkers import GROUP, PREFIX
 

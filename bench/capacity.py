@@ -100,8 +100,8 @@ def _stats_sources(stats: list[dict[str, Any]]) -> dict[str, int]:
 def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
     from worker.engine.tokenizer import ChatTokenizer
 
-    from .harness import WorkerRun, start_broker
     from .mqtt_driver import MqttDriver
+    from .runs import WorkerRun, start_broker
 
     name = "capacity_offload" if offload else "capacity"
     tokenizer = ChatTokenizer(str(model))
@@ -201,7 +201,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         decode = driver.run_concurrent(
             "decode", burst_workload, tokenizer.count_text, sessions=1, turns=1, max_tokens=profile.decode_tokens
         )[0]
-        from .harness import decode_rate
+        from .runs import decode_rate
 
         result["decode_batch1_tok_per_s"] = decode_rate(decode)
     finally:
@@ -224,8 +224,8 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
     defaults otherwise: the whole GPU, no host tier). Dummy weights: speed and memory only."""
     from worker.engine.tokenizer import ChatTokenizer
 
-    from .harness import WorkerRun, decode_rate, start_broker
     from .mqtt_driver import MqttDriver
+    from .runs import WorkerRun, decode_rate, start_broker
 
     tokenizer = ChatTokenizer(str(model))
     args = ["--model", str(model), *profile.fp8_worker_args, "--kv-offload-gib", "0"]

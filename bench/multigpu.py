@@ -36,8 +36,9 @@ from typing import Any
 from tqdm import tqdm
 
 from .common import REPO, Record, load, run_metadata, save
-from .harness import WorkerRun, prepare_model, stamped, start_broker, start_redis, timed
+from .harness import prepare_model, stamped
 from .profiles import PROFILES, Profile
+from .runs import WorkerRun, start_broker, start_redis, timed
 
 PHASES = ("single", "dp", "tp")
 SHARE_GROUP = "bench"

@@ -151,7 +151,7 @@ class SysCounters:
 
 
 def run_workers(args: argparse.Namespace, workers: int, out: Path) -> dict[str, Any]:
-    from .harness import start_broker, start_redis
+    from .runs import start_broker, start_redis
 
     sys_settings = "sys_interval 1\n"
     broker = start_broker(args.mosquitto, out, sys_settings)
