@@ -80,7 +80,7 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
     from worker.config import WorkerConfig
     from worker.intake import Intake
     from worker.logs import configure_logging
-    from worker.service import Service
+    from worker.service import InFlight, Service
     from worker.store import open_store
     from worker.topics import Topics
     from worker.transport import MqttSettings, MqttTransport
@@ -120,14 +120,17 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
             receive_maximum=config.limits.max_pending_requests,
         )
         transport = MqttTransport(settings, loop)
+        in_flight = InFlight(config.limits.max_pending_requests)
         intake = None
         if redis_url:
-            intake = Intake.for_group(config, transport, topics, f"{worker_id}.{index}", lambda code: stop.set())
+            instance = f"{worker_id}.{index}"
+            intake = Intake.for_group(config, transport, topics, instance, lambda code: stop.set(), in_flight.room)
         store = open_store(config.history, config.redis, PREFIX)
         engine = ZeroCostEngine(**options)
-        service = Service(config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store)
+        service = Service(
+            config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store, in_flight
+        )
         if intake is not None:
-            intake.room = lambda service=service, config=config: config.limits.max_pending_requests - service.pending
             await intake.start()
         transport.start()
         await asyncio.wait_for(transport.wait_connected(), 30)
