@@ -75,7 +75,7 @@ class WordRenderer:
 async def host_workers(port: int, first: int, count: int, options: dict[str, Any]) -> None:
     """``count`` workers on this process's event loop until SIGTERM; prints ``ready``.
     ``options``: the ZeroCostEngine's arguments, and ``redis_url`` for the Redis store and
-    intake (each worker its own connections, as worker/main.py sets them up), else an
+    intake (each worker its own connections, as worker/server.py sets them up), else an
     in-memory store each."""
     from worker.config import WorkerConfig
     from worker.intake import Intake
