@@ -210,7 +210,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         broker.stop()
     # vLLM warns of each kernel it compiles while serving: before online (the warm-up) or after.
     text = log.read_text(errors="replace")[offset:]
-    before, _, after = text.partition("worker.main: Serving ")
+    before, _, after = text.partition("worker.server: Serving ")
     result["jit_compilations"] = {
         "before_online": before.count(JIT_WARNING),
         "after_online": after.count(JIT_WARNING),

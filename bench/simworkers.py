@@ -24,7 +24,7 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
     in-memory store each."""
     from devtools.fakes import WordRenderer, ZeroCostEngine
     from worker.config.models import WorkerConfig
-    from worker.core.service import Service
+    from worker.core.service import InFlight, Service
     from worker.intake.group import Intake
     from worker.protocol.topics import Topics
     from worker.store import open_store
@@ -66,14 +66,17 @@ async def host_workers(port: int, first: int, count: int, options: dict[str, Any
             receive_maximum=config.limits.max_pending_requests,
         )
         transport = MqttTransport(settings, loop)
+        in_flight = InFlight(config.limits.max_pending_requests)
         intake = None
         if redis_url:
-            intake = Intake.for_group(config, transport, topics, f"{worker_id}.{index}", lambda code: stop.set())
+            instance = f"{worker_id}.{index}"
+            intake = Intake.for_group(config, transport, topics, instance, lambda code: stop.set(), in_flight.room)
         store = open_store(config.history, config.redis, PREFIX)
         engine = ZeroCostEngine(**options)
-        service = Service(config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store)
+        service = Service(
+            config, engine, WordRenderer(), intake or transport, lambda code: stop.set(), store, in_flight
+        )
         if intake is not None:
-            intake.room = lambda service=service, config=config: config.limits.max_pending_requests - service.pending
             await intake.start()
         transport.start()
         await asyncio.wait_for(transport.wait_connected(), 30)

@@ -21,9 +21,9 @@ PHASES_DONE = (
     "worker.system.progress: Tokenizer loaded in ",
     "worker.system.progress: Engine ready in ",
     "worker.system.progress: Warm-up phase over in ",
-    "worker.main: Serving ",
+    "worker.server: Serving ",
 )
-START_LINE = re.compile(r"\| (?:worker\.system\.progress|worker\.main): (.*)$", re.M)
+START_LINE = re.compile(r"\| (?:worker\.system\.progress|worker\.server): (.*)$", re.M)
 
 
 class StartBar:

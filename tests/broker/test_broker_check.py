@@ -1,4 +1,4 @@
-"""The broker is checked before the model load (transport.check_broker, main.broker_accepts):
+"""The broker is checked before the model load (transport.check_broker, server.broker_accepts):
 a broker that is down, refuses the login or fails TLS is told in plain words within seconds,
 with exit code 2, not after minutes of loading the model; the worker waits for it only where
 asked to (--wait-for-broker) or under systemd. And paho's own ERROR lines while the broker is

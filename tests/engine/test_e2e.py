@@ -238,11 +238,11 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
     this order. (The heartbeat while the engine starts depends on how long it takes: see
     test_startup.py.)"""
     deadline = time.monotonic() + 30  # "Serving" comes with the SUBACK, maybe after "online"
-    while "worker.main: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
+    while "worker.server: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
         time.sleep(0.1)
     expected = [
-        r"\| INFO +\| worker\.main: Worker shared \S+ starting: model \S+, broker 127\.0\.0\.1:\d+, store sqlite$",
-        r"\| INFO +\| worker\.main: MQTT broker at 127\.0\.0\.1:\d+ accepted the login$",  # before the load
+        r"\| INFO +\| worker\.server: Worker shared \S+ starting: model \S+, broker 127\.0\.0\.1:\d+, store sqlite$",
+        r"\| INFO +\| worker\.server: MQTT broker at 127\.0\.0\.1:\d+ accepted the login$",  # before the load
         r"\| INFO +\| worker\.system\.progress: Importing vLLM, torch and transformers$",
         r"worker\.system\.progress: Imported in \d+\.\d s$",
         r"worker\.system\.progress: Loading the tokenizer: \S+$",
@@ -256,8 +256,8 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
         r"batch 1 to 4; ",
         r"\| INFO +\| worker\.system\.progress: Warm-up phase over in \d+\.\d s$",
         r"worker\.transport: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
-        r"worker\.main: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
-        r"worker\.main: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",
+        r"worker\.server: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
+        r"worker\.server: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",
     ]
     position = 0
     for pattern in expected:

@@ -87,7 +87,7 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
 
     log = tmp_path / "worker.log"
     earlier = "".join(
-        line(f"worker.{t}") for t in ("system.progress: Imported in 1.0 s", "main: Serving m as w via h:1 (x)")
+        line(f"worker.{t}") for t in ("system.progress: Imported in 1.0 s", "server: Serving m as w via h:1 (x)")
     )
     log.write_text(earlier)  # a finished start from before: not this one's
     bar = StartBar(log, offset=log.stat().st_size, interactive=False)
@@ -100,7 +100,7 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
             + line("worker.system.progress: Engine ready in 20.8 s")
         )
         fh.write(line("worker.system.progress: Warm-up phase over in 4.1 s"))
-        fh.write("2026-01-01 00:00:00.000 | INFO    | worker.main: Serv")  # a line being written
+        fh.write("2026-01-01 00:00:00.000 | INFO    | worker.server: Serv")  # a line being written
     assert bar.poll() is False and bar.done == 4
     with log.open("a") as fh:
         fh.write("ing m as w via h:1 (ready 28.7 s after start)\n")

@@ -62,6 +62,23 @@ def store_refusal(exc: StoreError) -> RequestError:
     return RequestError(ErrorCode.STORE_UNAVAILABLE, "the session store is unavailable; send the request again later")
 
 
+class InFlight:
+    """The requests a Service runs (their tasks) and how many more it takes. Made before the
+    Service and handed to it, so that what feeds the service and is built before it (the
+    Redis intake: the service reads from it) can read the free room at construction."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit  # limits.max_pending_requests
+        self.tasks: set[asyncio.Task[None]] = set()
+
+    @property
+    def pending(self) -> int:
+        return len(self.tasks)
+
+    def room(self) -> int:
+        return self.limit - len(self.tasks)
+
+
 class Service:
     def __init__(
         self,
@@ -71,6 +88,7 @@ class Service:
         transport: Transport,
         stop_requested: Callable[[int], None],
         store: HistoryStore | None = None,
+        in_flight: InFlight | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -83,7 +101,8 @@ class Service:
         self._runtime: dict[str, SessionRuntime] = {}
         self.rate_limiter = RateLimiter(config.limits.max_requests_per_user_per_minute)
         self._tasks: set[asyncio.Task[None]] = set()
-        self._requests: set[asyncio.Task[None]] = set()  # of _tasks: requests in flight
+        self.in_flight = in_flight if in_flight is not None else InFlight(config.limits.max_pending_requests)
+        self._requests = self.in_flight.tasks  # of _tasks: requests in flight
         self._stop_requested = stop_requested
         self._draining = False
         self._failures: dict[str, int] = {}  # intake entry -> failed dispatches

@@ -112,6 +112,7 @@ class Intake:
         worker_lease: float,
         route_to_owner: bool,
         stop_requested: Callable[[int], None],
+        room: Callable[[], int] | None = None,
     ) -> None:
         self.streams = streams
         self.broker = broker
@@ -122,14 +123,20 @@ class Intake:
         self._stop_requested = stop_requested
         self._acks: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
-        # How many more messages the service takes now (set by the caller: its free pending
-        # slots). Entries beyond it wait in this worker's stream, as they would in the broker
-        # behind Receive Maximum, instead of being refused busy.
-        self.room: Callable[[], int] = lambda: READ_BATCH
+        # How many more messages the service takes now (its free pending slots: the worker
+        # passes service.InFlight.room). Entries beyond it wait in this worker's stream, as they
+        # would in the broker behind Receive Maximum, instead of being refused busy.
+        self.room: Callable[[], int] = room or (lambda: READ_BATCH)
 
     @classmethod
     def for_group(
-        cls, config: WorkerConfig, broker: Broker, topics: Topics, instance: str, stop_requested: Callable[[int], None]
+        cls,
+        config: WorkerConfig,
+        broker: Broker,
+        topics: Topics,
+        instance: str,
+        stop_requested: Callable[[int], None],
+        room: Callable[[], int] | None = None,
     ) -> Intake:
         """The intake of a worker instance, on the Redis of ``config`` (redis is imported here
         only: a worker without the Redis store never loads it)."""
@@ -150,6 +157,7 @@ class Intake:
             worker_lease=redis.worker_lease,
             route_to_owner=redis.route_to_owner,
             stop_requested=stop_requested,
+            room=room,
         )
 
     async def start(self) -> None:

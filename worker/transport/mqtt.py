@@ -17,7 +17,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import paho.mqtt.client as mqtt
 from loguru import logger
@@ -28,6 +28,10 @@ from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from .port import InboundMessage, PublishNotSent, PublishRefused
+
+if TYPE_CHECKING:
+    from ..config.models import WorkerConfig
+    from ..protocol.topics import Topics
 
 ONLINE = b"online"
 OFFLINE = b"offline"
@@ -55,6 +59,31 @@ class MqttSettings:
     tls_cert_file: Path | None = None
     tls_key_file: Path | None = None
     tls_insecure_skip_hostname_check: bool = False  # tests only
+
+    @classmethod
+    def from_config(cls, config: WorkerConfig, topics: Topics, worker_id: str) -> MqttSettings:
+        """The worker's connection: its [mqtt] section, with what follows from the rest of
+        the configuration (the topics it subscribes to, its status topic, Receive Maximum
+        as its pending-request limit)."""
+        mqtt = config.mqtt
+        return cls(
+            host=mqtt.host,
+            port=mqtt.port,
+            client_id=worker_id,
+            username=mqtt.username,
+            password=config.mqtt_password(),
+            keepalive=mqtt.keepalive,
+            reconnect_min_delay=mqtt.reconnect_min_delay,
+            reconnect_max_delay=mqtt.reconnect_max_delay,
+            session_expiry=mqtt.session_expiry,
+            subscriptions=tuple(topics.subscriptions(mqtt.share_group)),
+            status_topic=topics.status(worker_id),
+            receive_maximum=config.limits.max_pending_requests,
+            tls_ca_file=mqtt.tls_ca_file,
+            tls_cert_file=mqtt.tls_cert_file,
+            tls_key_file=mqtt.tls_key_file,
+            tls_insecure_skip_hostname_check=mqtt.tls_insecure_skip_hostname_check,
+        )
 
 
 def publish_packet_size(topic: str, payload_size: int, qos: int, properties_size: int) -> int:

@@ -1,0 +1,432 @@
+"""The worker's lifecycle: ``Server(config).serve()`` starts the worker, serves until told to
+stop, and stops it; the exit code. Modelled on uvicorn's ``Server`` (``serve`` → ``startup``
+/ ``main_loop`` / ``shutdown``) and hypercorn's ``worker_serve`` (a ``finally`` that cancels
+the background tasks and waits for them under a timeout).
+
+Start (``startup``), in order: one login to the broker to check it (a broker that is down, or
+refuses the login, is found in seconds instead of after minutes of loading the model); the
+import of vLLM, torch and transformers; the metrics endpoint and the session store (a port in
+use, a bad state_dir or an unreachable Redis fail before the model load); the tokenizer; the
+engine and its warm-up; then MQTT for good (in a group on Redis, the intake joins first), so
+that the retained ``online`` status means the worker can answer. Each resource goes on an
+``AsyncExitStack`` as it is opened: a start that fails at any step closes what the steps
+before it opened, in reverse order, and nothing else. A start that cannot go on (the broker,
+the metrics port, the store, the group in Redis) ends with exit code 2; an error of the
+tokenizer or the engine is raised, after the same clean-up.
+
+Stop (``shutdown``), on SIGTERM/SIGINT, an injected ``shutdown_trigger``, or a dead engine
+(exit code 1): stop receiving (a share group's member unsubscribes), let running generations
+finish up to ``drain_timeout`` (none when the engine died), publish the last stats; then the
+background tasks are cancelled and awaited, and the exit stack closes the rest in reverse
+order of opening: the intake leaves the group, ``offline`` is published and the connection
+closed, the engine shut down, the store closed, the metrics endpoint closed. A second signal
+exits at once. The signal handlers are the server's only while it runs: the previous ones
+are restored afterwards. Under systemd (``Type=notify``) each step is reported (notify.py).
+
+paho is imported at the broker check (milliseconds), vLLM in the import phase: importing this
+module imports neither (main.py sets CUDA_VISIBLE_DEVICES before vLLM may be imported).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import secrets
+import signal
+import threading
+import time
+from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from . import __version__
+from .config.loader import render_toml
+from .config.models import WorkerConfig
+from .engine.port import ServedEngine, WarmupPlan
+from .protocol.topics import Topics
+from .system.logs import route_library_logging
+from .system.notify import Notifier
+from .system.progress import start_phase
+
+if TYPE_CHECKING:
+    from .core.service import Service
+    from .intake.group import Intake
+    from .system.metrics import MetricsEndpoint
+    from .transport.mqtt import MqttSettings, MqttTransport
+
+
+HANDLED_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+# How often the worker checks that vLLM's engine is alive: a dead engine is noticed within
+# about this long also while no generation runs (a running one notices at once).
+ENGINE_CHECK_INTERVAL = 1.0
+
+# How long the stop waits for the background tasks it cancelled (consume, stats, session
+# expiry, watchdog, ...) before it closes what they use.
+TASKS_TIMEOUT = 5.0
+
+
+# Starts the engine for a configuration and the tokenizer's stop token ids.
+EngineStarter = Callable[[WorkerConfig, list[int]], Awaitable[ServedEngine]]
+
+
+async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedEngine:
+    """The worker's engine: vLLM in this process (imported by the start's import phase)."""
+    from .engine.vllm import VllmEngine
+
+    return await VllmEngine.start(
+        config.engine,
+        stop_token_ids=stop_token_ids,
+        json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
+        progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
+    )
+
+
+async def broker_accepts(
+    settings: MqttSettings,
+    check: Callable[[MqttSettings], None],
+    notifier: Notifier,
+    stop: asyncio.Event,
+    *,
+    wait: bool,
+) -> bool:
+    """Whether the broker accepted the worker's login (``check`` raises BrokerUnavailable
+    saying why not). With ``wait``, a broker that is down or unreachable is tried again with
+    the reconnect delays until it answers or ``stop`` is set; a refused login or a TLS error is
+    final either way: waiting does not change credentials or certificates."""
+    from .transport.mqtt import BrokerUnavailable
+
+    where = f"{settings.host}:{settings.port}"
+    notifier.status(f"Checking the MQTT broker at {where}")
+    delay = float(settings.reconnect_min_delay)
+    while True:
+        try:
+            await asyncio.to_thread(check, settings)
+        except BrokerUnavailable as exc:
+            if not (wait and exc.transient):
+                logger.error("Cannot use the MQTT broker: {}", exc.problem)
+                if exc.transient:
+                    logger.error(
+                        "Start the broker (or fix [mqtt] host and port) and start the worker again, "
+                        "or use --wait-for-broker to have the worker wait for it"
+                    )
+                notifier.status(f"Cannot use the MQTT broker: {exc.problem}")
+                return False
+            logger.warning("Waiting for the MQTT broker: {}; trying again in {:g} s", exc.problem, delay)
+            notifier.status(f"Waiting for the MQTT broker: {exc.problem}")
+            try:
+                await asyncio.wait_for(stop.wait(), delay)
+                return False
+            except asyncio.TimeoutError:
+                delay = min(delay * 2, float(settings.reconnect_max_delay))
+        else:
+            logger.info("MQTT broker at {} accepted the login", where)
+            return True
+
+
+def _name(task: asyncio.Future[Any]) -> str:
+    return task.get_name() if isinstance(task, asyncio.Task) else repr(task)
+
+
+async def cancel_and_wait(tasks: Collection[asyncio.Future[Any]], timeout: float) -> set[asyncio.Future[Any]]:
+    """Cancel ``tasks`` and wait up to ``timeout`` for them to end, so that what they do on
+    their way out does not overlap what the caller closes next. A task that failed earlier is
+    logged with its error. Those still running after ``timeout`` are logged at WARNING and
+    left (returned): the stop goes on without them."""
+    for task in tasks:
+        task.cancel()
+    if not tasks:
+        return set()
+    done, pending = await asyncio.wait(tasks, timeout=timeout)
+    for task in done:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            logger.opt(exception=exc).error("Background task {} failed", _name(task))
+    if pending:
+        logger.warning(
+            "{} background task(s) still running {:g} s after they were cancelled, left behind: {}",
+            len(pending),
+            timeout,
+            ", ".join(sorted(_name(task) for task in pending)),
+        )
+    return pending
+
+
+class Server:
+    """One run of the worker: ``await Server(config).serve()``, the exit code.
+
+    ``start_engine`` starts the engine once the tokenizer is loaded: vLLM unless a test
+    passes another (the steps after the engine, and a dead engine's stop, are tested without
+    the minutes a vLLM start takes). ``tasks_timeout``: how long the stop waits for the
+    background tasks it cancelled."""
+
+    def __init__(
+        self,
+        config: WorkerConfig,
+        *,
+        start_engine: EngineStarter = start_vllm,
+        tasks_timeout: float = TASKS_TIMEOUT,
+    ) -> None:
+        self.config = config
+        self.worker_id = config.effective_worker_id
+        self.topics = Topics(config.mqtt.topic_prefix)
+        self.notifier = Notifier.from_environment()
+        self.exit_code = 0
+        self.started = False  # the main loop was reached
+        self._start_engine = start_engine
+        self._tasks_timeout = tasks_timeout
+        self._started_at = time.monotonic()
+        self._stop = asyncio.Event()
+        self._engine_died = asyncio.Event()
+        self._resources = contextlib.AsyncExitStack()
+        self._tasks: list[asyncio.Future[Any]] = []
+        # Set by startup, in order.
+        self.metrics: MetricsEndpoint | None = None
+        self.engine: ServedEngine | None = None
+        self.transport: MqttTransport | None = None
+        self.intake: Intake | None = None
+        self.service: Service | None = None
+
+    # -- run ----------------------------------------------------------------------------
+
+    async def serve(self, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
+        """Run until a signal, ``shutdown_trigger`` returning, or the engine's death; the
+        exit code (0, 1 for a dead engine, 2 for a start that could not go on)."""
+        self._started_at = time.monotonic()
+        with self.capture_signals():
+            if shutdown_trigger is not None:
+                trigger = asyncio.ensure_future(shutdown_trigger())
+                trigger.add_done_callback(self._triggered)
+                self._tasks.append(trigger)
+            try:
+                if await self.startup():
+                    self.started = True
+                    await self.main_loop()
+                    await self.shutdown()
+            finally:
+                # Awaited, so nothing they do overlaps the closing below.
+                await cancel_and_wait(self._tasks, self._tasks_timeout)
+                # What startup opened, in reverse order: intake, transport, engine, store, metrics.
+                await self._resources.aclose()
+                if self.started:
+                    logger.info("Stopped (exit code {})", self.exit_code)
+        return self.exit_code
+
+    def request_stop(self, code: int = 0) -> None:
+        """Stop with at least exit code ``code``. A second request to stop without an error
+        (a second SIGTERM or Ctrl-C) exits at once."""
+        self.exit_code = max(self.exit_code, code)
+        if self._stop.is_set() and code == 0:
+            logger.warning("Second stop signal: exiting now")
+            os._exit(1)
+        self._stop.set()
+
+    def _triggered(self, trigger: asyncio.Future[None]) -> None:
+        if not trigger.cancelled():  # cancelled at the end of the run: no request to stop
+            self.request_stop()
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        """SIGTERM and SIGINT request the stop while the server runs; the handlers that were
+        there before are put back afterwards (signals reach only the main thread: elsewhere,
+        e.g. a test's thread, the server runs without)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        loop = asyncio.get_running_loop()
+        previous = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
+        for sig in HANDLED_SIGNALS:
+            loop.add_signal_handler(sig, self.request_stop)
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                loop.remove_signal_handler(sig)
+                if handler is not None:  # None: not set from Python; the loop left SIG_DFL
+                    signal.signal(sig, handler)
+
+    # -- start --------------------------------------------------------------------------
+
+    def _cannot_start(self) -> bool:
+        self.exit_code = 2
+        return False
+
+    async def startup(self) -> bool:
+        """Open everything, in order, each resource onto the exit stack. False when the start
+        cannot go on (``exit_code`` 2), or was stopped while waiting for the broker."""
+        config, notifier = self.config, self.notifier
+        logger.info(
+            "Worker {} {} starting: model {}, broker {}:{}, store {}",
+            self.worker_id,
+            __version__,
+            config.engine.model,
+            config.mqtt.host,
+            config.mqtt.port,
+            config.history.store,
+        )
+        # The whole configuration is some 80 lines: at DEBUG (--check-config prints it too).
+        logger.debug("Configuration:\n{}", render_toml(config.masked(), comments=False).rstrip())
+
+        from .transport.mqtt import MqttSettings, check_broker  # paho only: imports in milliseconds
+
+        settings = MqttSettings.from_config(config, self.topics, self.worker_id)
+        # Before the model load, which takes minutes: a broker that is down or refuses the login
+        # is found at once.
+        wait = config.mqtt.wait_for_broker or notifier.enabled
+        if not await broker_accepts(settings, check_broker, notifier, self._stop, wait=wait):
+            if self._stop.is_set():
+                logger.info("Stopped while waiting for the broker (exit code {})", self.exit_code)
+                return False
+            return self._cannot_start()
+
+        with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
+            from .engine.tokenizer import ChatTokenizer
+            from .engine.vllm import VllmEngine  # noqa: F401 - imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+            from .store import open_store
+            from .store.port import StoreError
+            from .system.metrics import LiveSources, MetricsEndpoint
+            from .transport.mqtt import MqttTransport
+
+        try:  # before the model load: a port in use fails fast
+            self.metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
+        except OSError as exc:
+            logger.error("Cannot serve metrics on {}:{}: {}", config.stats.metrics_host, config.stats.metrics_port, exc)
+            return self._cannot_start()
+        if self.metrics is not None:
+            self._resources.callback(self.metrics.close)
+        try:  # before the model load: a bad state_dir or an unreachable Redis fails fast
+            store = open_store(config.history, config.redis, config.mqtt.topic_prefix)
+        except StoreError as exc:  # locked for longer than the start waits, read-only, a newer schema
+            logger.error("Cannot use the session store: {}", exc)
+            return self._cannot_start()
+        except Exception as exc:
+            if config.history.store != "redis":
+                raise
+            logger.error("Cannot use the Redis store: {}", exc)
+            return self._cannot_start()
+        self._resources.callback(store.close)  # after the drain: every stored turn is committed
+
+        route_library_logging()
+        model = config.engine.model
+        assert model is not None
+        # The engine start holds this thread (and the event loop) until the model is loaded; it
+        # must stay on this thread: vLLM's processes die when the thread that started them ends.
+        with notifier.extending_timeout():
+            with start_phase(notifier, "Loading the tokenizer", "Tokenizer loaded", detail=model):
+                renderer = await asyncio.to_thread(ChatTokenizer, model)
+            with start_phase(notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}"):
+                engine = self.engine = await self._start_engine(config, renderer.stop_token_ids)
+            self._resources.push_async_callback(engine.shutdown)
+            # Before online: the first real burst must not wait for kernels compiled on first use.
+            plan = WarmupPlan(
+                mode=config.engine.warmup,
+                temperature=config.generation.temperature,
+                top_p=config.generation.top_p,
+                max_batch=config.engine.warmup_max_batch,
+                timeout_s=config.engine.warmup_timeout,
+            )
+            with start_phase(notifier, "Warming the engine up", "Warm-up phase over"):
+                await engine.warm_up(plan)
+        route_library_logging()
+        notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
+
+        from .core.service import InFlight, Service
+
+        transport = self.transport = MqttTransport(settings, asyncio.get_running_loop())
+        in_flight = InFlight(config.limits.max_pending_requests)
+        intake = None
+        if config.history.store == "redis":
+            from .intake.group import Intake
+
+            # One instance per start: a restart is a new one.
+            instance = f"{self.worker_id}.{secrets.token_hex(4)}"
+            intake = Intake.for_group(config, transport, self.topics, instance, self.request_stop, in_flight.room)
+        service = self.service = Service(
+            config, engine, renderer, intake or transport, self.request_stop, store, in_flight
+        )
+        if intake is not None:
+            try:
+                await intake.start()  # before the broker connection: requests are routed from the first
+            except Exception as exc:
+                logger.error("Cannot join the group in Redis: {}", exc)
+                await intake.streams.close()  # the connection pool the failed join used
+                return self._cannot_start()
+            self.intake = intake
+            self._resources.push_async_callback(intake.close)
+        if self.metrics is not None:
+            info = engine.info
+            self.metrics.attach(
+                service.stats,
+                LiveSources(
+                    engine.peek_stats,
+                    sessions=lambda: len(service.sessions),
+                    pending=lambda: service.pending,
+                    info={"version": __version__, "engine": f"{info.name} {info.version}", "model": info.model},
+                ),
+            )
+        transport.start()
+        self._resources.push_async_callback(transport.close)  # publishes offline, disconnects
+
+        self._spawn(service.consume(), "consume")
+        self._spawn(service.publish_stats_forever(), "publish stats")
+        self._spawn(service.expire_sessions_forever(), "expire sessions")
+        self._spawn(self.announce_ready(), "announce ready")
+        self._spawn(notifier.watchdog_forever(self.health), "watchdog")
+        self._spawn(self.watch_engine(), "watch engine")
+        return True
+
+    def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
+        self._tasks.append(asyncio.create_task(coro, name=name))
+
+    async def announce_ready(self) -> None:
+        assert self.transport is not None
+        config = self.config
+        await self.transport.wait_subscribed()  # a request published from now on is delivered
+        subscriptions = ", ".join(self.topics.subscriptions(config.mqtt.share_group))
+        logger.info("Listening on {} via {}:{}", subscriptions, config.mqtt.host, config.mqtt.port)
+        serving = f"Serving {config.engine.model} as {self.worker_id} via {config.mqtt.host}:{config.mqtt.port}"
+        logger.info("{} (ready {:.1f} s after start)", serving, time.monotonic() - self._started_at)
+        self.notifier.ready(serving)
+
+    def health(self) -> str | None:
+        """What is wrong, for systemd's watchdog; None while healthy."""
+        assert self.transport is not None and self.engine is not None
+        if not self.transport.loop_alive:
+            return "the MQTT network loop has stopped"
+        if not self.engine.is_alive():
+            return "the engine is dead"
+        return None
+
+    async def watch_engine(self) -> None:
+        """A dead engine stops the worker whether or not it was generating: it publishes
+        offline, leaves what it holds unacknowledged (redelivered to the restart) and exits
+        non-zero, for systemd (Restart=on-failure) to start it again."""
+        assert self.engine is not None
+        while self.engine.is_alive():
+            await asyncio.sleep(ENGINE_CHECK_INTERVAL)
+        logger.error("The engine died; stopping the worker (whatever is in flight is left for the restart)")
+        self._engine_died.set()
+        self.request_stop(1)
+
+    # -- serve and stop ------------------------------------------------------------------
+
+    async def main_loop(self) -> None:
+        """Serve: the work runs in the tasks startup spawned; this waits for the stop."""
+        await self._stop.wait()
+
+    async def shutdown(self) -> None:
+        """The graceful part of the stop; the closing follows in ``serve``."""
+        assert self.transport is not None and self.service is not None and self.engine is not None
+        config = self.config
+        logger.info("Stopping")
+        self.notifier.stopping("Stopping: finishing running generations")
+        if config.mqtt.share_group is not None:
+            # The broker gives this member's share to the others from now on (a single worker
+            # stays subscribed: its persistent session queues for its restart).
+            self.transport.unsubscribe()
+        # A dead engine finishes nothing: no grace period, the rest stays unacknowledged.
+        engine_dead = self._engine_died.is_set() or not self.engine.is_alive()
+        await self.service.drain(0 if engine_dead else config.limits.drain_timeout)
+        if config.stats.interval > 0:
+            self.service.publish_stats()
