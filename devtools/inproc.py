@@ -71,29 +71,11 @@ class LiveWorker:
 
     async def _start(self) -> None:
         topics = Topics(self.prefix)
-        mqtt = self.config.mqtt
-        settings = MqttSettings(
-            host=mqtt.host,
-            port=mqtt.port,
-            client_id=self.config.effective_worker_id,
-            username=mqtt.username,
-            password=self.config.mqtt_password(),
-            keepalive=mqtt.keepalive,
-            reconnect_min_delay=mqtt.reconnect_min_delay,
-            reconnect_max_delay=mqtt.reconnect_max_delay,
-            session_expiry=mqtt.session_expiry,
-            subscriptions=tuple(topics.subscriptions(mqtt.share_group)),
-            status_topic=topics.status(self.config.effective_worker_id),
-            receive_maximum=self.config.limits.max_pending_requests,
-            tls_ca_file=mqtt.tls_ca_file,
-            tls_cert_file=mqtt.tls_cert_file,
-            tls_key_file=mqtt.tls_key_file,
-            tls_insecure_skip_hostname_check=mqtt.tls_insecure_skip_hostname_check,
-        )
+        settings = MqttSettings.from_config(self.config, topics, self.config.effective_worker_id)
         self.transport = RecordingTransport(settings, self.loop)
         self.intake: Intake | None = None
         store: HistoryStore | None = None
-        if self.config.history.store == "redis":  # a group member on the shared store, as main.py
+        if self.config.history.store == "redis":  # a group member on the shared store, as worker/server.py
             redis = self.config.redis
             store = open_store(self.config.history, redis, self.prefix)
             instance = f"{self.config.effective_worker_id}.{next(_ids)}"
