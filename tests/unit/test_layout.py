@@ -164,3 +164,51 @@ def test_the_docs_name_only_files_that_exist() -> None:
         if not (REPO / match).is_file()
     }
     assert not missing
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(REPO).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def worker_imports(path: Path) -> set[str]:
+    """The worker modules a module imports (relative imports resolved; functions included)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package
+                target = f"{base}.{node.module}" if node.module else base
+            else:
+                target = node.module or ""
+            candidates = [target, *(f"{target}.{alias.name}" for alias in node.names)]
+        elif isinstance(node, ast.Import):
+            candidates = [alias.name for alias in node.names]
+        else:
+            continue
+        found |= {c for c in candidates if c.startswith("worker") and c != name}
+    return found
+
+
+def test_the_worker_modules_import_each_other_without_a_circle() -> None:
+    modules = {module_name(path): path for path in worker_modules()}
+    graph = {name: {m for m in worker_imports(path) if m in modules} for name, path in modules.items()}
+    graph = {name: targets - {name.rpartition(".")[0]} for name, targets in graph.items()}  # a package's face
+    circles = []
+    state: dict[str, int] = {}  # 1: on the current path, 2: done
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph[name]):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles
