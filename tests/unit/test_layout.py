@@ -5,6 +5,7 @@
 - the core, the wire types, the configuration and the ports import none of it, not even
   indirectly (checked in a fresh interpreter);
 - the shipped package imports nothing of what the wheel leaves out (devtools, tests, bench);
+- no two worker modules import each other in a circle;
 - README.md's layout table is the one devtools/layout.py generates from the docstrings.
 """
 
