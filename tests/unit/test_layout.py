@@ -6,6 +6,7 @@
   indirectly (checked in a fresh interpreter);
 - the shipped package imports nothing of what the wheel leaves out (devtools, tests, bench);
 - no two worker modules import each other in a circle;
+- the wheel ships every package of worker/ and nothing of devtools/, tests/ or bench/;
 - README.md's layout table is the one devtools/layout.py generates from the docstrings.
 """
 
@@ -21,6 +22,11 @@ from pathlib import Path
 import pytest
 
 from devtools import layout
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover
+    import tomli as tomllib
 
 REPO = Path(__file__).resolve().parents[2]
 WORKER = REPO / "worker"
@@ -213,3 +219,16 @@ def test_the_worker_modules_import_each_other_without_a_circle() -> None:
         if name not in state:
             visit(name, [name])
     assert not circles
+
+
+def test_the_wheel_ships_the_worker_and_nothing_of_development() -> None:
+    """The packages setuptools finds with pyproject.toml's rule: every package of worker/ (the
+    chat page's files included), none of devtools/, tests/ or bench/."""
+    from setuptools import find_namespace_packages
+
+    config = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
+    find = config["tool"]["setuptools"]["packages"]["find"]
+    shipped = set(find_namespace_packages(where=str(REPO), include=find["include"]))
+    wanted = {module_name(path) for path in worker_modules() if path.name == "__init__.py"}
+    assert wanted <= shipped and "worker.web.static.vendor" in shipped
+    assert not {name for name in shipped if name.split(".")[0] in UNSHIPPED}
