@@ -3,19 +3,16 @@ the recipe is what is tested), and an in-process worker that logs in as the user
 
 from __future__ import annotations
 
-import dataclasses
 import re
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from worker.transport.mqtt import MqttSettings
-
-from . import REPO, inproc
+from . import REPO
 from .inproc import LiveWorker
 from .mosquitto import Mosquitto, password_file
 
 if TYPE_CHECKING:
-    import pytest
+    pass
 
 PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret"}
 
@@ -45,13 +42,8 @@ def documented_acl_broker(tmp_path: Path, *, websockets: bool = False) -> Mosqui
     return broker
 
 
-def logged_in_worker(port: int, monkeypatch: pytest.MonkeyPatch, **sections: dict[str, Any]) -> LiveWorker:
+def logged_in_worker(port: int, **sections: dict[str, Any]) -> LiveWorker:
     """A LiveWorker on the documented topics (prefix chat, worker id gpu-1) that logs in as
     the user worker."""
-
-    def with_credentials(**settings: Any) -> MqttSettings:
-        return dataclasses.replace(MqttSettings(**settings), username="worker", password=PASSWORDS["worker"])
-
-    monkeypatch.setattr(inproc, "MqttSettings", with_credentials)
-    mqtt_section = {"topic_prefix": "chat", "worker_id": "gpu-1"} | sections.pop("mqtt", {})
-    return LiveWorker(port, engine=None, mqtt=mqtt_section, **sections)
+    login = {"topic_prefix": "chat", "worker_id": "gpu-1", "username": "worker", "password": PASSWORDS["worker"]}
+    return LiveWorker(port, engine=None, mqtt=login | sections.pop("mqtt", {}), **sections)

@@ -76,8 +76,8 @@ def acl_broker(tmp_path: Path) -> Iterator[Mosquitto]:
     broker.stop()
 
 
-def test_each_user_reaches_only_its_own_namespace(acl_broker: Mosquitto, monkeypatch: pytest.MonkeyPatch) -> None:
-    live = logged_in_worker(acl_broker.port, monkeypatch)
+def test_each_user_reaches_only_its_own_namespace(acl_broker: Mosquitto) -> None:
+    live = logged_in_worker(acl_broker.port)
     alice = UserClient(acl_broker.port, "alice", PASSWORDS["alice"])
     bob = UserClient(acl_broker.port, "bob", PASSWORDS["bob"])
     try:

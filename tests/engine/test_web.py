@@ -349,13 +349,13 @@ def acl_ws_broker(tmp_path: Path) -> Iterator[Mosquitto]:
 
 
 def test_the_page_logs_in_as_the_user_under_the_documented_acl(
-    acl_ws_broker: Mosquitto, monkeypatch: pytest.MonkeyPatch, browser: Any, page_server: str
+    acl_ws_broker: Mosquitto, browser: Any, page_server: str
 ) -> None:
     """The user's own login over WebSockets, with docs/security.md's ACL: a wrong password is
     refused and said so; alice is answered and sees the worker online; a think block is folded.
     (The worker is in-process with a scripted fake engine: the broker's side is what is
     tested here, and the page's display of reasoning, which the tiny model cannot show.)"""
-    live = logged_in_worker(acl_ws_broker.port, monkeypatch)
+    live = logged_in_worker(acl_ws_broker.port)
     try:
         assert acl_ws_broker.ws_port is not None
         open_page(browser, page_server, acl_ws_broker.ws_port, "alice", "s-" + uuid.uuid4().hex[:8])
