@@ -255,7 +255,7 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
         r"worker\.engine\.vllm: Warm-up done in \d+\.\d s: (\d+) of \1 steps, \d+ requests \(default sampling at "
         r"batch 1 to 4; ",
         r"\| INFO +\| worker\.system\.progress: Warm-up phase over in \d+\.\d s$",
-        r"worker\.transport: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
+        r"worker\.transport\.mqtt: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
         r"worker\.server: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
         r"worker\.server: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",
     ]
