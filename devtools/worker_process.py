@@ -75,6 +75,23 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    @contextlib.contextmanager
+    def engine_frozen(self) -> Iterator[None]:
+        """The worker's vLLM engine core stopped (SIGSTOP) for the block, continued after it
+        (SIGCONT, also on an error): a running generation holds still for as long as a test
+        needs, while the worker's own process (MQTT, the session queues, cancels) runs on."""
+        import psutil
+
+        cores = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
+        assert cores, "the worker has no engine core process"
+        for core in cores:
+            core.suspend()
+        try:
+            yield
+        finally:
+            for core in cores:
+                core.resume()
+
     def alive(self) -> bool:
         return self.proc.poll() is None
 

@@ -248,48 +248,45 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
     assert prompt_tokens[0] < prompt_tokens[1] < prompt_tokens[2]
     assert grew, "no reply was seen growing"
 
-    # Cancel. Long replies of the test's own client keep the session busy, so the page's
-    # request waits behind them and the page's Cancel reaches the worker while that request is
-    # in flight. (While the CPU engine generates, headless Chromium on 2 busy cores
-    # at times acts on a click only seconds later: a tiny-model reply of 1000 tokens takes
-    # about 2.5 s. Cancelling a running generation is tested in test_e2e.py and test_chat.py.)
-    busy = [f"busy-{i}" for i in range(3)]
-    for other in busy:
-        request = {"message": "Busy.", "maxTokens": 1000, "requestId": other, "stream": True}
-        client.publish(f"chat/{user}/{session}/request", request)
-    # The first of them generating: the page's request will wait behind it and the others.
-    client.wait_for(lambda m: m.topic == f"chat/{user}/{session}/stream" and m.json()["requestId"] == busy[0])
-    request_id = send(browser, "Now a very long story, please.", 1000)
+    # Cancel. A request of the test's own client, sent first, holds the session, so the page's
+    # request waits behind it and the page's Cancel reaches the worker while that request is
+    # in flight. The engine is frozen meanwhile, so the hold lasts as long as the browser
+    # needs: headless Chromium on 2 busy cores at times took longer to type and click than a
+    # tiny-model reply of 1000 tokens takes (about 2.5 s), and the page's request then ran to
+    # its end before its cancel. The publish waits for the broker's PUBACK: the worker gets the
+    # busy request before the page's. (Cancelling a running generation is tested in
+    # test_e2e.py and test_chat.py.)
+    busy = "busy"
+    with shared_worker.engine_frozen():
+        client.publish(f"chat/{user}/{session}/request", {"message": "Busy.", "maxTokens": 1000, "requestId": busy})
+        request_id = send(browser, "Now a very long story, please.", 1000)
 
-    def cancel_taken(driver: Any) -> bool:
-        """Clicked until the page shows the turn cancelling: a loaded headless Chromium can
-        lose a click (the request is held by the busy ones meanwhile, so nothing is missed)."""
-        if last_turn(driver)["meta"] == "cancelling…":
-            return True
-        button = driver.find_element("id", "cancel")
-        if button.is_enabled():
-            button.click()
-        return False
+        def cancel_taken(driver: Any) -> bool:
+            """Clicked until the page shows the turn cancelling: a loaded headless Chromium can
+            lose a click (the request is held behind the busy one meanwhile)."""
+            if last_turn(driver)["meta"] == "cancelling…":
+                return True
+            button = driver.find_element("id", "cancel")
+            if button.is_enabled():
+                button.click()
+            return False
 
-    wait(browser, cancel_taken, "the page to take the cancel", timeout=60)
-    # The busy requests go only once the worker has the page's cancel (its log names the
-    # request by log_ref): cancelled before, they could let the page's request run to its end
-    # while the page's cancel is still on its way from a slow browser.
-    ref = log_ref(request_id)
-    deadline = time.monotonic() + 60
-    while not re.search(rf"Cancel(?:ling (?:running|queued) request| for) {ref}", shared_worker.log()):
-        assert time.monotonic() < deadline, "the worker never got the page's cancel"
-        time.sleep(0.05)
-    assert f"Cancel for {ref}" not in shared_worker.log(), "the page's cancel came before its request"
-    for other in busy:  # not needed any more
-        client.publish(f"chat/{user}/{session}/control", {"action": "cancel", "requestId": other})
+        wait(browser, cancel_taken, "the page to take the cancel", timeout=60)
+        # The worker has the page's cancel (its log names the request by log_ref) while the
+        # request still waits for its turn.
+        ref = log_ref(request_id)
+        deadline = time.monotonic() + 60
+        while not re.search(rf"Cancel(?:ling (?:running|queued) request| for) {ref}", shared_worker.log()):
+            assert time.monotonic() < deadline, "the worker never got the page's cancel"
+            time.sleep(0.05)
+        assert f"Cancel for {ref}" not in shared_worker.log(), "the page's cancel came before its request"
+    client.publish(f"chat/{user}/{session}/control", {"action": "cancel", "requestId": busy})  # not needed any more
     shown = finished(browser, request_id)
     reply = worker_reply(client, user, session, request_id)
     assert shown["finishReason"] == reply["finishReason"] == "cancelled", shown["meta"]
     assert reply["usage"]["completionTokens"] < 1000 and shown["reply"] == reply["reply"]
     assert not browser.find_element("id", "cancel").is_enabled()
-    for other in busy:
-        worker_reply(client, user, session, other)
+    worker_reply(client, user, session, busy)
 
     # An error shows its code.
     request_id = send(browser, "Too many tokens.", 5000)
