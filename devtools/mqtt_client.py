@@ -15,7 +15,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from worker.transport.mqtt import set_tcp_nodelay
+from worker.transport.mqtt import MqttSettings, set_tcp_nodelay
 
 
 @dataclass
@@ -97,3 +97,22 @@ def asking(response_topic: str, correlation: bytes) -> Properties:
     props.ResponseTopic = response_topic
     props.CorrelationData = correlation
     return props
+
+
+def probe_settings(port: int, **overrides: Any) -> MqttSettings:
+    """The worker's MQTT settings for a short-lived probe of a test broker (a login check, a
+    TLS handshake): its own client id, no session kept, subscribed to probe/#."""
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": port,
+        "client_id": f"probe-{time.monotonic_ns()}",
+        "username": None,
+        "password": None,
+        "keepalive": 30,
+        "reconnect_min_delay": 1,
+        "reconnect_max_delay": 1,
+        "session_expiry": 0,
+        "subscriptions": ("probe/#",),
+        "status_topic": "probe/status",
+    }
+    return MqttSettings(**(base | overrides))

@@ -20,6 +20,7 @@ import pytest
 from loguru import logger
 
 from devtools.mosquitto import Mosquitto, password_file
+from devtools.mqtt_client import probe_settings
 from devtools.net import free_port
 from devtools.pki import Pki, make_pki, tls_listener
 from devtools.systemd import NotifyListener
@@ -62,23 +63,6 @@ def locked_broker(tmp_path_factory: pytest.TempPathFactory, pki: Pki) -> Iterato
     broker.stop()
 
 
-def settings(port: int, **kw: object) -> MqttSettings:
-    base: dict[str, object] = {
-        "host": "127.0.0.1",
-        "port": port,
-        "client_id": f"check-{time.monotonic_ns()}",
-        "username": None,
-        "password": None,
-        "keepalive": 30,
-        "reconnect_min_delay": 1,
-        "reconnect_max_delay": 1,
-        "session_expiry": 0,
-        "subscriptions": ("probe/#",),
-        "status_topic": "probe/status",
-    }
-    return MqttSettings(**(base | kw))  # type: ignore[arg-type]
-
-
 def problem(s: MqttSettings, timeout: float = 5) -> BrokerUnavailable:
     with pytest.raises(BrokerUnavailable) as exc:
         check_broker(s, timeout)
@@ -87,32 +71,32 @@ def problem(s: MqttSettings, timeout: float = 5) -> BrokerUnavailable:
 
 def test_the_check_says_what_is_wrong(locked_broker: tuple[Mosquitto, int, int], pki: Pki) -> None:
     broker, tls_port, mtls_port = locked_broker
-    down = problem(settings(free_port()))  # nothing listens there
+    down = problem(probe_settings(free_port()))  # nothing listens there
     assert down.transient and "refused: no broker listens there" in down.problem, down.problem
 
-    wrong = problem(settings(broker.port, username="worker", password="wrong-pass"))
+    wrong = problem(probe_settings(broker.port, username="worker", password="wrong-pass"))
     assert not wrong.transient, wrong.problem
     # mosquitto 2.0.11 answers a wrong password with "Not authorized" (MQTT 5 has both codes).
     assert "refused the login: Not authorized; check mqtt.username and the password" in wrong.problem
     assert "wrong-pass" not in wrong.problem
-    anonymous = problem(settings(broker.port))
+    anonymous = problem(probe_settings(broker.port))
     assert not anonymous.transient and "refused the login: Not authorized" in anonymous.problem
 
-    other_ca = problem(settings(tls_port, tls_ca_file=pki.other_ca))
+    other_ca = problem(probe_settings(tls_port, tls_ca_file=pki.other_ca))
     assert not other_ca.transient and "TLS: the broker's certificate" in other_ca.problem, other_ca.problem
     assert "is not accepted (" in other_ca.problem and "check mqtt.tls_ca_file" in other_ca.problem
-    plain_to_tls = problem(settings(tls_port))  # no tls_ca_file: an MQTT CONNECT to a TLS listener
+    plain_to_tls = problem(probe_settings(tls_port))  # no tls_ca_file: an MQTT CONNECT to a TLS listener
     assert "closed the connection without answering the login" in plain_to_tls.problem, plain_to_tls.problem
     assert "a TLS port (then set mqtt.tls_ca_file)" in plain_to_tls.problem
-    no_certificate = problem(settings(mtls_port, tls_ca_file=pki.ca))  # the broker wants a client's
+    no_certificate = problem(probe_settings(mtls_port, tls_ca_file=pki.ca))  # the broker wants a client's
     assert not no_certificate.transient, no_certificate.problem
     assert "ended the TLS connection before the login" in no_certificate.problem, no_certificate.problem
     assert "mqtt.tls_cert_file" in no_certificate.problem
 
     # The right login, and the right CA, pass; the check leaves no session behind (a clean
     # start with no expiry) and its own client id, never the worker's.
-    check_broker(settings(broker.port, username="worker", password="right-pass", client_id="w1"))
-    check_broker(settings(tls_port, tls_ca_file=pki.ca, username="worker", password="right-pass"))
+    check_broker(probe_settings(broker.port, username="worker", password="right-pass", client_id="w1"))
+    check_broker(probe_settings(tls_port, tls_ca_file=pki.ca, username="worker", password="right-pass"))
     deadline = time.monotonic() + 5
     while "Client w1-check disconnected" not in broker.log.read_text():
         assert time.monotonic() < deadline, broker.log.read_text()[-2000:]
@@ -124,7 +108,7 @@ def test_a_port_that_accepts_and_never_answers_is_told_apart() -> None:
     with socket.socket() as silent:
         silent.bind(("127.0.0.1", 0))
         silent.listen()
-        found = problem(settings(silent.getsockname()[1]), timeout=0.5)
+        found = problem(probe_settings(silent.getsockname()[1]), timeout=0.5)
     assert found.transient and "did not answer the login within 0.5 s" in found.problem, found.problem
 
 
@@ -217,7 +201,7 @@ def test_paho_errors_while_the_broker_is_away_are_plain_warnings(tmp_path: Path)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    transport = MqttTransport(settings(broker.port), loop)
+    transport = MqttTransport(probe_settings(broker.port), loop)
     try:
         transport.start()
         deadline = time.monotonic() + 10

@@ -25,10 +25,10 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto, password_file
-from devtools.mqtt_client import Client
+from devtools.mqtt_client import Client, probe_settings
 from devtools.net import free_port
 from devtools.pki import Pki, make_pki, tls_listener
-from worker.transport.mqtt import MqttSettings, MqttTransport
+from worker.transport.mqtt import MqttTransport
 
 
 @pytest.fixture(scope="module")
@@ -94,19 +94,7 @@ def watch_connect(settings: dict[str, Any], seconds: float = 3) -> tuple[bool, s
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    base: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "client_id": f"tls-probe-{time.monotonic_ns()}",
-        "username": None,
-        "password": None,
-        "keepalive": 30,
-        "reconnect_min_delay": 1,
-        "reconnect_max_delay": 1,
-        "session_expiry": 0,
-        "subscriptions": ("probe/#",),
-        "status_topic": "probe/status",
-    }
-    transport = MqttTransport(MqttSettings(**(base | settings)), loop)
+    transport = MqttTransport(probe_settings(**settings), loop)
     try:
         transport.start()
         connected = False
