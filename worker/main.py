@@ -1,8 +1,8 @@
 """Entry point: configuration, logging, the process's environment, then the worker's run.
 
-``main`` loads the configuration (cli.py), configures logging, sets CUDA_VISIBLE_DEVICES
+``main`` loads the configuration (config/loader.py), configures logging, sets CUDA_VISIBLE_DEVICES
 before anything imports vLLM or torch, makes the engine's processes die with the worker
-(children.py), and runs ``server.Server`` on an asyncio loop: the start and stop order, the
+(system/children.py), and runs ``server.Server`` on an asyncio loop: the start and stop order, the
 signals and the exit codes are described there. paho and vLLM are not imported here: the
 server imports paho for the broker check and vLLM after it.
 """
@@ -13,7 +13,7 @@ import argparse
 import asyncio
 import os
 import sys
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 
 from loguru import logger
 
@@ -44,7 +44,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     expect_children()  # before vLLM is imported: its processes then die with this one
     try:
-        return asyncio.run(serve(config))
+        return asyncio.run(Server(config).serve())
     except KeyboardInterrupt:  # a second Ctrl-C
         return 130
     finally:
@@ -70,8 +70,3 @@ def warn_about_command_line_secrets(args: argparse.Namespace) -> None:
             "The MQTT password was given on the command line, where ps shows it: "
             "use --mqtt-password-file or WORKER_MQTT_PASSWORD instead"
         )
-
-
-async def serve(config: WorkerConfig, shutdown_trigger: Callable[[], Awaitable[None]] | None = None) -> int:
-    """Run the worker until a signal or ``shutdown_trigger`` returns; the exit code (server.py)."""
-    return await Server(config).serve(shutdown_trigger)

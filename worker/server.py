@@ -21,7 +21,7 @@ background tasks are cancelled and awaited, and the exit stack closes the rest i
 order of opening: the intake leaves the group, ``offline`` is published and the connection
 closed, the engine shut down, the store closed, the metrics endpoint closed. A second signal
 exits at once. The signal handlers are the server's only while it runs: the previous ones
-are restored afterwards. Under systemd (``Type=notify``) each step is reported (notify.py).
+are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
 
 paho is imported at the broker check (milliseconds), vLLM in the import phase: importing this
 module imports neither (main.py sets CUDA_VISIBLE_DEVICES before vLLM may be imported).
