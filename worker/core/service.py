@@ -71,10 +71,6 @@ class InFlight:
         self.limit = limit  # limits.max_pending_requests
         self.tasks: set[asyncio.Task[None]] = set()
 
-    @property
-    def pending(self) -> int:
-        return len(self.tasks)
-
     def room(self) -> int:
         return self.limit - len(self.tasks)
 
@@ -102,7 +98,6 @@ class Service:
         self.rate_limiter = RateLimiter(config.limits.max_requests_per_user_per_minute)
         self._tasks: set[asyncio.Task[None]] = set()
         self.in_flight = in_flight if in_flight is not None else InFlight(config.limits.max_pending_requests)
-        self._requests = self.in_flight.tasks  # of _tasks: requests in flight
         self._stop_requested = stop_requested
         self._draining = False
         self._failures: dict[str, int] = {}  # intake entry -> failed dispatches
@@ -120,7 +115,7 @@ class Service:
 
     @property
     def pending(self) -> int:
-        return len(self._requests)
+        return len(self.in_flight.tasks)
 
     # -- main loops ---------------------------------------------------------------------
 
@@ -237,12 +232,12 @@ class Service:
         task = asyncio.ensure_future(coro)
         self._tasks.add(task)
         if request:
-            self._requests.add(task)
+            self.in_flight.tasks.add(task)
         task.add_done_callback(self._task_done)
 
     def _task_done(self, task: asyncio.Task[None]) -> None:
         self._tasks.discard(task)
-        self._requests.discard(task)
+        self.in_flight.tasks.discard(task)
         if not task.cancelled():
             exc = task.exception()
             if exc is not None and not isinstance(exc, EngineDead):
