@@ -11,9 +11,13 @@ import subprocess
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from . import REPO
 from .mqtt_client import Client
+
+if TYPE_CHECKING:
+    import psutil
 
 BLOCK_SIZE = 32
 
@@ -75,15 +79,21 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
-    @contextlib.contextmanager
-    def engine_frozen(self) -> Iterator[None]:
-        """The worker's vLLM engine core stopped (SIGSTOP) for the block, continued after it
-        (SIGCONT, also on an error): a running generation holds still for as long as a test
-        needs, while the worker's own process (MQTT, the session queues, cancels) runs on."""
+    def engine_cores(self) -> list[psutil.Process]:
+        """The worker's vLLM engine core process(es): what a test freezes (SIGSTOP) or kills."""
         import psutil
 
-        cores = [p for p in psutil.Process(self.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
-        assert cores, "the worker has no engine core process"
+        children = psutil.Process(self.proc.pid).children(recursive=True)
+        cores = [p for p in children if "EngineCore" in p.name()]
+        assert cores, f"the worker has no engine core process: {[p.name() for p in children]}"
+        return cores
+
+    @contextlib.contextmanager
+    def engine_frozen(self) -> Iterator[None]:
+        """The worker's engine core stopped (SIGSTOP) for the block, continued after it
+        (SIGCONT, also on an error): a running generation holds still for as long as a test
+        needs, while the worker's own process (MQTT, the session queues, cancels) runs on."""
+        cores = self.engine_cores()
         for core in cores:
             core.suspend()
         try:

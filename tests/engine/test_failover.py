@@ -124,11 +124,7 @@ def test_a_killed_owners_unanswered_request_is_answered_once_by_the_other_worker
         # "once its first tokens are out", a loaded machine let it finish the 1000 tokens first
         # now and then, and the survivor answered from the store.) Turn 3 is sent after the
         # kill, before anyone has noticed: it goes to the dead owner's stream too.
-        engine = [
-            p for p in psutil.Process(members[owner].proc.pid).children(recursive=True) if "EngineCore" in p.name()
-        ]
-        assert engine, "vLLM's engine core runs in a child process"
-        for process in engine:
+        for process in members[owner].engine_cores():
             process.suspend()
         sender.publish(request_topic, request(2, maxTokens=1000, stream=True))
         time.sleep(1)  # routed to the owner's stream and read (had it not been, the result is the same)

@@ -351,12 +351,6 @@ def replies_to(watcher: Client, where: tuple[str, str, str], settle: float) -> l
     return found
 
 
-def engine_core_of(worker: WorkerProcess) -> psutil.Process:
-    cores = [p for p in psutil.Process(worker.proc.pid).children(recursive=True) if "EngineCore" in p.name()]
-    assert cores, [p.name() for p in psutil.Process(worker.proc.pid).children(recursive=True)]
-    return cores[0]
-
-
 def pending_requests(metrics_port: int) -> float:
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
         text = response.read().decode()
@@ -375,7 +369,7 @@ def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered
     # Idle: no generation runs when the engine core dies (killed, as the OOM killer would).
     idle = serving_worker()
     wait_status(watcher, b"online", timeout=30)
-    engine_core_of(idle).kill()
+    idle.engine_cores()[0].kill()
     assert idle.proc.wait(60) == 1, idle.log()[-3000:]  # for systemd to restart it
     wait_status(watcher, b"offline", timeout=10)
     assert "The engine died" in idle.log(), idle.log()[-3000:]
@@ -387,7 +381,7 @@ def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered
     busy = start_worker(tiny_model, broker, logs / "engine-death.log", extra=("--metrics-port", str(metrics)))
     workers.append(busy)
     wait_log(busy, "Serving ", timeout=300)
-    core = engine_core_of(busy)
+    core = busy.engine_cores()[0]
     core.suspend()
     sender = Client(broker.port, [])
     sender.publish(topic_of(ENGINE_DEATH, "request"), {"message": "hi", "maxTokens": 8, "requestId": ENGINE_DEATH[2]})
