@@ -16,7 +16,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.core.history import ChatMessage
+from worker.session import ChatMessage
 
 REPO = Path(__file__).resolve().parent.parent
 

@@ -282,7 +282,7 @@ class Server:
 
         with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
             from .engine.tokenizer import ChatTokenizer
-            from .engine.vllm import VllmEngine  # noqa: F401 - imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+            from .engine.vllm import tool_support  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
             from .store import open_store
             from .store.port import StoreError
             from .system.metrics import LiveSources, MetricsEndpoint
@@ -315,6 +315,11 @@ class Server:
         with notifier.extending_timeout():
             with start_phase(notifier, "Loading the tokenizer", "Tokenizer loaded", detail=model):
                 renderer = await asyncio.to_thread(ChatTokenizer, model)
+            try:
+                tools = tool_support(config.engine.tool_parser, renderer, model)
+            except ValueError as exc:  # a tool_parser vLLM does not have
+                logger.error("Cannot use tool_parser {!r}: {}", config.engine.tool_parser, exc)
+                return self._cannot_start()
             with start_phase(notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}"):
                 engine = self.engine = await self._start_engine(config, renderer.stop_token_ids)
             self._resources.push_async_callback(engine.shutdown)
@@ -343,7 +348,7 @@ class Server:
             instance = f"{self.worker_id}.{secrets.token_hex(4)}"
             intake = Intake.for_group(config, transport, self.topics, instance, self.request_stop, in_flight.room)
         service = self.service = Service(
-            config, engine, renderer, intake or transport, self.request_stop, store, in_flight
+            config, engine, renderer, intake or transport, self.request_stop, store, in_flight, tools
         )
         if intake is not None:
             try:

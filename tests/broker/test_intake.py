@@ -19,8 +19,8 @@ from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.redis_server import RedisServer
-from worker.core.history import SessionHistory, Turn
 from worker.intake.streams import RedisStreams
+from worker.session import SessionHistory, Turn
 from worker.store.redis import RedisStore
 
 _groups = itertools.count()
@@ -144,7 +144,7 @@ def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
 
         assert slow.call(take_over()) == 1
         RedisStore(redis_server.url, prefix, 3600).save(
-            "ann/s", SessionHistory(None, [Turn("r", "long", "x")]), "r", first
+            "ann/s", SessionHistory(None, [Turn.plain("r", "long", "x")]), "r", first
         )
         reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30)
         assert reply.payload == first

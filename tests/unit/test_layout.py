@@ -71,7 +71,9 @@ PURE = [
     "worker.engine.port",
     "worker.transport.port",
     "worker.store.port",
-    "worker.store.cache",
+    "worker.core.sessions",
+    "worker.core.tools",
+    "worker.session",
     "worker.store.memory",
     "worker.intake.group",
 ]
@@ -232,3 +234,40 @@ def test_the_wheel_ships_the_worker_and_nothing_of_development() -> None:
     wanted = {module_name(path) for path in worker_modules() if path.name == "__init__.py"}
     assert wanted <= shipped and "worker.web.static.vendor" in shipped
     assert not {name for name in shipped if name.split(".")[0] in UNSHIPPED}
+
+
+def package_of(module: str) -> str:
+    """worker.core.turns -> worker.core; a top-level module (worker.session) is its own unit."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_package_imports_one_that_depends_on_it() -> None:
+    """Between packages (worker.core, worker.store, worker.engine, ...) imports point one way:
+    the session's data types live in worker.session, which imports none of them, so the store
+    and the engine adapters need not import the core that uses them."""
+    modules = {module_name(path): path for path in worker_modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        source = package_of(name)
+        targets = {package_of(m) for m in worker_imports(path) if m in modules or m.rpartition(".")[0] in modules}
+        graph.setdefault(source, set()).update(t for t in targets if t not in (source, "worker"))
+    order: list[str] = []
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+        order.append(name)
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles
+    assert "worker.core" not in graph["worker.store"] | graph["worker.engine"]

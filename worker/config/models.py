@@ -226,6 +226,13 @@ class EngineConfig(Section):
         ge=0,
     )
     seed: int = opt(0, "Engine random seed.", flag="--seed")
+    tool_parser: str = opt(
+        "auto",
+        "vLLM tool-call parser for the model's replies: auto (chosen from the chat template: hermes for "
+        "<tool_call> templates such as Qwen2.5, QwQ and Qwen3, llama3_json for Llama 3.x), none (no tool "
+        "calling), or a vLLM parser name.",
+        flag="--tool-parser",
+    )
     extra: dict[str, Any] = opt(
         {},
         "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
@@ -354,6 +361,12 @@ class LimitsConfig(Section):
     )
     max_message_tokens: int = opt(
         4096, "Largest user message in tokens; above it too_long.", flag="--max-message-tokens", ge=1
+    )
+    max_tool_result_bytes: int = opt(
+        16384,
+        "Largest tool result (one toolResults entry's content) in bytes; above it too_large.",
+        flag="--max-tool-result-bytes",
+        ge=1,
     )
     max_pending_requests: int = opt(
         1024,

