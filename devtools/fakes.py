@@ -19,7 +19,7 @@ from typing import Any
 from worker.config.models import WorkerConfig
 from worker.core.history import Tools
 from worker.core.service import Service
-from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate, ToolSupport
 from worker.protocol.messages import log_ref
 from worker.session import ChatMessage
 from worker.store.port import HistoryStore
@@ -166,6 +166,7 @@ class Harness:
         *,
         store: HistoryStore | None = None,
         history: dict[str, Any] | None = None,
+        tools: ToolSupport | None = None,
         **limits: Any,
     ) -> None:
         config = WorkerConfig.model_validate(
@@ -180,7 +181,9 @@ class Harness:
         self.engine = FakeEngine()
         self.transport = MemoryTransport()
         self.stop_codes: list[int] = []
-        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store)
+        self.service = Service(
+            config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store, tools=tools
+        )
 
     async def run_until(self, condition: Any, timeout: float = 10) -> None:
         consumer = asyncio.ensure_future(self.service.consume())
