@@ -279,9 +279,10 @@ def report(results: dict[str, Any]) -> str:
         ]
         lines += ["|---|---|---|---|"]
         for batch, row in results["forced"].items():
+            free, forced = row["free text"], row["forced call"]
             lines.append(
-                f"| {batch} | {row['free text']['ms_per_token_p50']} ({row['free text']['tokens_p50']} tok) | "
-                f"{row['forced call']['ms_per_token_p50']} ({row['forced call']['tokens_p50']} tok) | **{row['ratio']}** |"
+                f"| {batch} | {free['ms_per_token_p50']} ({free['tokens_p50']} tok) | "
+                f"{forced['ms_per_token_p50']} ({forced['tokens_p50']} tok) | **{row['ratio']}** |"
             )
         lines.append("")
     if "round" in results:
