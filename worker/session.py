@@ -109,9 +109,7 @@ class Turn:
     @property
     def assistant(self) -> str:
         """The turn's last assistant text (its answer, once the turn is closed)."""
-        return next(
-            (str(m.get("content") or "") for m in reversed(self.messages) if m.get("role") == "assistant"), ""
-        )
+        return next((str(m.get("content") or "") for m in reversed(self.messages) if m.get("role") == "assistant"), "")
 
     def pending_calls(self) -> list[ToolCall]:
         """The calls of the turn's last tool round that have no result yet ([]: not open)."""

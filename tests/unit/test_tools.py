@@ -311,6 +311,16 @@ def test_forced_calls_open_with_the_native_markup_and_a_schema(harness: Harness)
     assert request.prompt_token_ids[-len(prompt) :] == prompt
 
 
+def test_a_forced_call_with_a_raw_control_character_still_parses(harness: Harness) -> None:
+    """Seen on the GPU: the grammar lets a raw control character into a JSON string."""
+    h = harness
+    scripted(h, "c1", '{"name":"get_weather","arguments":{"city":"Ro\x10me","unit":"c"}}')  # a raw U+0010
+    choice = {"type": "function", "function": {"name": "get_weather"}}
+    (reply,) = run(h, "c", {"message": "Go", "requestId": "c1", "tools": [WEATHER], "toolChoice": choice})
+    assert reply["finishReason"] == "tool_calls", reply
+    assert json.loads(reply["toolCalls"][0]["function"]["arguments"])["city"] == "Ro\x10me"
+
+
 BAD = [
     ({"message": "x", "tools": {"type": "function"}}, "invalid_request", "'tools'"),
     ({"message": "x", "tools": [WEATHER, WEATHER]}, "invalid_request", "declared twice"),

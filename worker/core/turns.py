@@ -62,6 +62,7 @@ from .tools import (
     apply_results,
     check_calls,
     close_unanswered,
+    escape_raw_controls,
     forced_call_schema,
     plan_tools,
     rounds_in,
@@ -314,7 +315,7 @@ class TurnRunner:
         )
         if plan.forced:
             assert parser is not None and parser.format is not None
-            answer = parser.format.open + outcome.text + parser.format.close
+            answer = parser.format.open + escape_raw_controls(outcome.text) + parser.format.close
         elif sampling.structured is None:
             answer, reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
             if request.include_reasoning:
