@@ -22,6 +22,7 @@ encodes, so the loop goes on streaming meanwhile.
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -36,6 +37,7 @@ Tools = Sequence[dict[str, Any]] | None
 NO_ARGS = {"type": "object", "properties": {}}
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 SEGMENT_CACHE_SIZE = 8192
+TOOLS_CACHE_SIZE = 64
 _SELF_CHECK = [
     {"role": "system", "content": "You are terse.  Ünïcödé, 数字 123, emoji 🙂\n\n  spaces "},
     {"role": "user", "content": "<think>not really</think> hello\tworld\r\n"},
@@ -75,6 +77,7 @@ class ChatTokenizer:
         pattern = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
         self._splitter = re.compile(f"({pattern})") if pattern else None
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
+        self._tools_cache: OrderedDict[str, Any] = OrderedDict()
         self._cache_segments = self._splitter is not None and self._segmented_matches_whole()
         if not self._cache_segments:
             logger.info("Tokenizer of {}: encoding whole prompts (segment cache does not match it)", model)
@@ -101,11 +104,25 @@ class ChatTokenizer:
     def _template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
         text = self._tokenizer.apply_chat_template(
             self.defuse(messages),
-            tools=self.defuse_value(list(tools)) if tools else None,
+            tools=self._defused_tools(tools) if tools else None,
             add_generation_prompt=add_generation_prompt,
             tokenize=False,
         )
         return str(text)
+
+    def _defused_tools(self, tools: Sequence[dict[str, Any]]) -> Any:
+        """The tools, defused, from a small cache keyed by their JSON text: a session's tools
+        are the same request after request, and walking 20 tools' schemas cost 0.5 ms per render
+        (three renders a request) against 0.1 ms for their JSON text."""
+        key = json.dumps(tools, sort_keys=True, ensure_ascii=False)
+        defused = self._tools_cache.get(key)
+        if defused is None:
+            defused = self._tools_cache[key] = self.defuse_value(list(tools))
+            if len(self._tools_cache) > TOOLS_CACHE_SIZE:
+                self._tools_cache.popitem(last=False)
+        else:
+            self._tools_cache.move_to_end(key)
+        return defused
 
     def defuse(self, messages: Sequence[ChatMessage]) -> list[ChatMessage]:
         """The messages with every special token in their text made plain text (see __init__):
