@@ -68,7 +68,7 @@ def real_worker(
         [
             "--model",
             str(real_model),
-            # This model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
+            # This model goes astray in vLLM's bfloat16 on the CPU (worker/prepare_model.py).
             "--dtype",
             "float32",
             "--enforce-eager",
