@@ -68,7 +68,10 @@ def real_model() -> Path:
     and transformers memory goes with it."""
     target = REPO / ".cache" / "models" / "smollm2-135m-instruct"
     done = subprocess.run(
-        [sys.executable, "-m", "worker.prepare_model", "smollm2", str(target)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "worker.prepare_model", "smollm2", str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         pytest.fail(f"preparing the real model failed:\n{done.stderr[-3000:]}")

@@ -52,8 +52,9 @@ def shared_worker(
             "4",
         ],
         log,
+        status=(broker.port, "chat/_worker/shared/status"),
     )
-    with serving(worker, broker.port, "chat/_worker/shared/status"):
+    with serving(worker):
         yield worker
 
 
@@ -94,6 +95,7 @@ def real_worker(
             str(workdir / "state"),
         ],
         workdir / "worker.log",
+        status=(broker.port, f"{REAL_PREFIX}/_worker/real/status"),
     )
-    with serving(worker, broker.port, f"{REAL_PREFIX}/_worker/real/status"):
+    with serving(worker):
         yield worker
