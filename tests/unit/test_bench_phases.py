@@ -1,4 +1,4 @@
-"""The benchmark's --phases (python -m bench, python -m bench.multigpu): a name that is no phase
+"""The benchmark's --phases (python -m bench, bench.multigpu, bench.tools): a name that is no phase
 (a typo) ends the command before anything starts, with the valid names; it is never skipped
 as if it had run."""
 
@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from bench import harness, multigpu
+from bench import harness, multigpu, tools
 from bench.common import phase_list
 
 
@@ -24,11 +25,25 @@ def test_an_unknown_phase_is_refused_with_the_valid_ones(tmp_path: Path, capsys:
     assert not out.exists(), "nothing starts: no output directory, no model, no broker"
 
 
-def test_an_unknown_several_gpu_phase_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(
+    ("main", "args", "error"),
+    [
+        (multigpu.main, ["--phases", "single,pd"], "unknown phase 'pd'; the phases are: single, dp, tp"),
+        (
+            tools.main,
+            ["--model", "m", "--phases", "prefix,forcd"],
+            "unknown phase 'forcd'; the phases are: prefix, forced, round, parse",
+        ),
+    ],
+)
+def test_the_other_benchmarks_refuse_an_unknown_phase(
+    main: Any, args: list[str], error: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     with pytest.raises(SystemExit) as refused:
-        multigpu.main(["--out", str(tmp_path / "out"), "--phases", "single,pd"])
+        main(["--out", str(tmp_path / "out"), *args])
     assert refused.value.code == 2
-    assert "unknown phase 'pd'; the phases are: single, dp, tp" in capsys.readouterr().err
+    assert error in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
 
 
 def test_phases_are_read_in_order_and_an_empty_list_is_refused() -> None:
