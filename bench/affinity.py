@@ -1,7 +1,7 @@
 """What session affinity is worth: two workers of one share group on the shared Redis store,
 with and without routing each request to its session's owner (issue 7, point 2).
 
-    python -m bench.affinity --out docs/benchmarks/affinity      # CPU engine, tiny model
+    python -m bench.affinity --out bench/results/affinity      # CPU engine, tiny model
 
 mosquitto hands a group's requests round robin, so without the owner routing a session's turns
 alternate between the workers, and a turn finds in its worker's prefix cache only what that

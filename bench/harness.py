@@ -1,6 +1,6 @@
 """The benchmark: one command, resumable phases, JSON per phase, then a report.
 
-    python -m bench --profile cpu --out docs/benchmarks/cpu            # here, tiny model
+    python -m bench --profile cpu --out bench/results/cpu            # here, tiny model
     python -m bench --profile gpu --geometry qwen2.5-7b --out OUT     # on the GPU machine
 
 Phases (each writes OUT/<phase>.json and is skipped when that file exists, so a run that does

@@ -1,6 +1,6 @@
 """Many workers, one broker: a load test of the MQTT side with an engine that costs nothing.
 
-    python -m bench.scale --out docs/benchmarks/scale --workers 10,50,100 --rates 250,500,1000,2000
+    python -m bench.scale --out bench/results/scale --workers 10,50,100 --rates 250,500,1000,2000
 
 N simulated workers (the real Service and MqttTransport, each its own MQTT client, client id and
 status topic, all in one share group: ``$share/<group>/<prefix>/+/+/request``) run in a few

@@ -21,7 +21,7 @@ Modules:
 - ``inproc``: the worker's own parts (worker/wiring.py) on a thread's event loop (fake engine)
 - ``acl``: mosquitto with users and the topic ACL of docs/security.md
 - ``chat_terminal``: the chat client (``python -m worker.chat``) in a pseudo-terminal
-- ``layout``: README.md's layout table from the docstrings (``python -m devtools.layout --write``)
+- ``layout``: docs/architecture.md's layout table from the docstrings (``python -m devtools.layout --write``)
 """
 
 from __future__ import annotations

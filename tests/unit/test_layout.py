@@ -7,7 +7,7 @@
 - the shipped package imports nothing of what the wheel leaves out (devtools, tests, bench);
 - no two worker modules import each other in a circle;
 - the wheel ships every package of worker/ and nothing of devtools/, tests/ or bench/;
-- README.md's layout table is the one devtools/layout.py generates from the docstrings.
+- docs/architecture.md's layout table is the one devtools/layout.py generates from the docstrings.
 """
 
 from __future__ import annotations
@@ -139,9 +139,9 @@ def test_the_shipped_package_imports_nothing_the_wheel_leaves_out() -> None:
     assert not leaks
 
 
-def test_the_readme_layout_table_is_current() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert layout.readme_with_table(readme, layout.table()) == readme, "regenerate: python -m devtools.layout --write"
+def test_the_layout_table_is_current() -> None:
+    page = (REPO / layout.PAGE).read_text(encoding="utf-8")
+    assert layout.page_with_table(page, layout.table()) == page, "regenerate: python -m devtools.layout --write"
 
 
 def test_the_layout_table_names_every_module_and_package(tmp_path: Path) -> None:

@@ -419,7 +419,7 @@ class StatsConfig(Section):
     )
     metrics_port: int | None = opt(
         None,
-        "TCP port of a Prometheus /metrics endpoint (see README, Metrics). Default: none, no endpoint.",
+        "TCP port of a Prometheus /metrics endpoint (see docs/operations.md, Metrics). Default: none, no endpoint.",
         flag="--metrics-port",
         ge=1,
         le=65535,
