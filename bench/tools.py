@@ -13,6 +13,9 @@ Four measurements, each through a real worker process and broker:
 - ``round``: a full client tool round (request -> toolCalls -> toolResults -> answer), timed by
   the client, against the generation time the worker reports: what the round costs beyond
   generating, set against one MQTT round trip plus the worker's TTFT for the results.
+- ``raw``: the ``prefix`` measurement without the worker: the same rendered prompts straight
+  into vLLM in this process (after the worker has stopped), so that a ratio can be told apart
+  into what vLLM itself costs for a longer cached prefix and what the worker adds.
 - ``parse``: forced calls (required, and each tool named) at once: every one must parse and
   validate against its tool's parameters.
 
@@ -39,7 +42,7 @@ from devtools.mqtt_client import connect
 from .common import REPO, phase_list
 from .runs import STOP_TIMEOUT, start_broker, start_worker
 
-PHASES = ("prefix", "forced", "round", "parse")
+PHASES = ("prefix", "forced", "round", "parse", "raw")
 
 PARAMETERS = {
     "set_lamp": {
@@ -233,6 +236,74 @@ def measure_round(chat: Chat, rounds: int, rtt_ms: float) -> dict[str, Any]:
     return summary
 
 
+def measure_prefix_raw(worker_args: list[str], sessions: int, count: int = 20) -> dict[str, Any]:
+    """measure_prefix's second turns, rendered by the worker's tokenizer and sent to vLLM's
+    engine in this process: turn 1 (its reply as the history), then turn 2, TTFT by this clock."""
+    import asyncio
+
+    from worker.config.loader import load_config
+    from worker.core.history import HistoryLimits, build_prompt
+    from worker.engine.port import GenerationRequest, SamplingOptions
+    from worker.engine.tokenizer import ChatTokenizer
+    from worker.engine.vllm import VllmEngine
+    from worker.session import SessionHistory, ToolSpec, Turn
+
+    config, _ = load_config(worker_args, environ={})
+    assert config.engine.model is not None
+    tokenizer = ChatTokenizer(config.engine.model)
+    limits = HistoryLimits(config.history.max_history_turns, config.history.max_history_tokens)
+
+    async def run() -> dict[str, Any]:
+        engine = await VllmEngine.start(config.engine, stop_token_ids=tokenizer.stop_token_ids, progress_bars=False)
+        ids = iter(range(10**6))
+
+        async def ttft(prompt: list[int], max_tokens: int) -> tuple[float, str]:
+            sampling = SamplingOptions(max_tokens=max_tokens, temperature=0.7, top_p=0.95)
+            started, first, text = time.perf_counter(), None, ""
+            async for update in engine.generate(GenerationRequest(f"raw-{next(ids)}", prompt, sampling)):
+                if first is None and update.completion_tokens:
+                    first = time.perf_counter()
+                text += update.delta
+            return ((first or time.perf_counter()) - started) * 1000, text
+
+        out: dict[str, Any] = {}
+        try:
+            for label, forms in (("none", []), (f"{count} tools", TWENTY_TOOLS[:count])):
+                specs = [
+                    ToolSpec(f["function"]["name"], f["function"].get("description"), f["function"].get("parameters"))
+                    for f in forms
+                ]
+                times = []
+                for i in range(sessions):
+                    history = SessionHistory(SYSTEM + f" Session {label} {i}.", tools=specs)
+                    first = build_prompt(
+                        tokenizer,
+                        history,
+                        "Good evening. What can you do?",
+                        limits=limits,
+                        max_tokens=32,
+                        max_model_len=engine.info.max_model_len,
+                    )
+                    _, reply = await ttft(first.token_ids, 32)
+                    history.turns.append(Turn.plain(f"t{i}", "Good evening. What can you do?", reply))
+                    second = build_prompt(
+                        tokenizer,
+                        history,
+                        "Dim the hall lights a little, please.",
+                        limits=limits,
+                        max_tokens=32,
+                        max_model_len=engine.info.max_model_len,
+                    )
+                    times.append((await ttft(second.token_ids, 32))[0])
+                out[label] = {"ttft_ms_p50": median(times), "prompt_tokens": len(second.token_ids)}
+        finally:
+            await engine.shutdown()
+        out["ratio"] = round(out[f"{count} tools"]["ttft_ms_p50"] / out["none"]["ttft_ms_p50"], 3)
+        return out
+
+    return asyncio.run(run())
+
+
 def measure_parse(chat: Chat, calls: int) -> dict[str, Any]:
     import jsonschema
 
@@ -268,6 +339,12 @@ def report(results: dict[str, Any]) -> str:
             if k != "ratio"
         ]
         lines += ["", f"tools / none: **{p['ratio']}**", ""]
+    if "raw" in results:
+        r = results["raw"]
+        lines += ["## The same second turns straight into vLLM (no worker)", "", "| | TTFT p50 ms | prompt |"]
+        lines += ["|---|---|---|"]
+        lines += [f"| {k} | {v['ttft_ms_p50']} | {v['prompt_tokens']} |" for k, v in r.items() if k != "ratio"]
+        lines += ["", f"tools / none, raw vLLM: **{r['ratio']}**", ""]
     if "forced" in results:
         lines += [
             "## Forced calls: decode ms per output token vs free text",
@@ -295,6 +372,36 @@ def report(results: dict[str, Any]) -> str:
             "",
         ]
     return "\n".join(lines)
+
+
+def through_worker(args: argparse.Namespace, worker_args: list[str], results: dict[str, Any]) -> None:
+    """The phases that run through a worker process and a broker."""
+    (args.out / "broker").mkdir(exist_ok=True)
+    broker = start_broker(args.mosquitto, args.out / "broker")
+    worker = start_worker([*worker_args, "--stats-interval", "0"], broker.port, args.out / "worker.log")
+    chat = Chat(broker.port)
+    try:
+        results["meta"]["start_to_ready_s"] = worker.start_to_ready_s
+        rtt = median(chat.ping())
+        results["mqtt_round_trip_ms_p50"] = rtt
+        for phase in args.phases:
+            if phase == "raw":
+                continue  # after the worker has stopped: the engine needs its GPU memory
+            started = time.perf_counter()
+            if phase == "prefix":
+                results["prefix"] = measure_prefix(chat, args.sessions, args.prefix_tools)
+            elif phase == "forced":
+                results["forced"] = measure_forced(chat, (1, 16), args.repeats)
+            elif phase == "round":
+                results["round"] = measure_round(chat, args.sessions, rtt)
+            else:
+                results["parse"] = measure_parse(chat, args.calls)
+            print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
+            (args.out / "tools.json").write_text(json.dumps(results, indent=1) + "\n")
+    finally:
+        chat.close()
+        worker.stop(STOP_TIMEOUT)
+        broker.stop()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -343,30 +450,13 @@ def main(argv: list[str] | None = None) -> int:
             results["meta"]["gpu"] = torch.cuda.get_device_name(0)
     except ImportError:
         pass
-    (args.out / "broker").mkdir(exist_ok=True)
-    broker = start_broker(args.mosquitto, args.out / "broker")
-    worker = start_worker([*worker_args, "--stats-interval", "0"], broker.port, args.out / "worker.log")
-    chat = Chat(broker.port)
-    try:
-        results["meta"]["start_to_ready_s"] = worker.start_to_ready_s
-        rtt = median(chat.ping())
-        results["mqtt_round_trip_ms_p50"] = rtt
-        for phase in args.phases:
-            started = time.perf_counter()
-            if phase == "prefix":
-                results["prefix"] = measure_prefix(chat, args.sessions, args.prefix_tools)
-            elif phase == "forced":
-                results["forced"] = measure_forced(chat, (1, 16), args.repeats)
-            elif phase == "round":
-                results["round"] = measure_round(chat, args.sessions, rtt)
-            else:
-                results["parse"] = measure_parse(chat, args.calls)
-            print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
-            (args.out / "tools.json").write_text(json.dumps(results, indent=1) + "\n")
-    finally:
-        chat.close()
-        worker.stop(STOP_TIMEOUT)
-        broker.stop()
+    if set(args.phases) - {"raw"}:
+        through_worker(args, worker_args, results)
+    if "raw" in args.phases:
+        started = time.perf_counter()
+        results["raw"] = measure_prefix_raw(worker_args, args.sessions, args.prefix_tools)
+        print(f"raw: {time.perf_counter() - started:.0f} s", flush=True)
+        (args.out / "tools.json").write_text(json.dumps(results, indent=1) + "\n")
     (args.out / "tools.md").write_text(report(results) + "\n")
     print(report(results))
     return 0
