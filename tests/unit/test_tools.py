@@ -429,3 +429,18 @@ def test_a_state_stored_before_tool_calling_still_reads(tmp_path: Path) -> None:
     old = json.dumps({"systemPrompt": "S", "turns": [{"key": "k", "user": "hi", "assistant": "hello"}]})
     system_prompt, turns, tools = parse_state("u/s", old)
     assert system_prompt == "S" and turns == [Turn.plain("k", "hi", "hello")] and tools == []
+
+
+def test_the_llama3_json_parser_is_wrapped_too(tiny_model: Path, tmp_path: Path) -> None:
+    """vLLM's llama3_json parser behind the same port (it needs <|python_tag|> in the vocab)."""
+    model = tmp_path / "llama-like"
+    shutil.copytree(tiny_model, model)
+    tokenizer = ChatTokenizer(str(model))
+    tokenizer.hf_tokenizer.add_tokens(["<|python_tag|>"])
+    parser = VllmToolParser("llama3_json", tokenizer.hf_tokenizer)
+    tools = tools_of(WEATHER)
+    text = '{"name": "get_weather", "parameters": {"city": "Oslo", "unit": "c"}}'
+    checked = check_calls(text, parser.parse(text, tools), tools, key="k", round_=0, validate_all=True)
+    assert [c.arguments for c in checked.calls] == [{"city": "Oslo", "unit": "c"}] and checked.error is None
+    hold = MarkupHold(TOOL_CALL_FORMATS["llama3_json"])
+    assert hold.feed(text) + hold.flush() == ""
