@@ -155,7 +155,7 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
     return text, None
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest end of text that is the start of tag (a tag split over deltas)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
@@ -211,7 +211,7 @@ class ReasoningSplitter:
                         out.append((True, held[:end]))
                     self.state, held = "answer", held[end + len(THINK_CLOSE) :]
                     continue
-                keep = _partial_tag_suffix(held, THINK_CLOSE)
+                keep = partial_tag_suffix(held, THINK_CLOSE)
                 if len(held) > keep:
                     out.append((True, held[: len(held) - keep]))
                 held = held[len(held) - keep :]

@@ -29,6 +29,7 @@ from ..protocol.messages import (
     ToolSpecIn,
 )
 from ..session import NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, tool_message
+from .history import partial_tag_suffix
 
 
 def specs_from_request(tools: Sequence[ToolSpecIn]) -> list[ToolSpec]:
@@ -242,14 +243,6 @@ def forced_call_schema(tools: Sequence[ToolSpec], form: ToolCallFormat) -> dict[
     return combined
 
 
-def _partial_suffix(text: str, marker: str) -> int:
-    """Length of the longest end of text that is the start of marker."""
-    for size in range(min(len(text), len(marker) - 1), 0, -1):
-        if marker.startswith(text[-size:]):
-            return size
-    return 0
-
-
 class MarkupHold:
     """Keeps tool-call markup out of stream deltas: text goes out as it comes until a marker
     (``<tool_call>``) begins; from there on nothing more is streamed (the calls come in the
@@ -279,7 +272,7 @@ class MarkupHold:
             self.stopped, self._held = True, ""
             out = held[: min(found)]
         else:
-            keep = max((_partial_suffix(held, m) for m in self.markers), default=0)
+            keep = max((partial_tag_suffix(held, m) for m in self.markers), default=0)
             out, self._held = held[: len(held) - keep], held[len(held) - keep :]
         self._started = self._started or bool(out.strip())
         return out
