@@ -11,8 +11,10 @@ for its French or word-salad ones (measured over 300 replies, 64 tokens, float32
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
+import shutil
 import threading
 import time
 import uuid
@@ -21,12 +23,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from loguru import logger
 
 from devtools.chat_terminal import Chat
+from devtools.fakes import FakeEngine
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.warmup_check import warmup_problems
 from devtools.worker_process import REAL_PREFIX, WorkerProcess
+from worker.config.models import WorkerConfig
+from worker.engine.port import EngineStats, WarmupPlan
+from worker.server import Server
 from worker.web import page_url, start
 
 pytestmark = pytest.mark.e2e
@@ -107,6 +114,82 @@ def test_the_warm_up_logs_no_error(shared_worker: WorkerProcess) -> None:
     while "worker.server: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert warmup_problems(log) == []
+
+
+# ---- the server resolves the defaults once, at start, for the engine, the warm-up and requests
+
+
+class ServedFakeEngine(FakeEngine):
+    """devtools' fake engine with what the server needs beyond the service's port; records
+    the warm-up's plan."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.plans: list[WarmupPlan] = []
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def warm_up(self, plan: WarmupPlan) -> None:
+        self.plans.append(plan)
+
+    def peek_stats(self) -> EngineStats:
+        return EngineStats()
+
+    async def shutdown(self) -> None:
+        pass
+
+
+def test_the_server_hands_the_models_defaults_to_the_engine_the_warm_up_and_requests(
+    broker: Mosquitto, tiny_model: Path, tmp_path: Path
+) -> None:
+    """A model directory whose generation_config.json sets sampling (the tiny model's sets
+    none), a worker that sets only top_p: the model's temperature and top_k, the worker's
+    top_p, the built-in rest. (No vLLM engine: the server's ``start_engine`` hook.)"""
+    model = tmp_path / "model"
+    shutil.copytree(tiny_model, model)
+    config_file = model / "generation_config.json"
+    config_file.write_text(json.dumps({**json.loads(config_file.read_text()), "temperature": 0.3, "top_k": 20}))
+    config = WorkerConfig.model_validate(
+        {
+            "engine": {"model": str(model)},
+            "generation": {"top_p": 0.8},
+            "mqtt": {"port": broker.port, "topic_prefix": "defaults", "worker_id": "defaults", "session_expiry": 0},
+            "history": {"store": "memory"},
+            "stats": {"interval": 0},
+        }
+    )
+    engine = ServedFakeEngine()
+    started_with: list[WorkerConfig] = []
+
+    async def start_engine(config: WorkerConfig, stop_token_ids: list[int]) -> ServedFakeEngine:
+        started_with.append(config)
+        return engine
+
+    lines: list[str] = []
+    sink = logger.add(lambda message: lines.append(message.record["message"]), level="INFO")
+    client = Client(broker.port, ["defaults/+/+/reply", "defaults/_worker/defaults/status"])
+    try:
+
+        async def ask_then_stop() -> None:
+            await asyncio.to_thread(client.wait_for, lambda m: m.payload == b"online", 60)
+            client.publish("defaults/u/s1/request", {"message": "hi", "maxTokens": 2})
+            client.publish("defaults/u/s2/request", {"message": "hi", "maxTokens": 2, "temperature": 0, "topP": 1})
+            for session in ("s1", "s2"):
+                await asyncio.to_thread(client.wait_topic, f"defaults/u/{session}/reply", 30)
+
+        assert asyncio.run(Server(config, start_engine=start_engine).serve(ask_then_stop)) == 0
+    finally:
+        client.close()
+        logger.remove(sink)
+    assert started_with[0].generation.engine_sampling() == {"top_k": 20}  # the engine applies it to every request
+    assert [(p.temperature, p.top_p) for p in engine.plans] == [(0.3, 0.8)]
+    sampling = {r.request_id.split("/")[1]: (r.sampling.temperature, r.sampling.top_p) for r in engine.requests}
+    assert sampling == {"s1": (0.3, 0.8), "s2": (0.0, 1.0)}  # a request's own values come first
+    assert (
+        "Sampling defaults of requests that set none: temperature=0.3 (generation_config.json), top_p=0.8 (config), "
+        "top_k=20 (generation_config.json), min_p=off (built-in), repetition_penalty=off (built-in)"
+    ) in lines
 
 
 # ---- the real model at its defaults, in the terminal chat and in the browser page
