@@ -48,7 +48,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("model", help="the model directory")
     parser.add_argument("--mosquitto", help="the mosquitto binary (default: the installed one)")
     parser.add_argument("--log", type=Path, help="keep the worker's log here (default: a temporary file)")
-    parser.add_argument("--timeout", type=float, default=900, help="seconds to wait for the worker to be online")
+    parser.add_argument("--timeout", type=float, default=480, help="seconds to wait for the worker to be online")
     args, worker_flags = parser.parse_known_args(argv)
     with tempfile.TemporaryDirectory(prefix="warmup-check-") as tmp:
         workdir = Path(tmp)
@@ -60,11 +60,14 @@ def main(argv: list[str] | None = None) -> int:
         watcher = Client(broker.port, ["chat/_worker/warmup-check/status"])
         try:
             deadline = time.monotonic() + args.timeout
-            while not any(m.payload == b"online" for m in watcher.seen) and worker.alive():
-                if time.monotonic() > deadline:
-                    print(f"the worker was not online after {args.timeout:g} s")
+            while worker.alive():
+                try:
+                    watcher.wait_for(lambda m: m.payload == b"online", timeout=2)
                     break
-                time.sleep(0.5)
+                except TimeoutError:
+                    if time.monotonic() > deadline:
+                        print(f"the worker was not online after {args.timeout:g} s", flush=True)
+                        break
         finally:
             watcher.close()
             code = worker.stop()
