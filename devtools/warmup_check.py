@@ -15,11 +15,9 @@ import argparse
 import re
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 from .mosquitto import Mosquitto
-from .mqtt_client import Client
 from .worker_process import WorkerProcess
 
 # The worker's log format (worker/system/logs.py): "<date> <time> | LEVEL | <name>: <message>".
@@ -56,29 +54,23 @@ def main(argv: list[str] | None = None) -> int:
         broker.start()
         log_path = args.log or workdir / "worker.log"
         flags = ["--model", args.model, "--warmup", "on", "--store", "memory", "--worker-id", "warmup-check"]
-        worker = WorkerProcess([*flags, "--mqtt-port", str(broker.port), *worker_flags], log_path)
-        watcher = Client(broker.port, ["chat/_worker/warmup-check/status"])
+        status = (broker.port, "chat/_worker/warmup-check/status")
+        worker = WorkerProcess([*flags, "--mqtt-port", str(broker.port), *worker_flags], log_path, status=status)
+        problems: list[str] = []
         try:
-            deadline = time.monotonic() + args.timeout
-            while worker.alive():
-                try:
-                    watcher.wait_for(lambda m: m.payload == b"online", timeout=2)
-                    break
-                except TimeoutError:
-                    if time.monotonic() > deadline:
-                        print(f"the worker was not online after {args.timeout:g} s", flush=True)
-                        break
+            worker.wait_online(args.timeout)
+        except RuntimeError as exc:  # it exited, or was not online in time: stopped, its log's end said
+            problems.append(str(exc))
         finally:
-            watcher.close()
             code = worker.stop()
             broker.stop()
         log = log_path.read_text(errors="replace")
     for line in log.splitlines():
         if "Warm-up" in line or "Sampling defaults" in line:
             print(line)
-    problems = warmup_problems(log)
-    if code != 0:
-        problems.append(f"the worker exited with {code}; the end of its log:\n{log[-4000:]}")
+    problems += warmup_problems(log)
+    if code != 0 and not problems:
+        problems.append(f"the worker's stop exited with {code}; the end of its log:\n{log[-4000:]}")
     for problem in problems:
         print(problem)
     print("warm-up check:", "FAILED" if problems else "passed (no ERROR line, every step done)")

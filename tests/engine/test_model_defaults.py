@@ -2,7 +2,7 @@
 terminal chat (as scripts/chat-demo.sh runs it) and in the browser page are English, with the
 sampling the model's generation_config.json recommends; and the warm-up logs no ERROR line.
 
-The demo model (SmolLM2-135M-Instruct, prepared by ``python -m worker.models``) at the
+The demo model (SmolLM2-135M-Instruct, prepared by ``python -m worker.prepare_model``) at the
 worker's built-in temperature 0.7 drifted into word salad and French; its card recommends 0.2
 and top_p 0.9, which the prepared directory's generation_config.json carries and the worker
 takes for requests that set none. A reply is judged English by the share of its words that are

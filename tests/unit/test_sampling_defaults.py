@@ -1,7 +1,7 @@
 """Sampling defaults come from the model: a configuration that sets no sampling value takes the
 model's generation_config.json values, else the built-in ones (worker/config/models.py
 ``resolve_sampling``, resolved once at start by worker/server.py), and the prepared demo model
-carries its card's recommendation (worker/models.py). The run through a worker:
+carries its card's recommendation (worker/prepare_model.py). The run through a worker:
 tests/engine/test_model_defaults.py."""
 
 from __future__ import annotations
@@ -116,7 +116,7 @@ def test_the_configuration_shows_unset_defaults_as_unset(model_dir: Path) -> Non
 
 
 def fake_prepared(target: Path) -> Path:
-    """A directory that passes for prepared by worker.models before it wrote the sampling."""
+    """A directory that passes for prepared by worker.prepare_model before it wrote the sampling."""
     target.mkdir()
     (target / "model.safetensors").write_bytes(b"")
     (target / models.PREPARED).write_text(json.dumps({"gguf_sha256": models.SMOLLM2.gguf_sha256}))
