@@ -22,6 +22,8 @@ Modules:
 - ``acl``: mosquitto with users and the topic ACL of docs/security.md
 - ``chat_terminal``: the chat client (``python -m worker.chat``) in a pseudo-terminal
 - ``layout``: docs/architecture.md's layout table from the docstrings (``python -m devtools.layout --write``)
+- ``warmup_check``: a worker's warm-up logs no ERROR line and does every step
+  (``python -m devtools.warmup_check MODEL``)
 """
 
 from __future__ import annotations

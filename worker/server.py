@@ -3,7 +3,9 @@ stop, and stops it; the exit code. Modelled on uvicorn's ``Server`` (``serve`` â
 / ``main_loop`` / ``shutdown``) and hypercorn's ``worker_serve`` (a ``finally`` that cancels
 the background tasks and waits for them under a timeout).
 
-Start (``startup``), one method a step, in order: ``_check_broker``, one login to the broker
+Start (``startup``), one method a step, in order: ``with_sampling_defaults``, the sampling
+defaults resolved once (the configuration's, else the model's generation_config.json, else
+built in); ``_check_broker``, one login to the broker
 (a broker that is down, or refuses the login, is found in seconds instead of after minutes of
 loading the model); ``_import_engine_libraries``, vLLM, torch and transformers;
 ``_open_metrics`` and ``_open_store`` (a port in use, a bad state_dir or an unreachable Redis
@@ -44,7 +46,7 @@ from loguru import logger
 
 from . import __version__
 from .config.loader import render_toml
-from .config.models import WorkerConfig
+from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
 from .engine.port import ServedEngine, ToolSupport, WarmupPlan
 from .protocol.topics import Topics
 from .system.logs import route_library_logging
@@ -84,7 +86,32 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
         stop_token_ids=stop_token_ids,
         json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
         progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
+        sampling=config.generation.engine_sampling(),
     )
+
+
+SAMPLING_SOURCES = {"config": "config", "model": MODEL_DEFAULTS_FILE, "built-in": "built-in"}
+
+
+def with_sampling_defaults(config: WorkerConfig) -> WorkerConfig:
+    """The configuration with its sampling defaults resolved, once, at start: what the
+    configuration sets, else the model's generation_config.json, else the built-in default
+    (config/models.py resolve_sampling). Logged with where each came from; a request's own
+    temperature and topP still come first."""
+    values, problem = read_model_defaults(config.engine.model)
+    if problem:
+        logger.warning("The model's sampling defaults are not used: {}", problem)
+    generation, sources = resolve_sampling(config.generation, values)
+    for source in sources:
+        if source.note:
+            logger.warning("The model's sampling default is not used: {}", source.note)
+    shown = [
+        f"{s.name}={'off' if s.value in SAMPLING_OFF.get(s.name, ()) else format(s.value, 'g')} "
+        f"({SAMPLING_SOURCES[s.source]})"
+        for s in sources
+    ]
+    logger.info("Sampling defaults of requests that set none: {}", ", ".join(shown))
+    return config.model_copy(update={"generation": generation})
 
 
 async def broker_accepts(
@@ -261,6 +288,7 @@ class Server:
         onto the exit stack as it is opened. False when the start cannot go on (``exit_code``
         2), or was stopped while it waited for the broker."""
         self._log_start()
+        self.config = with_sampling_defaults(self.config)  # once, for the engine, the warm-up and requests
         try:
             if not await self._check_broker():
                 logger.info("Stopped while waiting for the broker (exit code {})", self.exit_code)

@@ -18,7 +18,16 @@ from typing import Any, get_args, get_origin
 from pydantic import ValidationError
 
 from .. import __version__
-from .models import MqttConfig, WorkerConfig, env_for, field_is_secret, flag_for, sections
+from .models import (
+    MODEL_DEFAULTS_FILE,
+    MqttConfig,
+    WorkerConfig,
+    env_for,
+    field_is_model_default,
+    field_is_secret,
+    flag_for,
+    sections,
+)
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -270,7 +279,10 @@ def render_toml(data: Mapping[str, Mapping[str, Any]], *, comments: bool) -> str
                 flag = flag_for(section, key, info)
                 lines.append(f"# {info.description}")
                 lines.append(f"# flag {flag}, env {env_for(flag)}")
-            if value is None:
+            if value is None and field_is_model_default(info):
+                fallback = f"(unset: the model's {MODEL_DEFAULTS_FILE} value, else this)"
+                lines.append(f"# {key} = {_toml_value(info.default)}   {fallback}")
+            elif value is None:
                 lines.append(f"# {key} =   (unset)")
             else:
                 lines.append(f"{key} = {_toml_value(value)}")
@@ -285,7 +297,7 @@ def example_config() -> str:
     defaults = WorkerConfig().model_dump(mode="json")
     for section, fields in sections().items():
         for key, info in fields.items():
-            if field_is_secret(info):
+            if field_is_secret(info) or field_is_model_default(info):
                 defaults[section][key] = None
     header = (
         "# Worker configuration: every key with its default. Use it with --config FILE.\n"
@@ -316,6 +328,8 @@ def reference_markdown() -> str:
             flag = flag_for(section, key, info)
             default = defaults[section][key]
             shown = "(unset)" if default is None else f"`{_toml_value(default)}`"
+            if field_is_model_default(info):
+                shown = f"the model's, else {shown}"
             text = str(info.description).replace("|", "\\|")
             out.append(f"| `{key}` | `{flag}` `{env_for(flag)}` | {shown} | {text} |")
         out.append("")

@@ -34,6 +34,7 @@ from ..protocol.messages import (
     best_effort_request_id,
     fresh_key,
     log_ref,
+    log_text,
     parse_chat_request,
     parse_control,
     request_key,
@@ -212,9 +213,8 @@ class Service:
         try:
             address, kind = self.topics.parse(message.topic)
         except InvalidTopic as exc:
-            # The topic is the sender's text: only its size at WARNING.
-            logger.warning("Ignoring a message on an invalid topic ({} bytes)", len(message.topic.encode()))
-            logger.debug("Invalid topic {!r}: {}", message.topic[:300], exc)
+            # Named escaped and cut (log_text): the sender chose it, but it cannot forge a line.
+            logger.warning("Ignoring a message on an invalid topic {}: {}", log_text(message.topic, 128), exc)
             self.stats.record_invalid_topic()
             self._acknowledge([message])
             return

@@ -307,7 +307,7 @@ class TurnRunner:
         hold = MarkupHold(parser.format) if plan.offered and parser is not None and parser.format else None
         outcome = await self._stream(
             turn,
-            # vLLM logs request ids (an abort at INFO): the client's requestId stays out of them.
+            # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
             GenerationRequest(f"{address}/{log_ref(turn.key)}/{next(self._ids)}", prompt.token_ids, sampling),
             reasoning_budget(request, generation, structured=structured is not None),
             stream=None if plan.forced else stream,  # a forced reply is all call: no text to stream

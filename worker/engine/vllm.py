@@ -444,15 +444,30 @@ def tool_support(choice: str, renderer: Any, model: str) -> ToolSupport:
     return ToolSupport(parser, None)
 
 
+class WarmupStepFailed(Exception):
+    """Requests of a warm-up step ended otherwise than by a stop or their length."""
+
+
 class VllmEngine:
+    """``sampling``: SamplingParams values every request gets (the sampling defaults requests
+    have no field for, generation.engine_sampling: the model's top_k, min_p, repetition_penalty)."""
+
     def __init__(
-        self, llm: Any, info: EngineInfo, stop_token_ids: list[int], stats: EngineStats, *, cpu_backend: bool = False
+        self,
+        llm: Any,
+        info: EngineInfo,
+        stop_token_ids: list[int],
+        stats: EngineStats,
+        *,
+        cpu_backend: bool = False,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
         self._stop_token_ids = stop_token_ids
         self._stats = stats
         self.cpu_backend = cpu_backend
+        self._sampling = dict(sampling or {})
 
     @classmethod
     async def start(
@@ -462,6 +477,7 @@ class VllmEngine:
         stop_token_ids: list[int],
         json_disable_any_whitespace: bool = True,
         progress_bars: bool = True,
+        sampling: dict[str, Any] | None = None,
     ) -> VllmEngine:
         assert config.model is not None
         host = host_facts()
@@ -500,7 +516,7 @@ class VllmEngine:
             getattr(vllm_config.model_config, "quantization", None) or "none",
             f"{stats.kv_offload_gib:g} GiB" if stats.kv_offload_gib else "off",
         )
-        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend)
+        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
         """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
@@ -538,7 +554,7 @@ class VllmEngine:
                 break
             except EngineDeadError:
                 raise
-            except Exception as exc:  # a variant this engine refuses: the rest still warms
+            except Exception as exc:  # a variant this engine refuses, or whose requests failed: the rest still warms
                 logger.warning("Warm-up: step {} (batch {}) failed: {}", step.label, step.batch, describe(exc))
                 continue
             requests += step.batch
@@ -575,7 +591,11 @@ class VllmEngine:
         return report
 
     async def _warmup_step(self, step: WarmupStep, index: int, vocab: int) -> None:
-        async def one(number: int) -> None:
+        """Run one step's requests at once; WarmupStepFailed when any of them ended otherwise
+        than by a stop or its length (vLLM ends a request it terminates with "error"): such a
+        step warmed nothing reliably and is not counted as done."""
+
+        async def one(number: int) -> str | None:
             chosen = dict(step.sampling[number % len(step.sampling)])
             structured = chosen.pop("structured", None)
             extra: dict[str, Any] = {}
@@ -585,9 +605,15 @@ class VllmEngine:
                 extra = _structured_sampling(StructuredOutput(json_schema=WARMUP_SCHEMA))
             params = SamplingParams(
                 max_tokens=WARMUP_MAX_TOKENS,
-                ignore_eos=True,
+                # Free text decodes every step (the batch stays full). A structured request must
+                # be free to end: once its JSON is complete the grammar accepts only the end of
+                # the sequence, which ignore_eos forbids, and vLLM 0.26 then terminated it with
+                # an ERROR line ("grammar rejected tokens ... Terminating request"), about 60 per
+                # warm-up on QwQ-32B with dummy weights (H100).
+                ignore_eos=structured is None,
+                stop_token_ids=self._stop_token_ids,  # as real requests: the grammar's end is one of them
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                **chosen,
+                **{**self._sampling, **chosen},
                 **extra,
             )
             # Distinct prompts (no prefix-cache hits), except the cached-prefix step, which
@@ -595,10 +621,18 @@ class VllmEngine:
             seed = (index - 1 if step.label == "cached_prefix" else index) * 1_000 + number
             ids = [(1_000 + seed * 131 + 7 * i) % max(vocab - 1, 1) + 1 for i in range(step.prompt_tokens)]
             prompt: Any = _tokens_prompt(ids) if _tokens_prompt is not None else TokensPrompt(prompt_token_ids=ids)
-            async for _ in self._llm.generate(prompt, params, f"warmup-{index}-{number}"):
-                pass
+            reason: str | None = None
+            async for output in self._llm.generate(prompt, params, f"warmup-{index}-{number}"):
+                if output.finished:
+                    reason = output.outputs[0].finish_reason
+            return reason
 
-        await asyncio.gather(*(one(n) for n in range(step.batch)))
+        reasons = await asyncio.gather(*(one(n) for n in range(step.batch)))
+        failed = [str(reason) for reason in reasons if reason not in ("stop", "length")]
+        if failed:
+            raise WarmupStepFailed(
+                f"{len(failed)} of {step.batch} requests ended with {', '.join(sorted(set(failed)))} (see vLLM's log)"
+            )
 
     def _reset_counters(self) -> None:
         stats = self._stats
@@ -609,6 +643,7 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         sampling = request.sampling
         params = SamplingParams(
+            **self._sampling,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,

@@ -431,12 +431,26 @@ def fresh_key(key: str) -> str:
     return f"{key}-{secrets.token_hex(4)}"
 
 
+# What a client-chosen name may hold to be logged as it is; anything else is logged escaped.
+_PLAIN_LOG_TEXT = re.compile(r"[A-Za-z0-9._:@+=~-]+")
+
+
+def log_text(text: str, limit: int = 64) -> str:
+    """A client-chosen name (a requestId, a topic) as a log line shows it: as sent when it is
+    plain, else quoted and escaped (repr: no line break, control character or terminal escape
+    reaches the log, so it cannot forge a line); cut after ``limit`` characters, marked "…"."""
+    cut = text[:limit]
+    shown = cut if _PLAIN_LOG_TEXT.fullmatch(cut) else repr(cut)
+    return shown + ("…" if len(text) > limit else "")
+
+
 def log_ref(key: str | None) -> str:
-    """How logs at INFO and above name a request: a short hash, since a requestId is the
-    client's text (which is logged at DEBUG only)."""
+    """How logs name a request: its key, the requestId the client sent or the ``h-…`` key the
+    reply carries (``requestId``), so that grep finds it; escaped and cut (log_text). A
+    requestId is an id the client chose, not message text, which is logged at DEBUG only."""
     if key is None:
         return "-"
-    return "r:" + hashlib.sha256(key.encode()).hexdigest()[:10]
+    return log_text(key)
 
 
 def best_effort_request_id(payload: bytes, max_payload_bytes: int | None = None) -> str | None:
