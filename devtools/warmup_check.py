@@ -20,8 +20,10 @@ from pathlib import Path
 from .mosquitto import Mosquitto
 from .worker_process import WorkerProcess
 
-# The worker's log format (worker/system/logs.py): "<date> <time> | LEVEL | <name>: <message>".
-ERROR_LINE = re.compile(r"^\S+ \S+ \| (ERROR|CRITICAL) +\|.*$", re.M)
+# The worker's log format (worker/system/logs.py): "<date> <time> | LEVEL | <name>: <message>";
+# vLLM's engine core process prefixes its lines with "(EngineCore pid=N) " (its grammar errors
+# on an H100 came that way).
+ERROR_LINE = re.compile(r"^(?:\(\S+ pid=\d+\) )?\S+ \S+ \| (ERROR|CRITICAL) +\|.*$", re.M)
 WARMUP_DONE = re.compile(r"Warm-up done in [\d.]+ s: (\d+) of (\d+) steps.*$", re.M)
 WARMUP_STEP_FAILED = re.compile(r"Warm-up: step .*$", re.M)
 

@@ -64,3 +64,18 @@ def test_the_log_names_requests_by_their_ids_and_invalid_topics_by_their_topic()
     assert invalid and invalid[0].startswith(
         "WARNING Ignoring a message on an invalid topic 'chat/u/bad topic\\n/request'"
     )
+
+
+def test_the_warmup_check_sees_the_engine_cores_error_lines() -> None:
+    """The lines the H100 warm-up logged came from the engine core process, prefixed."""
+    from devtools.warmup_check import warmup_problems
+
+    log = (
+        "2026-11-24 22:14:09.000 | INFO     | worker.engine.vllm: Warm-up done in 5.5 s: 18 of 18 steps\n"
+        "(EngineCore pid=1386) 2026-11-24 22:14:09.624 | ERROR   | vllm.v1.core.sched.scheduler: Unexpected: "
+        "grammar rejected tokens [80813] for request warmup-15-4. Terminating request.\n"
+        "2026-11-24 22:14:10.000 | INFO     | worker.server: Serving m as w\n"
+    )
+    (problem,) = warmup_problems(log)
+    assert "grammar rejected tokens" in problem
+    assert warmup_problems(log.replace("| ERROR   |", "| INFO    |")) == []
