@@ -269,10 +269,16 @@ def wait_ready(client: ChatClient, timeout: float) -> str | None:
             problem = event.error
 
 
-def one_shot(client: ChatClient, args: argparse.Namespace, message: str | None, tools: ToolSettings) -> int:
-    """Send one message (or, with message None, the results of the session's pending tool
-    calls) and the results of the tool rounds it leads to; print the final reply on stdout
-    (and each reply's numbers on stderr with --show-stats)."""
+def one_shot(
+    client: ChatClient,
+    args: argparse.Namespace,
+    message: str | None,
+    tools: ToolSettings,
+    pending: list[tuple[str, str]] | None = None,
+) -> int:
+    """Send one message (or ``pending``: the results of the session's pending tool calls) and
+    the results of the tool rounds it leads to; print the final reply on stdout (and each
+    reply's numbers on stderr with --show-stats)."""
     problem = wait_ready(client, args.timeout)
     if problem is not None:
         err(problem)
@@ -287,11 +293,7 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str | None, 
         if message is not None:
             request_id = client.send(message, tools=tools.tools, tool_choice=tools.choice, **common)
         else:
-            pending = tools.results.for_pending()
             request_id = client.send(tool_results=pending, tools=tools.tools, tool_choice=tools.choice, **common)
-    except ToolSetupError as exc:
-        err(str(exc))
-        return EXIT_USAGE
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
@@ -400,15 +402,22 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     if message is not None and not message.strip():
         err("empty message")
         return EXIT_USAGE
-    if answering and args.session is None:
-        err("--tool-result without --message answers a session's pending calls: name it with --session")
-        return EXIT_USAGE
+    pending = None
+    if answering:
+        if args.session is None:
+            err("--tool-result without --message answers a session's pending calls: name it with --session")
+            return EXIT_USAGE
+        try:
+            pending = tools.results.for_pending()
+        except ToolSetupError as exc:
+            err(str(exc))
+            return EXIT_USAGE
     client = ChatClient(settings, address)
     client.start()
     try:
         if interactive:
             return Terminal(client, args, tools=tools).run()
-        return one_shot(client, args, message, tools)
+        return one_shot(client, args, message, tools, pending)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:

@@ -160,7 +160,12 @@ class Terminal:
 
     def note(self, text: str) -> None:
         """A line of its own, in brackets; the prompt again when idle."""
-        self.write(("" if self.line_start else "\n") + f"[{text}]\n")
+        self.notes([text])
+
+    def notes(self, lines: list[str]) -> None:
+        """Lines of their own, in brackets; then the prompt again when idle."""
+        for text in lines:
+            self.write(("" if self.line_start else "\n") + f"[{text}]\n")
         self.prompt()
 
     def prompt(self) -> None:
@@ -309,7 +314,10 @@ class Terminal:
                     self.write(printable(reply.reply[len(streamed) :]))  # the deltas lost at the end
                 else:
                     self.write(f"\n[some streamed text was lost; the whole reply:]\n{printable(reply.reply)}")
-            self.write("\n")
+            # The calls after the text, or right after the reply's prompt when it has none.
+            self.write("" if reply.tool_calls and not (streamed or reply.reply) else "\n")
+            for call in reply.tool_calls or ():
+                self.write(f"[{printable(call_line(call))}]\n")
             if reply.finish_reason == "truncated":
                 self.note("the reply was cut to fit the broker's maximum packet size")
             if reply.tool_parse_error:
@@ -323,12 +331,10 @@ class Terminal:
     # -- tool rounds ------------------------------------------------------------------
 
     def start_round(self, calls: list[ToolCallOut]) -> None:
-        """Show a reply's calls; answer those --tool-command (or a --tool-result) answers, ask
-        the user for the others, one at a time; send the results once all have one."""
+        """A reply's calls (shown by finish): answer those --tool-command answers, ask the user
+        for the others, one at a time; send the results once all have one."""
         self.rounds += 1
         self.results = []
-        for call in calls:
-            self.write(f"[{printable(call_line(call))}]\n")
         for call in calls:
             text, problem = self.tools.answer(call, self.args.timeout) if self.tools.automatic else (None, None)
             if problem is not None:
@@ -472,11 +478,9 @@ class Terminal:
         elif name == "/cancel":
             self.note("nothing to cancel")
         elif name == "/tools":
-            for line in self.tools_lines():
-                self.note(line)
+            self.notes(self.tools_lines())
         elif name == "/stats":
-            for line in stats_lines(self.client.latest_stats):
-                self.note(line)
+            self.notes(stats_lines(self.client.latest_stats))
         elif name == "/verbose":
             self.verbose = {"on": True, "off": False}.get(rest, not self.verbose)
             self.note(f"stats after each reply: {'on' if self.verbose else 'off'}")

@@ -124,11 +124,11 @@ class Results:
 
     def for_pending(self) -> list[tuple[str, str]]:
         """Without a message: each KEY=TEXT value is the result of the pending call KEY (the ids
-        printed by the run that got the calls)."""
-        if self.default:
+        printed by the run that got the calls); a plain TEXT answers later rounds only."""
+        if not self.keyed_values:
             raise ToolSetupError(
-                "without --message, --tool-result answers the session's pending calls: give each as ID=TEXT "
-                "with the call's id (printed by the run that got the calls)"
+                "without --message, --tool-result ID=TEXT answers the session's pending calls: give one "
+                "for each, with the call's id (printed by the run that got the calls)"
             )
         return [(key, self._take(values)) for key, values in self.keyed_values.items()]
 
