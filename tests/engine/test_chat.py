@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from devtools.chat_terminal import PROMPT, REPLY, USAGE, Chat, run_chat
+from devtools.chat_terminal import PROMPT, REPLY, TOOL_CALL, USAGE, Chat, run_chat, tool_prompt
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, Received
 from devtools.net import free_port
@@ -279,7 +279,6 @@ TOOLS = [
         },
     },
 ]
-CALL_LINE = r"\[tool call: (\w+) (\{.*\}) \((call_\w+)\)\]"
 
 
 @pytest.fixture
@@ -303,24 +302,24 @@ def test_a_tool_round_in_the_terminal(
     )  # fmt: skip
     chats.append(chat)
     chat.send("What time is it?")
-    call = chat.expect(CALL_LINE)
+    call = chat.expect(TOOL_CALL.pattern)
     assert (call[1], json.loads(call[2])) == ("get_time", {})
     assert chat.expect(USAGE.pattern)[4] == "tool_calls"
-    chat.child.expect_exact("tool get_time> ")
+    chat.child.expect_exact(tool_prompt("get_time"))
     chat.send("12:30 CET")
     chat.child.expect_exact(REPLY)
     assert chat.expect(USAGE.pattern)[4] in ("stop", "length")
     chat.child.expect_exact(PROMPT)
 
     chat.send("And now?")  # forced again: a call; Ctrl-C leaves it unanswered
-    open_call = chat.expect(CALL_LINE)[3]
-    chat.child.expect_exact("tool get_time> ")
+    open_call = chat.expect(TOOL_CALL.pattern)[3]
+    chat.child.expect_exact(tool_prompt("get_time"))
     chat.child.sendintr()
     chat.expect(r"\[the calls are left unanswered; the next message tells the model they were not run\]")
     chat.child.expect_exact(PROMPT)
     chat.send("Once more.")  # the worker tells the model the open call was not run
-    chat.expect(CALL_LINE)
-    chat.child.expect_exact("tool get_time> ")
+    chat.expect(TOOL_CALL.pattern)
+    chat.child.expect_exact(tool_prompt("get_time"))
     chat.send("")  # an empty result is a result
     chat.expect(USAGE.pattern)
     chat.child.expect_exact(PROMPT)
@@ -328,8 +327,8 @@ def test_a_tool_round_in_the_terminal(
     chat.expect(r"\[session reset: history and system prompt cleared\]")
     chat.child.expect_exact(PROMPT)
     chat.send("After the reset.")
-    chat.expect(CALL_LINE)
-    chat.child.expect_exact("tool get_time> ")
+    chat.expect(TOOL_CALL.pattern)
+    chat.child.expect_exact(tool_prompt("get_time"))
     chat.send("13:00")
     chat.expect(USAGE.pattern)
     chat.child.expect_exact(PROMPT)
