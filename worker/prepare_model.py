@@ -426,7 +426,9 @@ def check_chat_template(source: ModelSource, out: Path) -> None:
 
 
 def has_chat_template(source: ModelSource, directory: Path) -> bool:
-    if source.chat_template is None:
+    """The directory's template is the source's (or the source keeps the GGUF's, or the
+    directory has no tokenizer for a template to go with)."""
+    if source.chat_template is None or not (directory / "tokenizer_config.json").exists():
         return True
     try:
         return (directory / CHAT_TEMPLATE).read_text() == source.chat_template

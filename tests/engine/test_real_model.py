@@ -118,7 +118,7 @@ WEATHER_TOOL = {
 
 
 def test_a_forced_tool_call_parses_and_the_answer_uses_its_result(real_worker: WorkerProcess, client: Client) -> None:
-    """The demo model's chat template offers tools in the Hermes style (worker/models.py). This
+    """The demo model's chat template offers tools in the Hermes style (worker/prepare_model.py). This
     135M model does not call a tool by itself (measured in docs/frontend.md), but a forced call
     is written in its call format (plain-text markup: its tokenizer has no tool tokens), parses,
     and the answer passes the tool's result on. Without the result, it does not know the time."""
