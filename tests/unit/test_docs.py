@@ -236,7 +236,8 @@ def is_cheap(script: str) -> bool:
         return False
     for command in commands:
         words, sudo = program_and_args(command)
-        if sudo or any(outside_checkout(word) for word in words[1:]):
+        # A bare assignment (x=$(...)) may run anything in its substitution: not cheap.
+        if not words or sudo or any(outside_checkout(word) for word in words[1:]):
             return False
         module_call = python_module(words)
         if module_call is not None:

@@ -3,6 +3,7 @@ ends in a message, with nothing half-written left that could pass for a prepared
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -117,3 +118,136 @@ def test_too_little_disk_space(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) 
     with pytest.raises(models.PrepareError, match=r"not enough disk space in .*: 100 MB free, .* needs about 600 MB"):
         models.prepare("smollm2", tmp_path / "model")
     assert leftovers(tmp_path) == []
+
+
+# ---- the chat template: tool calling in the Hermes style
+
+# SmolLM2-135M-Instruct's chat template as its GGUF file ships it (what earlier preparations
+# wrote): the prepared template must render every conversation without tools exactly so.
+GGUF_TEMPLATE = (
+    "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}"
+    "{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}"
+    "{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+TIME_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_local_time",
+        "description": "Get the user's current local time, date and time zone.",
+        "parameters": {"type": "object", "properties": {}, "additionalProperties": False},
+    },
+}
+
+
+def test_the_template_renders_plain_chats_as_the_models_own_and_tools_as_qwen25(real_model: Path) -> None:
+    """Without tools: the GGUF's template, byte for byte (the model answers as it was trained).
+    With tools: Qwen2.5-Instruct's published template, with SmolLM2's default system prompt."""
+    from transformers import AutoTokenizer
+
+    from devtools.tinymodel import qwen25_chat_template
+
+    hf = AutoTokenizer.from_pretrained(str(real_model), local_files_only=True)
+    assert (real_model / "chat_template.jinja").read_text() == models.TOOLS_CHAT_TEMPLATE
+    qwen = qwen25_chat_template(default_system=models.SMOLLM2_DEFAULT_SYSTEM)
+    call = {"id": "c1", "type": "function", "function": {"name": "get_local_time", "arguments": {}}}
+    chats: list[list[dict[str, Any]]] = [
+        *models._PLAIN_CHATS,
+        [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "system", "content": "c"}],
+    ]
+    tool_round = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_local_time", "content": "14:35"},
+        {"role": "assistant", "content": "It is 14:35."},
+    ]
+    for generation in (False, True):
+        for chat in chats:
+            ours = hf.apply_chat_template(chat, tokenize=False, add_generation_prompt=generation)
+            assert ours == hf.apply_chat_template(
+                chat, chat_template=GGUF_TEMPLATE, tokenize=False, add_generation_prompt=generation
+            )
+        for chat in (*chats, tool_round):
+            ours = hf.apply_chat_template(chat, tools=[TIME_TOOL], tokenize=False, add_generation_prompt=generation)
+            assert ours == hf.apply_chat_template(
+                chat, tools=[TIME_TOOL], chat_template=qwen, tokenize=False, add_generation_prompt=generation
+            )
+
+
+def test_the_demo_model_calls_tools_in_plain_text_markup(real_model: Path) -> None:
+    """SmolLM2's tokenizer has no <tool_call> token: the markup is text of several tokens. The
+    worker picks vLLM's hermes parser from the template all the same, the parser finds a call
+    in that text, the stream holds the markup back, and a tool round's prompt extends the one
+    before token for token."""
+    from worker.core.history import HistoryLimits, build_prompt
+    from worker.core.tools import MarkupHold
+    from worker.engine.tokenizer import ChatTokenizer
+    from worker.engine.vllm import TOOL_CALL_FORMATS, VllmToolParser
+    from worker.session import SessionHistory, ToolCall, ToolSpec, assistant_message, tool_message
+
+    tokenizer = ChatTokenizer(str(real_model))
+    assert "<tool_call>" not in tokenizer.hf_tokenizer.get_vocab()
+    assert len(tokenizer.encode("<tool_call>")) > 1
+    assert tokenizer.tool_support() == (True, "hermes")
+    spec = ToolSpec("get_local_time", "The time", TIME_TOOL["function"]["parameters"])
+    text = 'Let me look.\n<tool_call>\n{"name": "get_local_time", "arguments": {}}\n</tool_call>'
+    parsed = VllmToolParser("hermes", tokenizer.hf_tokenizer).parse(text, [spec])
+    assert (parsed.content.strip(), parsed.calls) == ("Let me look.", [("get_local_time", "{}")])
+    # As the engine streams it, token by token:
+    hold = MarkupHold(TOOL_CALL_FORMATS["hermes"])
+    ids = tokenizer.encode(text)
+    decode = tokenizer.hf_tokenizer.decode
+    pieces = [decode(ids[: i + 1])[len(decode(ids[:i])) :] for i in range(len(ids))]
+    assert "".join(hold.feed(piece) for piece in pieces) + hold.flush() == "Let me look.\n"
+
+    limits = HistoryLimits(max_turns=20, max_history_tokens=100_000)
+    history = SessionHistory(None, tools=[spec])
+    rounds: list[list[dict[str, Any]]] = [
+        [{"role": "user", "content": "What time is it?"}],
+        [
+            assistant_message("", [ToolCall("call_1", "get_local_time", {})]),
+            tool_message("call_1", "get_local_time", "The local time is 14:35."),
+        ],
+        [assistant_message("It is 14:35.")],
+    ]
+    current: list[dict[str, Any]] = []
+    previous: list[int] = []
+    for messages in rounds:
+        current += messages
+        prompt = build_prompt(tokenizer, history, current, limits=limits, max_tokens=16, max_model_len=8192)
+        assert prompt.token_ids[: len(previous)] == previous
+        previous = prompt.token_ids
+
+
+def test_a_model_prepared_with_an_earlier_template_gets_this_one_without_a_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Only the template changes (and the sampling, added the same way), each file replaced by a
+    rename: a copy of the model that hard-links the old files keeps them."""
+
+    def fail(*args: Any, **kwargs: Any) -> NoReturn:
+        raise AssertionError("a prepared model was prepared again")
+
+    monkeypatch.setattr(models, "download", fail)
+    monkeypatch.setattr(models, "convert", fail)
+    target = tmp_path / "model"
+    target.mkdir()
+    (target / "model.safetensors").write_bytes(b"weights")
+    (target / "chat_template.jinja").write_text(GGUF_TEMPLATE)
+    (target / "tokenizer_config.json").write_text('{"eos_token": "<|im_end|>", "chat_template": "old"}')
+    marker = {"model": "smollm2", "gguf_sha256": models.SMOLLM2.gguf_sha256}
+    (target / models.PREPARED).write_text(json.dumps(marker))
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    os.link(target / "chat_template.jinja", copy / "chat_template.jinja")
+    said: list[str] = []
+
+    assert models.prepare("smollm2", target, log=said.append) == target
+    assert (target / "chat_template.jinja").read_text() == models.TOOLS_CHAT_TEMPLATE
+    assert json.loads((target / "tokenizer_config.json").read_text()) == {"eos_token": "<|im_end|>"}
+    assert (copy / "chat_template.jinja").read_text() == GGUF_TEMPLATE
+    assert (target / "model.safetensors").read_bytes() == b"weights"
+    assert any("Updated the chat template" in line for line in said), said
+    said.clear()
+    models.prepare("smollm2", target, log=said.append)  # now current: nothing to do
+    assert said == []

@@ -6,7 +6,12 @@ message on stdin): prints the reply and exits with
 
     0 a reply; 1 an error reply (or a cancelled one, or a reasoning model's whose thinking
     budget ran out before it answered); 2 a usage or configuration error;
-    3 no answer: no broker or no worker within --timeout; 130 interrupted.
+    3 no answer: no broker or no worker within --timeout; 4 the reply calls tools that
+    nothing answers (the calls are printed on stdout, one JSON object a line); 130 interrupted.
+
+Tools (``--tools FILE``) are kept by the session. A reply that calls tools is answered by
+the user in the terminal, or without asking by ``--tool-result`` values and ``--tool-command``
+(tools.py); the model then goes on until it replies without calls.
 
 Connection flags are the worker's (``--mqtt-host`` ...), their environment variables
 ``CHAT_`` + the flag (``CHAT_MQTT_PASSWORD``): a chat client has its own MQTT user.
@@ -22,6 +27,7 @@ import sys
 import time
 import uuid
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -29,7 +35,7 @@ from pydantic import ValidationError
 from .. import __version__
 from ..config.loader import ConfigError, check_connection_files, problems
 from ..config.models import MqttConfig, flag_for, sections
-from ..protocol.messages import REASONING_BUDGET
+from ..protocol.messages import REASONING_BUDGET, ChatReply
 from ..protocol.topics import InvalidTopic, SessionAddress
 from .client import (
     Answer,
@@ -43,9 +49,10 @@ from .client import (
     Ready,
     Refused,
 )
-from .terminal import Terminal, budget_note, usage_line
+from .terminal import Terminal, budget_note, printable, usage_line
+from .tools import Results, ToolCommand, ToolSettings, ToolSetupError, call_line, load_tools, result_line, tool_choice
 
-EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_TOOL_CALLS, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 ENV_PREFIX = "CHAT_"
 # The worker's connection settings that a client shares (same flags, its own environment).
 CONNECTION_KEYS = (
@@ -68,8 +75,48 @@ HELP = {
 }
 
 
+TOOLS_EPILOG = """\
+tool calling:
+  A reply may ask the client to run tools (docs/protocol.md). The calls are shown with their
+  arguments; the terminal asks for each call's result (an empty line sends an empty result,
+  Ctrl-C leaves them unanswered), or --tool-result / --tool-command answer them. The results
+  go back to the worker, the model goes on, and a message ends with a reply without calls.
+  In one-shot mode the final reply goes to stdout, the calls and results to stderr; calls
+  that nothing answers are printed on stdout as JSON (one a line) and the run exits with 4.
+  In the terminal, --tool-command answers calls without asking; --tool-result is for runs
+  without a terminal.
+
+  python -m worker.chat --tools tools.json --message "What time is it?" --tool-result "12:30 CET"
+  python -m worker.chat --tools tools.json --message "Weather in Paris?" --tool-command ./run-tool.sh
+  python -m worker.chat --session s1 --tools tools.json --message "What time is it?"   # exit 4, prints the calls
+  python -m worker.chat --session s1 --tool-result 'call_8f3a..._0=12:30 CET'          # answers them
+"""
+
+
 class UsageError(Exception):
     """Flags or environment that cannot be used; the message says which."""
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, not {value}")
+    return value
+
+
+def tool_settings(args: argparse.Namespace) -> ToolSettings:
+    """The tool flags, checked before anything is sent (UsageError says what is wrong)."""
+    try:
+        tools = load_tools(args.tools) if args.tools is not None else None
+        return ToolSettings(
+            tools=tools,
+            choice=tool_choice(args.tool_choice, tools),
+            results=Results.parse(args.tool_result),
+            command=ToolCommand(args.tool_command) if args.tool_command is not None else None,
+            max_rounds=args.max_tool_rounds,
+        )
+    except ToolSetupError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def env_for(flag: str) -> str:
@@ -79,9 +126,11 @@ def env_for(flag: str) -> str:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m worker.chat",
-        description="Chat with the MQTT vLLM worker. Interactive on a terminal (/help lists the commands); "
-        "with --message, or a message on stdin, prints one reply and exits (0 reply, 1 error reply, "
-        "2 usage, 3 no answer within --timeout).",
+        description="Chat with the MQTT vLLM worker. Interactive on a terminal (/help lists the commands);\n"
+        "with --message, or a message on stdin, prints one reply and exits (0 reply, 1 error reply,\n"
+        "2 usage, 3 no answer within --timeout, 4 tool calls that nothing answered).",
+        epilog=TOOLS_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(
         "--user", help="User namespace (topic level after the prefix). Default: the MQTT username, or anon."
@@ -108,6 +157,42 @@ def build_parser() -> argparse.ArgumentParser:
         "in one-shot mode also the most to wait for the broker (default 120).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+    tools = parser.add_argument_group("tool calling", "The model asks the client to run tools; see the end.")
+    tools.add_argument(
+        "--tools",
+        type=Path,
+        metavar="FILE",
+        help="Declare tools: FILE holds a JSON list of OpenAI function tools. Sent with the (first) message; "
+        "the session keeps them. A file with [] clears them.",
+    )
+    tools.add_argument(
+        "--tool-choice",
+        metavar="CHOICE",
+        help="auto (the default with tools), none, required (some tool must be called) or a tool's name "
+        "(that tool must be called): for each message, or without --message for the results sent.",
+    )
+    tools.add_argument(
+        "--tool-result",
+        action="append",
+        default=[],
+        metavar="[KEY=]TEXT",
+        help="Answer tool calls without asking: TEXT answers any call; NAME=TEXT the calls of tool NAME; "
+        "ID=TEXT the call with that id; =TEXT sends TEXT as it is. Repeatable; several for one key answer "
+        "its calls in turn. Without --message: the results of the session's pending calls (ID=TEXT).",
+    )
+    tools.add_argument(
+        "--tool-command",
+        metavar="CMD",
+        help="Answer tool calls by running CMD once per call: the call's arguments (JSON) on its stdin, "
+        "TOOL_NAME and TOOL_CALL_ID in its environment, its stdout the result. After --tool-result NAME=/ID=.",
+    )
+    tools.add_argument(
+        "--max-tool-rounds",
+        type=positive_int,
+        default=8,
+        metavar="N",
+        help="Tool rounds per message (default 8); the results of the last one ask for a text answer.",
+    )
     group = parser.add_argument_group(
         "connection", "The worker's flags; each also from the environment as CHAT_ + the flag, e.g. CHAT_MQTT_HOST."
     )
@@ -184,23 +269,35 @@ def wait_ready(client: ChatClient, timeout: float) -> str | None:
             problem = event.error
 
 
-def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
-    """Send one message; print the reply on stdout (and its numbers on stderr with --show-stats)."""
+def one_shot(
+    client: ChatClient,
+    args: argparse.Namespace,
+    message: str | None,
+    tools: ToolSettings,
+    pending: list[tuple[str, str]] | None = None,
+) -> int:
+    """Send one message (or ``pending``: the results of the session's pending tool calls) and
+    the results of the tool rounds it leads to; print the final reply on stdout (and each
+    reply's numbers on stderr with --show-stats)."""
     problem = wait_ready(client, args.timeout)
     if problem is not None:
         err(problem)
         return EXIT_NO_ANSWER
+    common: dict[str, Any] = {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "system_prompt": args.system_prompt,
+        "include_reasoning": True,  # its deltas say the worker is still at it (see --timeout)
+    }
     try:
-        request_id = client.send(
-            message,
-            max_tokens=args.max_tokens,
-            temperature=args.temperature,
-            system_prompt=args.system_prompt,
-            include_reasoning=True,  # its deltas say the worker is still at it (see --timeout)
-        )
+        if message is not None:
+            request_id = client.send(message, tools=tools.tools, tool_choice=tools.choice, **common)
+        else:
+            request_id = client.send(tool_results=pending, tools=tools.tools, tool_choice=tools.choice, **common)
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
+    rounds = 0
     sent = last_heard = time.monotonic()
     try:
         while True:
@@ -221,9 +318,19 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
                 reply = event.reply
                 if args.show_reasoning and reply.reasoning is not None:
                     print(f"[reasoning]\n{reply.reasoning}\n[answer]", file=sys.stderr, flush=True)
-                print(reply.reply, flush=True)
                 if args.show_stats:
                     print(f"[{usage_line(reply, (time.monotonic() - sent) * 1000)}]", file=sys.stderr, flush=True)
+                if reply.tool_calls:
+                    rounds += 1
+                    results = answer_calls(reply, tools, args.timeout)
+                    if results is None:
+                        return EXIT_TOOL_CALLS
+                    request_id = client.send(tool_results=results, tool_choice=tools.choice_after(rounds), **common)
+                    sent = last_heard = time.monotonic()
+                    continue
+                if reply.tool_parse_error:
+                    err(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
+                print(reply.reply, flush=True)
                 if reply.finish_reason == "cancelled":
                     err("the reply was cancelled")
                     return EXIT_ERROR_REPLY
@@ -234,6 +341,33 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
     except KeyboardInterrupt:
         client.cancel(request_id)
         return EXIT_INTERRUPTED
+
+
+def answer_calls(reply: ChatReply, tools: ToolSettings, timeout: float) -> list[tuple[str, str]] | None:
+    """The results of a reply's calls, each shown on stderr with its call; None when a call
+    has no answer: then every call is printed on stdout (as JSON, one a line) for a later run
+    to answer with --session and --tool-result ID=TEXT."""
+    assert reply.tool_calls is not None
+    if reply.reply.strip():
+        print(printable(reply.reply), file=sys.stderr, flush=True)
+    results: list[tuple[str, str]] = []
+    for call in reply.tool_calls:
+        print(f"[{printable(call_line(call))}]", file=sys.stderr, flush=True)
+        text, problem = tools.answer(call, timeout)
+        if problem is not None:
+            err(problem)
+        if text is None:
+            for each in reply.tool_calls:
+                print(each.model_dump_json(by_alias=True), flush=True)
+            unanswered = ", ".join(c.id for c in reply.tool_calls if c.function.name == call.function.name)
+            err(
+                f"the reply calls tools that no --tool-result or --tool-command answers ({call.function.name}: "
+                f"{unanswered}); send their results with --session {reply.session_id} --tool-result ID=TEXT"
+            )
+            return None
+        print(f"[{printable(result_line(call.id, text))}]", file=sys.stderr, flush=True)
+        results.append((call.id, text))
+    return results
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
@@ -254,19 +388,36 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     signal.signal(signal.SIGPIPE, signal.SIG_DFL)  # `... | head` ends quietly
     if isinstance(sys.stdout, io.TextIOWrapper):
         sys.stdout.reconfigure(errors="replace")  # a random model's text is not always printable
-    interactive = args.message is None and sys.stdin.isatty()
+    try:
+        tools = tool_settings(args)
+    except UsageError as exc:
+        err(str(exc))
+        return EXIT_USAGE
+    # Results without a message answer the session's pending calls: one shot, on a terminal too.
+    answering = args.message is None and bool(args.tool_result)
+    interactive = args.message is None and not answering and sys.stdin.isatty()
     message = args.message
-    if message is None and not interactive:
+    if message is None and not interactive and not answering:
         message = sys.stdin.read().rstrip("\n")
     if message is not None and not message.strip():
         err("empty message")
         return EXIT_USAGE
+    pending = None
+    if answering:
+        if args.session is None:
+            err("--tool-result without --message answers a session's pending calls: name it with --session")
+            return EXIT_USAGE
+        try:
+            pending = tools.results.for_pending()
+        except ToolSetupError as exc:
+            err(str(exc))
+            return EXIT_USAGE
     client = ChatClient(settings, address)
     client.start()
     try:
-        if message is None:
-            return Terminal(client, args).run()
-        return one_shot(client, args, message)
+        if interactive:
+            return Terminal(client, args, tools=tools).run()
+        return one_shot(client, args, message, tools, pending)
     except KeyboardInterrupt:
         return EXIT_INTERRUPTED
     finally:

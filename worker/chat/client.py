@@ -14,6 +14,7 @@ import json
 import queue
 import sys
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TypeVar
@@ -269,21 +270,36 @@ class ChatClient:
 
     def send(
         self,
-        message: str,
+        message: str | None = None,
         *,
+        tool_results: Sequence[tuple[str, str]] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
         system_prompt: str | None = None,
         stream: bool = True,
         include_reasoning: bool = False,
     ) -> str:
-        """Publish a request (QoS 1; kept and sent after a reconnect); its requestId.
+        """Publish a request (QoS 1; kept and sent after a reconnect); its requestId. It carries
+        the message, or the results of the session's pending tool calls ((toolCallId, content)
+        pairs); ``tools`` replaces the session's tools, ``tool_choice`` is for this request.
         ValueError when a value is not one the contract allows."""
         request_id = f"c-{uuid.uuid4().hex[:20]}"
-        fields: dict[str, Any] = {"message": message, "requestId": request_id, "stream": stream}
+        fields: dict[str, Any] = {"requestId": request_id, "stream": stream}
+        if message is not None:
+            fields["message"] = message
+        if tool_results is not None:
+            fields["toolResults"] = [{"toolCallId": call_id, "content": text} for call_id, text in tool_results]
         if include_reasoning:
             fields["includeReasoning"] = True
-        for key, value in (("maxTokens", max_tokens), ("temperature", temperature), ("systemPrompt", system_prompt)):
+        for key, value in (
+            ("maxTokens", max_tokens),
+            ("temperature", temperature),
+            ("systemPrompt", system_prompt),
+            ("tools", None if tools is None else list(tools)),
+            ("toolChoice", tool_choice),
+        ):
             if value is not None:
                 fields[key] = value
         try:

@@ -14,9 +14,9 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 from types import FrameType
-from typing import TextIO
+from typing import Any, TextIO
 
-from ..protocol.messages import REASONING_BUDGET, ChatReply, StatsReport
+from ..protocol.messages import REASONING_BUDGET, ChatReply, StatsReport, ToolCallOut
 from .client import (
     Answer,
     ChatClient,
@@ -33,6 +33,7 @@ from .client import (
     Unreadable,
     WorkerStatus,
 )
+from .tools import ToolSettings, call_line, result_line
 
 PROMPT = "you> "
 REPLY = "bot> "
@@ -43,8 +44,13 @@ Type a message and press Enter; the reply streams as it is generated.
   /stats           the worker's latest statistics
   /verbose [on|off] after each reply: tokens (cached), TTFT and latency
   /reasoning [on|off] show a reasoning model's thinking as it streams
+  /tools           the tools this client declared (--tools) and how their calls are answered
   /help            this text
-  /quit            leave (Ctrl-D too)"""
+  /quit            leave (Ctrl-D too)
+When a reply calls tools, each call is shown and its result asked for ("tool NAME> "): type it
+and press Enter (an empty line is an empty result); Ctrl-C or /cancel leaves the calls
+unanswered (the next message tells the model they were not run)."""
+COMMANDS = ("/reset", "/cancel", "/stats", "/verbose", "/reasoning", "/tools", "/help", "/quit", "/exit")
 
 
 @dataclass(frozen=True)
@@ -116,9 +122,20 @@ def stats_lines(reports: dict[str, StatsReport]) -> list[str]:
 
 
 class Terminal:
-    def __init__(self, client: ChatClient, args: argparse.Namespace, out: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        client: ChatClient,
+        args: argparse.Namespace,
+        out: TextIO | None = None,
+        tools: ToolSettings | None = None,
+    ) -> None:
         self.client = client
         self.args = args
+        self.tools = tools or ToolSettings()
+        self.tools_sent = False  # the session has --tools (sent with a message since the last reset)
+        self.asking: deque[ToolCallOut] = deque()  # calls whose results the user is asked for
+        self.results: list[tuple[str, str]] = []  # this round's results so far
+        self.rounds = 0  # tool rounds of the current message
         self.out = out or sys.stdout
         self.verbose: bool = bool(args.show_stats)
         self.show_reasoning: bool = bool(args.show_reasoning)
@@ -143,12 +160,17 @@ class Terminal:
 
     def note(self, text: str) -> None:
         """A line of its own, in brackets; the prompt again when idle."""
-        self.write(("" if self.line_start else "\n") + f"[{text}]\n")
+        self.notes([text])
+
+    def notes(self, lines: list[str]) -> None:
+        """Lines of their own, in brackets; then the prompt again when idle."""
+        for text in lines:
+            self.write(("" if self.line_start else "\n") + f"[{text}]\n")
         self.prompt()
 
     def prompt(self) -> None:
         if self.started and self.pending is None and self.running and self.line_start:
-            self.write(PROMPT)
+            self.write(f"tool {self.asking[0].function.name}> " if self.asking else PROMPT)
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -253,7 +275,7 @@ class Terminal:
         elif isinstance(event, (Stats, Ready)):
             pass  # the client keeps the latest stats; Ready again after each reconnect
         if self.pending is None:
-            while self.deferred and self.pending is None and self.running:
+            while self.deferred and self.pending is None and self.running and not self.asking:
                 text = self.deferred.popleft()
                 self.write((text if self.at_prompt else ("" if self.line_start else "\n") + PROMPT + text) + "\n")
                 self.on_line(text)
@@ -292,16 +314,100 @@ class Terminal:
                     self.write(printable(reply.reply[len(streamed) :]))  # the deltas lost at the end
                 else:
                     self.write(f"\n[some streamed text was lost; the whole reply:]\n{printable(reply.reply)}")
-            self.write("\n")
+            # The calls after the text, or right after the reply's prompt when it has none.
+            self.write("" if reply.tool_calls and not (streamed or reply.reply) else "\n")
+            for call in reply.tool_calls or ():
+                self.write(f"[{printable(call_line(call))}]\n")
             if reply.finish_reason == "truncated":
                 self.note("the reply was cut to fit the broker's maximum packet size")
+            if reply.tool_parse_error:
+                self.note(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
         if self.verbose:
             self.note(usage_line(reply, (time.monotonic() - pending.sent_at) * 1000))
         self.pending = None
+        if reply.tool_calls:
+            self.start_round(reply.tool_calls)
+
+    # -- tool rounds ------------------------------------------------------------------
+
+    def start_round(self, calls: list[ToolCallOut]) -> None:
+        """A reply's calls (shown by finish): answer those --tool-command answers, ask the user
+        for the others, one at a time; send the results once all have one."""
+        self.rounds += 1
+        self.results = []
+        for call in calls:
+            text, problem = self.tools.answer(call, self.args.timeout) if self.tools.automatic else (None, None)
+            if problem is not None:
+                self.write(f"[{problem}]\n")
+            if text is None:
+                self.asking.append(call)
+            else:
+                self.write(f"[{printable(result_line(call.id, text))}]\n")
+                self.results.append((call.id, text))
+        if not self.asking:
+            self.send_results()
+
+    def answer(self, text: str) -> None:
+        """A typed line: the result of the call asked for."""
+        call = self.asking.popleft()
+        self.results.append((call.id, text))
+        if not self.asking:
+            self.send_results()
+
+    def send_results(self) -> None:
+        # In the calls' order, as the worker stores them (typed answers may come after others).
+        try:
+            request_id = self.client.send(
+                tool_results=self.results,
+                tool_choice=self.tools.choice_after(self.rounds),
+                **self._request_fields(),
+            )
+        except ValueError as exc:
+            self.note(f"not sent: {exc}")
+            return
+        self.results = []
+        now = time.monotonic()
+        self.pending = Pending(request_id, now, now)
+        self.write(REPLY)
+
+    def stop_answering(self) -> None:
+        self.asking.clear()
+        self.results = []
+        self.note("the calls are left unanswered; the next message tells the model they were not run")
+
+    def _request_fields(self) -> dict[str, Any]:
+        return {
+            "max_tokens": self.args.max_tokens,
+            "temperature": self.args.temperature,
+            "system_prompt": self.args.system_prompt,
+            # Always: while a reasoning model thinks, its reasoning deltas are the only sign
+            # that the worker is at it (--timeout); they are shown only with /reasoning.
+            "include_reasoning": True,
+        }
+
+    def tools_lines(self) -> list[str]:
+        tools = self.tools
+        if tools.tools is None:
+            lines = ["no --tools: the session's tools are whatever an earlier request declared"]
+        elif not tools.tools:
+            lines = ["--tools declares none: the session's tools are cleared"]
+        else:
+            lines = [
+                f"tool {t['function']['name']}: {t['function'].get('description') or '(no description)'}"
+                for t in tools.tools
+            ]
+        if tools.choice is not None:
+            choice = tools.choice if isinstance(tools.choice, str) else tools.choice["function"]["name"]
+            lines.append(f"toolChoice of each message: {choice}")
+        how = f"--tool-command {tools.command.text}" if tools.command is not None else "asking you"
+        lines.append(f"calls are answered by {how}; at most {tools.max_rounds} tool rounds per message")
+        return lines
 
     def on_interrupt(self) -> None:
         pending = self.pending
-        if pending is None:
+        if pending is None and self.asking:
+            self.stop_answering()
+        elif pending is None:
             self.note("/quit or Ctrl-D to leave")
         elif pending.request_id is None or pending.cancelling:
             self.pending = None
@@ -331,26 +437,24 @@ class Terminal:
                 self.deferred.append(text)
                 self.note("queued until this reply is done (/cancel or Ctrl-C stops it)")
             return
-        if command:
+        if self.asking and command not in COMMANDS:
+            self.answer(text)  # any other line is the result, as typed
+        elif command:
             self.command(stripped)
         elif stripped:
             self.send(text)
         self.prompt()
 
     def send(self, text: str) -> None:
+        # The session keeps the tools: sent with the first message, and again after a reset.
+        tools = None if self.tools_sent else self.tools.tools
         try:
-            request_id = self.client.send(
-                text,
-                max_tokens=self.args.max_tokens,
-                temperature=self.args.temperature,
-                system_prompt=self.args.system_prompt,
-                # Always: while a reasoning model thinks, its reasoning deltas are the only sign
-                # that the worker is at it (--timeout); they are shown only with /reasoning.
-                include_reasoning=True,
-            )
+            request_id = self.client.send(text, tools=tools, tool_choice=self.tools.choice, **self._request_fields())
         except ValueError as exc:
             self.note(f"not sent: {exc}")
             return
+        self.tools_sent = True
+        self.rounds = 0
         now = time.monotonic()
         self.pending = Pending(request_id, now, now)
         self.write(REPLY)
@@ -364,13 +468,19 @@ class Terminal:
             self.write(HELP + "\n")
         elif name == "/reset":
             self.client.reset()
+            self.tools_sent = False
+            self.asking.clear()
+            self.results = []
             now = time.monotonic()
             self.pending = Pending(None, now, now)
+        elif name == "/cancel" and self.asking:
+            self.stop_answering()
         elif name == "/cancel":
             self.note("nothing to cancel")
+        elif name == "/tools":
+            self.notes(self.tools_lines())
         elif name == "/stats":
-            for line in stats_lines(self.client.latest_stats):
-                self.note(line)
+            self.notes(stats_lines(self.client.latest_stats))
         elif name == "/verbose":
             self.verbose = {"on": True, "off": False}.get(rest, not self.verbose)
             self.note(f"stats after each reply: {'on' if self.verbose else 'off'}")

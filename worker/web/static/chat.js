@@ -24,6 +24,44 @@
   };
   const decoder = new TextDecoder();
 
+  // ---- tools: the page's own, run here in the browser when the model calls them
+  // (docs/frontend.md, "Tool calls"). The worker keeps a session's tools; the page sends its
+  // list with every message all the same (the same text each time, so the prompt's cached
+  // prefix stays), since after a reset or in a new session the worker has none.
+  const LOCAL_TIME_TOOL = {
+    type: "function",
+    function: {
+      name: "get_local_time",
+      description: "Get the user's current local time, date and time zone.",
+      parameters: { type: "object", properties: {}, additionalProperties: false },
+    },
+  };
+  // A sentence rather than JSON: a small model passes it on to the user as it is.
+  function localTime() {
+    const now = new Date();
+    const zone = Intl.DateTimeFormat().resolvedOptions().timeZone || "unknown";
+    const minutes = -now.getTimezoneOffset();
+    const hhmm = (m) => `${String(Math.floor(m / 60)).padStart(2, "0")}:${String(m % 60).padStart(2, "0")}`;
+    const time = hhmm(now.getHours() * 60 + now.getMinutes());
+    const date = now.toLocaleDateString("en-GB", { weekday: "long", day: "numeric", month: "long", year: "numeric" });
+    return `The local time is ${time} on ${date} (time zone ${zone}, UTC${minutes < 0 ? "-" : "+"}${hhmm(Math.abs(minutes))}).`;
+  }
+  const PAGE_TOOLS = { get_local_time: localTime };
+  // Tool rounds per message: the results of the last one ask for a text answer (toolChoice
+  // none), so a model that keeps calling cannot keep the page busy.
+  const MAX_TOOL_ROUNDS = 4;
+
+  // The result of one call: what the tool returned, or what went wrong (the model is told).
+  function runTool(call) {
+    const tool = PAGE_TOOLS[call.function.name];
+    if (!tool) return `error: this page has no tool named ${call.function.name}`;
+    try {
+      return String(tool(JSON.parse(call.function.arguments || "{}")));
+    } catch (err) {
+      return `error: ${err.message}`;
+    }
+  }
+
   const page = {
     client: null,
     ready: false, // connected and subscribed: only then may it publish (replies are never missed)
@@ -66,11 +104,21 @@
     $("prefix").value = params.get("prefix") || local.getItem("mqtt-vllm-worker:prefix") || "chat";
     $("session-id").value = params.get("session") || local.getItem("mqtt-vllm-worker:session") || randomId("web-");
     $("password").value = tab.getItem("mqtt-vllm-worker:password") || "";
-    for (const id of ["max-tokens", "temperature", "system-prompt"]) {
+    for (const id of ["max-tokens", "temperature", "system-prompt", "tool-choice"]) {
       const kept = local.getItem(`mqtt-vllm-worker:${id}`);
       if (kept !== null) $(id).value = kept;
       $(id).addEventListener("change", () => local.setItem(`mqtt-vllm-worker:${id}`, $(id).value));
     }
+    const offer = $("offer-time-tool");
+    offer.checked = local.getItem("mqtt-vllm-worker:offer-time-tool") === "1";
+    offer.addEventListener("change", () => {
+      local.setItem("mqtt-vllm-worker:offer-time-tool", offer.checked ? "1" : "0");
+      updateToolChoice();
+    });
+    updateToolChoice();
+  }
+  function updateToolChoice() {
+    $("tool-choice").disabled = !$("offer-time-tool").checked;
   }
 
   // The address in the location bar resumes this conversation (bookmark it, reload it).
@@ -159,9 +207,30 @@
     el = document.createElement("article");
     el.className = "turn";
     el.dataset.requestId = turn.requestId;
+    el.dataset.kind = turn.results ? "results" : "message";
     const user = document.createElement("div");
-    user.className = "bubble user";
-    user.textContent = turn.message;
+    if (turn.results) {
+      // A request with the results of the page's tool calls: they stand where a message would.
+      user.className = "bubble user tool-results";
+      for (const result of turn.results) {
+        const line = document.createElement("div");
+        line.className = "tool-result";
+        line.dataset.toolCallId = result.toolCallId;
+        const label = document.createElement("span");
+        label.className = "tool-label";
+        label.textContent = "tool result";
+        const name = document.createElement("code");
+        name.textContent = result.name;
+        const output = document.createElement("span");
+        output.className = "tool-output";
+        output.textContent = result.content;
+        line.append(label, " ", name, ": ", output);
+        user.append(line);
+      }
+    } else {
+      user.className = "bubble user";
+      user.textContent = turn.message;
+    }
     const assistant = document.createElement("div");
     assistant.className = "bubble assistant";
     const reasoning = document.createElement("details");
@@ -174,9 +243,11 @@
     reasoning.append(summary, reasoningText);
     const reply = document.createElement("div");
     reply.className = "reply-text";
+    const calls = document.createElement("div");
+    calls.className = "tool-calls";
     const meta = document.createElement("div");
     meta.className = "meta";
-    assistant.append(reasoning, reply, meta);
+    assistant.append(reasoning, reply, calls, meta);
     el.append(user, assistant);
     $("transcript").append(el);
     return el;
@@ -221,6 +292,20 @@
       reasoning = turn.stream.reasoning;
     }
     el.querySelector(".reply-text").textContent = reply || "";
+    const calls = el.querySelector(".tool-calls");
+    calls.replaceChildren();
+    for (const call of turn.toolCalls || []) {
+      const line = document.createElement("div");
+      line.className = "tool-call";
+      line.dataset.toolCallId = call.id;
+      const label = document.createElement("span");
+      label.className = "tool-label";
+      label.textContent = "tool call";
+      const code = document.createElement("code");
+      code.textContent = `${call.function.name} ${call.function.arguments}`;
+      line.append(label, " ", code);
+      calls.append(line);
+    }
     const fold = el.querySelector(".reasoning");
     fold.hidden = !reasoning;
     el.querySelector(".reasoning-text").textContent = reasoning || "";
@@ -407,13 +492,53 @@
       reply: body.reply,
       reasoning: body.reasoning || "",
       finishReason: body.finishReason,
+      toolCalls: body.toolCalls,
       usage: body.usage,
       latency: body.latency,
       roundTripMs: turn.sentAt ? Date.now() - turn.sentAt : undefined,
     });
+    // The calls are run and their results sent at once, in the same task as the reply is
+    // saved: a reload never finds a reply with calls and no request with their results.
+    if (body.toolCalls && body.toolCalls.length) sendResults(turn);
     saveTurns();
     render(turn);
     updateCancel();
+  }
+
+  // Sampling options of the form, for every request of a message.
+  function requestOptions(request) {
+    const maxTokens = Number($("max-tokens").value);
+    if ($("max-tokens").value && Number.isFinite(maxTokens)) request.maxTokens = maxTokens;
+    const temperature = Number($("temperature").value);
+    if ($("temperature").value && Number.isFinite(temperature)) request.temperature = temperature;
+    if ($("system-prompt").value.trim()) request.systemPrompt = $("system-prompt").value;
+    return request;
+  }
+
+  // Run a reply's calls here and answer them all in one request (toolResults); the model
+  // goes on from there, and may call again.
+  function sendResults(callTurn) {
+    const round = (callTurn.round || 0) + 1;
+    const results = callTurn.toolCalls.map((call) => ({ toolCallId: call.id, name: call.function.name, content: runTool(call) }));
+    const request = requestOptions({
+      toolResults: results.map(({ toolCallId, content }) => ({ toolCallId, content })),
+      requestId: randomId("r-"),
+      stream: true,
+      includeReasoning: true,
+    });
+    if (round >= MAX_TOOL_ROUNDS) request.toolChoice = "none";
+    const turn = {
+      requestId: request.requestId,
+      results,
+      round,
+      payload: JSON.stringify(request),
+      status: "pending",
+      sentAt: Date.now(),
+      stream: newStream(),
+    };
+    page.turns.push(turn);
+    render(turn);
+    publishRequest(turn);
   }
 
   // ---- actions
@@ -422,12 +547,14 @@
     if (!page.ready || !message.trim()) return;
     // Always a requestId of our own: the idempotency key (a redelivered or re-sent request is
     // answered from the worker's store) and how replies, deltas and cancels find their turn.
-    const request = { message, requestId: randomId("r-"), stream: true, includeReasoning: true };
-    const maxTokens = Number($("max-tokens").value);
-    if ($("max-tokens").value && Number.isFinite(maxTokens)) request.maxTokens = maxTokens;
-    const temperature = Number($("temperature").value);
-    if ($("temperature").value && Number.isFinite(temperature)) request.temperature = temperature;
-    if ($("system-prompt").value.trim()) request.systemPrompt = $("system-prompt").value;
+    const request = requestOptions({ message, requestId: randomId("r-"), stream: true, includeReasoning: true });
+    // The page's tools, or none ([] clears what an earlier message offered).
+    const offered = $("offer-time-tool").checked;
+    request.tools = offered ? [LOCAL_TIME_TOOL] : [];
+    const choice = $("tool-choice").value;
+    if (offered && choice !== "auto") {
+      request.toolChoice = choice === "none" ? "none" : { type: "function", function: { name: choice } };
+    }
     const turn = {
       requestId: request.requestId,
       message,
