@@ -25,6 +25,7 @@ from paho.mqtt.properties import Properties
 
 from devtools.mosquitto import Mosquitto
 from devtools.worker_process import WorkerProcess, engine_args
+from worker.store.port import parse_state
 from worker.store.sqlite import DATABASE_NAME
 
 pytestmark = pytest.mark.e2e
@@ -163,13 +164,13 @@ def check_stored_histories(database: Path, answers: dict[str, list[bytes]]) -> N
     assert len(states) == SESSIONS
     for session in range(SESSIONS):
         name = f"user/s{session}"
-        turns = json.loads(states[name])["turns"]
-        keys = [t["key"] for t in turns]
+        _, turns, _ = parse_state(name, states[name])
+        keys = [t.key for t in turns]
         assert 1 <= len(keys) <= MAX_HISTORY_TURNS and keys == [
             f"s{session}-t{t}" for t in range(TURNS - len(keys), TURNS)
         ]
         for turn in turns:
-            assert turn["assistant"] == json.loads(answers[turn["key"]][0])["reply"]
+            assert turn.assistant == json.loads(answers[turn.key][0])["reply"]
         for t in range(TURNS):
             key = f"s{session}-t{t}"
             assert stored_answers[(name, key)] in answers[key]
