@@ -15,10 +15,22 @@ The signal comes when the *thread* that started the child exits, not the process
 starts the engine core from the thread that creates its AsyncLLM (the worker's main thread,
 where the event loop runs: keep it there, never in ``asyncio.to_thread``), and the engine
 core starts its workers from its own main thread.
+
+The same hook puts each of those processes in a session of its own (``setsid``). Started from
+a shell, the worker and vLLM's processes were one process group, the terminal's foreground
+group: Ctrl-C sent SIGINT to every one of them at once. vLLM's engine core and workers take
+SIGINT as a request to exit (``run_engine_core`` and ``WorkerProc.worker_main`` install their
+own handlers, so an inherited SIG_IGN does not survive, and a blocked SIGINT does not reach
+a spawned child: its signal mask starts empty), so the engine died under the reply being
+generated, with some 60 lines of ``EngineDeadError`` tracebacks. Out of the terminal's
+session only the worker gets Ctrl-C (and the hangup of a closed terminal), and it stops the
+engine in order, as for SIGTERM. Nothing else changes for them: they still die with their
+parent, and a stop of the whole group (``kill -- -PGID``) reaches the worker, which stops them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import signal
@@ -63,3 +75,12 @@ def die_with_parent() -> None:
         logger.error("Parent process {} is gone: exiting", expected)
         os._exit(1)
     os.environ[PARENT_ENV] = str(os.getpid())
+    leave_the_terminal()
+
+
+def leave_the_terminal() -> None:
+    """A session of this process's own: the terminal's Ctrl-C (SIGINT to its foreground process
+    group) and hangup no longer reach it. Fails only for a process that leads its group already
+    (not one that multiprocessing spawned): it is left where it is."""
+    with contextlib.suppress(OSError):
+        os.setsid()
