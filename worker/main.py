@@ -11,13 +11,15 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loguru import logger
 
-from .config.loader import ConfigError, load_config, render_toml
+from .config.loader import ConfigError, cached_hub_model, load_config, render_toml
 from .config.models import WorkerConfig, nvidia_gpu_present
 from .server import Server
 from .system.children import expect_children
@@ -30,7 +32,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"worker: configuration error: {exc}", file=sys.stderr)
         return 2
+    model = config.engine.model
+    assert model is not None  # load_config checked it
+    if not Path(model).expanduser().exists():  # a hub id (load_config refused anything else)
+        from .system.hub import check_hub_model
+
+        problem = check_hub_model(model, cached=cached_hub_model(model, os.environ) is not None)
+        if problem is not None:
+            print(f"worker: configuration error: {problem}", file=sys.stderr)
+            return 2
     if args.check_config:
+        if config.engine.extra:  # checked against this vLLM's engine arguments: imports vLLM (seconds)
+            # Without vLLM's warnings as it imports (Triton's on the CPU): the check's output only.
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            logging.getLogger("vllm").setLevel(logging.ERROR)
+            from .engine.vllm import unknown_engine_arguments
+
+            unknown = unknown_engine_arguments(config.engine.extra)
+            if unknown:
+                print(f"worker: configuration error: {'; '.join(unknown)}", file=sys.stderr)
+                return 2
         sys.stdout.write(render_toml(config.masked(), comments=False))
         return 0
     if config.engine.visible_devices is not None:

@@ -349,12 +349,15 @@ class Server:
 
         with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
             from .engine.tokenizer import ChatTokenizer
-            from .engine.vllm import VllmEngine  # noqa: F401 - imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+            from .engine.vllm import unknown_engine_arguments  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
             from .store import open_store
             from .store.port import StoreError
             from .system.metrics import LiveSources, MetricsEndpoint
             from .transport.mqtt import MqttTransport
 
+        if unknown := unknown_engine_arguments(config.engine.extra):  # before the model load, as the rest
+            logger.error("Cannot start the engine: {}", "; ".join(unknown))
+            return self._cannot_start()
         try:  # before the model load: a port in use fails fast
             self.metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
         except OSError as exc:

@@ -27,7 +27,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import __version__
-from ..config.loader import ConfigError, check_connection_files, problems
+from ..config.loader import ConfigError, SuggestingParser, check_connection_files, problems
 from ..config.models import MqttConfig, flag_for, sections
 from ..protocol.messages import REASONING_BUDGET
 from ..protocol.topics import InvalidTopic, SessionAddress
@@ -77,7 +77,7 @@ def env_for(flag: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="python -m worker.chat",
         description="Chat with the MQTT vLLM worker. Interactive on a terminal (/help lists the commands); "
         "with --message, or a message on stdin, prints one reply and exits (0 reply, 1 error reply, "

@@ -30,6 +30,7 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
+from ..config.loader import did_you_mean
 from ..config.models import EngineConfig
 from .port import (
     EngineDead,
@@ -130,6 +131,18 @@ def auto_kv_offload_gib(host: Host, tensor_parallel_size: int) -> float:
 
 def _engine_arg_names() -> set[str]:
     return {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+
+
+def unknown_engine_arguments(extra: dict[str, Any]) -> list[str]:
+    """The keys of engine.extra that are no engine argument of this vLLM (AsyncEngineArgs'
+    fields), each in words with its "did you mean": found by --check-config and before the
+    model load, not by vLLM 12 s into the engine start."""
+    names = _engine_arg_names()
+    return [
+        f"engine.extra: '{key}' is not an engine argument of vLLM {vllm.__version__}{did_you_mean(key, names)}"
+        for key in extra
+        if key not in names
+    ]
 
 
 def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, Any]:

@@ -3,7 +3,7 @@
 vLLM runs its engine core (and, with its multiprocessing executor, the model workers) in
 child processes. When the worker is killed with SIGKILL they keep running, holding the GPU's
 memory (measured: EngineCore and its Worker still alive 40 s later); a restarted worker then
-finds no memory. Under systemd ``KillMode=control-group`` kills them; started any other way
+finds no memory. Under systemd ``KillMode=mixed`` kills them; started any other way
 (a shell, a container, a test) nothing would.
 
 So each of those processes asks the kernel for SIGKILL when its parent dies (Linux
