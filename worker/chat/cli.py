@@ -6,7 +6,8 @@ message on stdin): prints the reply and exits with
 
     0 a reply; 1 an error reply (or a cancelled one, or a reasoning model's whose thinking
     budget ran out before it answered); 2 a usage or configuration error;
-    3 no answer: no broker or no worker within --timeout; 130 interrupted.
+    3 no answer: no broker (within --connect-timeout), no worker online (the message is not
+    sent), or no answer within --timeout; 130 interrupted.
 
 Connection flags are the worker's (``--mqtt-host`` ...), their environment variables
 ``CHAT_`` + the flag (``CHAT_MQTT_PASSWORD``): a chat client has its own MQTT user.
@@ -46,6 +47,12 @@ from .client import (
 from .terminal import Terminal, budget_note, usage_line
 
 EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+# One-shot mode, before it sends: how long to wait for the broker (a local one takes
+# milliseconds, a remote one with TLS well under a second), and then for the workers' retained
+# status, which the broker sends right after it acknowledges the subscriptions. A message
+# that no worker would answer is not sent: the client says so instead of waiting --timeout.
+CONNECT_TIMEOUT = 3.0
+STATUS_WAIT = 1.5
 ENV_PREFIX = "CHAT_"
 # The worker's connection settings that a client shares (same flags, its own environment).
 CONNECTION_KEYS = (
@@ -104,8 +111,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="Seconds without any word of an answer (reply, streamed text or a reasoning model's thinking) "
-        "before giving up on it; "
-        "in one-shot mode also the most to wait for the broker (default 120).",
+        "before giving up on it (default 120).",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT,
+        help="In one-shot mode, seconds to wait for the broker to take the connection "
+        f"(default {CONNECT_TIMEOUT:g}; at most --timeout).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     group = parser.add_argument_group(
@@ -184,14 +197,21 @@ def wait_ready(client: ChatClient, timeout: float) -> str | None:
             problem = event.error
 
 
+def wait_for_a_worker(client: ChatClient, timeout: float) -> bool:
+    """Whether a worker's retained status says online, read as the broker sends them after
+    the subscriptions are acknowledged (within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not client.any_worker_online():
+        if client.next_event(deadline - time.monotonic()) is None:
+            return False
+    return True
+
+
 def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
     """Send one message; print the reply on stdout (and its numbers on stderr with --show-stats)."""
-    problem = wait_ready(client, args.timeout)
-    if problem is not None:
-        err(problem)
-        return EXIT_NO_ANSWER
-    try:
-        request_id = client.send(
+    settings = client.settings
+    try:  # checked before anything waits
+        request = client.request(
             message,
             max_tokens=args.max_tokens,
             temperature=args.temperature,
@@ -201,6 +221,22 @@ def one_shot(client: ChatClient, args: argparse.Namespace, message: str) -> int:
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
+    problem = wait_ready(client, min(args.timeout, args.connect_timeout))
+    if problem is not None:
+        err(f"{problem}; is the broker running there? (--mqtt-host, --mqtt-port)")
+        return EXIT_NO_ANSWER
+    if not wait_for_a_worker(client, min(args.timeout, STATUS_WAIT)):
+        offline = sorted(client.workers_online)
+        known = f" (offline: {', '.join(offline)})" if offline else ""
+        err(
+            f"no worker is online on {settings.host}:{settings.port}{known}: none of the workers' status "
+            f"topics ({client.status_filter}) says online, so the message was not sent. "
+            "Start a worker (python -m worker), or chat interactively, where requests wait for one"
+        )
+        return EXIT_NO_ANSWER
+    client.publish(request)
+    request_id = request.request_id
+    assert request_id is not None  # client.request sets one
     sent = last_heard = time.monotonic()
     try:
         while True:

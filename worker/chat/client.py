@@ -156,7 +156,8 @@ class ChatClient:
         self.stream_topic = self.topics.stream(address)
         self._workers = f"{settings.topic_prefix}/{WORKER_NAMESPACE}/"
         self._subscriptions = [(self.reply_topic, 1), (self.stream_topic, 0)]
-        self._subscriptions += [(f"{self._workers}+/status", 1), (f"{self._workers}+/stats", 1)]
+        self.status_filter = f"{self._workers}+/status"  # every worker's retained online/offline
+        self._subscriptions += [(self.status_filter, 1), (f"{self._workers}+/stats", 1)]
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.latest_stats: dict[str, StatsReport] = {}
         self.workers_online: dict[str, bool] = {}
@@ -279,6 +280,33 @@ class ChatClient:
     ) -> str:
         """Publish a request (QoS 1; kept and sent after a reconnect); its requestId.
         ValueError when a value is not one the contract allows."""
+        request = self.request(
+            message,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            system_prompt=system_prompt,
+            stream=stream,
+            include_reasoning=include_reasoning,
+        )
+        self.publish(request)
+        assert request.request_id is not None
+        return request.request_id
+
+    def publish(self, request: ChatRequest) -> None:
+        self._client.publish(self.topics.request(self.address), request.to_json(), qos=1)
+
+    def request(
+        self,
+        message: str,
+        *,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        system_prompt: str | None = None,
+        stream: bool = True,
+        include_reasoning: bool = False,
+    ) -> ChatRequest:
+        """A request with a fresh requestId, not sent. ValueError when a value is not one the
+        contract allows."""
         request_id = f"c-{uuid.uuid4().hex[:20]}"
         fields: dict[str, Any] = {"message": message, "requestId": request_id, "stream": stream}
         if include_reasoning:
@@ -287,12 +315,10 @@ class ChatClient:
             if value is not None:
                 fields[key] = value
         try:
-            request = ChatRequest.model_validate(fields)
+            return ChatRequest.model_validate(fields)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise ValueError(problems) from None
-        self._client.publish(self.topics.request(self.address), request.to_json(), qos=1)
-        return request_id
 
     def cancel(self, request_id: str) -> None:
         control = ControlRequest.model_validate({"action": "cancel", "requestId": request_id})
