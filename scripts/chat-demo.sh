@@ -25,8 +25,20 @@ setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "
   --stats-interval 5 \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
+# Stops what this script started, by pid, on every way out (the end, an error, Ctrl-C): the
+# worker first (SIGTERM: it finishes a running reply, then stops its engine; a Ctrl-C here ends
+# the wait, and the worker, at once), then the broker.
 cleanup() {
-  kill -TERM "$WORKER" 2>/dev/null && { timeout 60 tail --pid="$WORKER" -f /dev/null || true; }
+  local now=""
+  trap 'now=1' INT
+  if kill -0 "$WORKER" 2>/dev/null; then
+    echo "==> stopping the worker and the broker (Ctrl-C to stop the worker at once)"
+    kill -TERM "$WORKER" 2>/dev/null || true
+    for _ in $(seq 600); do  # up to 120 s: its drain (60 s at most) and its engine's stop
+      { [ -z "$now" ] && kill -0 "$WORKER" 2>/dev/null; } || break
+      sleep 0.2
+    done
+  fi
   kill -KILL -- "-$WORKER" 2>/dev/null || true
   kill "$BROKER" 2>/dev/null || true
 }

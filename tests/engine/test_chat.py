@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pexpect
 import pytest
 
 from devtools.chat_terminal import PROMPT, REPLY, USAGE, Chat, run_chat
@@ -125,15 +126,23 @@ def test_ctrl_c_and_cancel_stop_a_long_reply(
         done.add(reply["requestId"])
     controls = messages(watch, "canceller", session, "control")
     assert [c["action"] for c in controls] == ["cancel", "cancel"]
-    # Still usable: Ctrl-C at the prompt does not quit, commands and turns go on.
+    # Still usable: one Ctrl-C at the prompt does not quit, commands and turns go on.
     chat.child.sendintr()
-    chat.expect(r"\[/quit or Ctrl-D to leave\]")
+    chat.expect(r"\[Ctrl-C again, /quit or Ctrl-D to leave\]")
     chat.send("/verbose on")
     chat.expect(r"\[stats after each reply: on\]")
     chat.child.expect_exact(PROMPT)
     chat.send("/cancel")
     chat.expect(r"\[nothing to cancel\]")
-    assert chat.quit() == 0
+    chat.child.expect_exact(PROMPT)
+    # Two in a row leave, as /quit does.
+    chat.child.sendintr()
+    chat.expect(r"\[Ctrl-C again, /quit or Ctrl-D to leave\]")
+    chat.child.sendintr()
+    chat.child.expect_exact("bye")
+    chat.child.expect(pexpect.EOF)
+    chat.child.close()
+    assert chat.child.exitstatus == 0 and "Traceback" not in chat.child.before
     watch.close()
 
 
