@@ -1,6 +1,6 @@
 """Logging: loguru, configured here and nowhere else.
 
-vLLM, paho and transformers log through the standard ``logging`` module; an intercepting
+vLLM, paho, transformers and huggingface_hub log through the standard ``logging`` module; an intercepting
 handler routes their records into loguru so that one sink, one format and one level apply.
 vLLM's engine runs in child processes that configure their own logging from
 ``VLLM_LOGGING_CONFIG_PATH``: the worker points it at a config whose handler is
@@ -62,7 +62,7 @@ def configure_logging(level: str = "INFO", *, json_logs: bool = False, intercept
 def route_library_logging() -> None:
     """vLLM installs its own handler on its logger when imported: remove it so its records
     propagate to ours, once. Call again after importing vLLM."""
-    for name in ("vllm", "paho", "transformers"):
+    for name in ("vllm", "paho", "transformers", "huggingface_hub"):  # the hub's: each warning was printed twice
         std = logging.getLogger(name)
         std.handlers = []
         std.propagate = True

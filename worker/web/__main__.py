@@ -52,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.shutdown()
         server.server_close()
+    logger.info("Stopped")
     return 0
 
 
