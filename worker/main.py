@@ -63,14 +63,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     vllm_logging = use_loguru_in_vllm_processes(
         config.logging.level, json_logs=config.logging.json_logs, vllm_level=config.logging.vllm_level
     )
-    expect_children()  # before vLLM is imported: its processes then die with this one
+    # Before vLLM is imported: its processes then die with this one, out of the terminal's reach.
+    spawner = expect_children()
     try:
         return asyncio.run(Server(config).serve())
-    except KeyboardInterrupt:  # a second Ctrl-C
+    except KeyboardInterrupt:  # a Ctrl-C before the server's signal handlers were set
         return 130
     finally:
-        if vllm_logging is not None:
-            vllm_logging.unlink(missing_ok=True)
+        for written in (vllm_logging, spawner):
+            if written is not None:
+                written.unlink(missing_ok=True)
 
 
 def warn_about_absent_gpus(config: WorkerConfig) -> None:

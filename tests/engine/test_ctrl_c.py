@@ -17,7 +17,9 @@ start."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import signal
 import sys
 import time
 from collections.abc import Iterator
@@ -97,6 +99,20 @@ def terminal_workers() -> Iterator[list[TerminalWorker]]:
         worker.kill()
 
 
+def names(worker: TerminalWorker) -> list[str]:
+    names = []
+    for child in psutil.Process(worker.child.pid).children(recursive=True):
+        with contextlib.suppress(psutil.Error):
+            names.append(child.name())
+    return names
+
+
+def sigint_ignored(pid: int) -> bool:
+    """Whether the process ignores SIGINT (its SigIgn mask in /proc)."""
+    (line,) = [line for line in Path(f"/proc/{pid}/status").read_text().splitlines() if line.startswith("SigIgn:")]
+    return bool(int(line.split()[1], 16) & (1 << (signal.SIGINT - 1)))
+
+
 def request(sender: Client, session: str, request_id: str, max_tokens: int) -> None:
     sender.publish(
         f"{PREFIX}/u/{session}/request",
@@ -168,7 +184,21 @@ def test_ctrl_c_during_the_engine_start_stops_the_start(
     worker = TerminalWorker(tiny_model, broker, state)
     terminal_workers.append(worker)
     worker.expect("Starting the engine")
-    processes = worker.engine_processes()  # vLLM's engine core is starting
+    # From its first moment, each process multiprocessing spawns (the engine core, before it is
+    # named so) is out of the terminal's reach: SIGINT ignored until it is in a session of its
+    # own, which it takes seconds later, once vLLM has loaded in it.
+    checked: set[int] = set()
+    deadline = time.monotonic() + 60
+    while not any("EngineCore" in name for name in names(worker)):
+        for child in psutil.Process(worker.child.pid).children(recursive=True):
+            with contextlib.suppress(psutil.Error):
+                if "--multiprocessing-fork" in child.cmdline() and "resource_tracker" not in str(child.cmdline()):
+                    assert os.getsid(child.pid) == child.pid or sigint_ignored(child.pid), child.cmdline()
+                    checked.add(child.pid)
+        assert time.monotonic() < deadline, names(worker)
+        time.sleep(0.02)
+    assert checked, "no engine process was seen before it was named"
+    processes = worker.engine_processes()
     worker.child.sendintr()
     started = time.monotonic()
     assert worker.exit_code(timeout=60) == 0, worker.output[-3000:]
