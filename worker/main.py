@@ -22,7 +22,7 @@ from loguru import logger
 from .config.loader import ConfigError, cached_hub_model, load_config, render_toml
 from .config.models import WorkerConfig, nvidia_gpu_present
 from .server import Server
-from .system.children import expect_children
+from .system.children import expect_children, remove_at_exit, remove_files
 from .system.logs import configure_logging, use_loguru_in_vllm_processes
 
 
@@ -63,16 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     vllm_logging = use_loguru_in_vllm_processes(
         config.logging.level, json_logs=config.logging.json_logs, vllm_level=config.logging.vllm_level
     )
+    remove_at_exit(vllm_logging)
     # Before vLLM is imported: its processes then die with this one, out of the terminal's reach.
-    spawner = expect_children()
+    remove_at_exit(expect_children())
     try:
         return asyncio.run(Server(config).serve())
     except KeyboardInterrupt:  # a Ctrl-C before the server's signal handlers were set
         return 130
     finally:
-        for written in (vllm_logging, spawner):
-            if written is not None:
-                written.unlink(missing_ok=True)
+        remove_files()
 
 
 def warn_about_absent_gpus(config: WorkerConfig) -> None:

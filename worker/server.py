@@ -46,6 +46,7 @@ from .config.loader import render_toml
 from .config.models import WorkerConfig
 from .engine.port import ServedEngine, WarmupPlan
 from .protocol.topics import Topics
+from .system.children import remove_files
 from .system.logs import route_library_logging
 from .system.notify import Notifier
 from .system.progress import start_phase
@@ -258,6 +259,7 @@ class Server:
             logger.warning(
                 "Second stop signal: exiting now ({} unanswered request(s) left for the next start)", pending
             )
+            remove_files()
             os._exit(1)
         self._stop.set()
         if self._starting is not None and not self._starting.done():

@@ -56,6 +56,21 @@ PARENT_ENV = "MQTT_WORKER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
+# Files this process wrote for its children (vLLM's logging config, the spawn script): removed
+# at the end of the run, also by a forced exit (os._exit skips every finally).
+_files: list[Path] = []
+
+
+def remove_at_exit(path: Path | None) -> None:
+    if path is not None:
+        _files.append(path)
+
+
+def remove_files() -> None:
+    while _files:
+        _files.pop().unlink(missing_ok=True)
+
+
 def expect_children() -> Path | None:
     """In the worker, before vLLM starts anything: the engine's processes die with this one
     and never take the terminal's Ctrl-C. Returns the file to delete at exit, if any."""
