@@ -36,13 +36,16 @@ cleanup() {
     kill -TERM "$WORKER" 2>/dev/null || true
     for _ in $(seq 600); do  # up to 120 s: its drain (60 s at most) and its engine's stop
       { [ -z "$now" ] && kill -0 "$WORKER" 2>/dev/null; } || break
-      sleep 0.2
+      sleep 0.2 || true  # a Ctrl-C ends the sleep too: not an error (set -e)
     done
   fi
   kill -KILL -- "-$WORKER" 2>/dev/null || true
   kill "$BROKER" 2>/dev/null || true
 }
 trap cleanup EXIT
+# Ctrl-C: a plain exit, and the clean-up above runs as the EXIT trap, where a second Ctrl-C
+# ends the wait for the worker.
+trap 'exit 130' INT
 
 echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
