@@ -1,7 +1,7 @@
 """What session affinity is worth: two workers of one share group on the shared Redis store,
 with and without routing each request to its session's owner (issue 7, point 2).
 
-    python -m bench.affinity --out docs/benchmarks/affinity      # CPU engine, tiny model
+    python -m bench.affinity --out bench/results/affinity      # CPU engine, tiny model
 
 mosquitto hands a group's requests round robin, so without the owner routing a session's turns
 alternate between the workers, and a turn finds in its worker's prefix cache only what that
@@ -20,17 +20,15 @@ import itertools
 import json
 import queue
 import shutil
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
+from devtools.mqtt_client import Client, Received
+from devtools.worker_process import WorkerProcess
 
-from .common import REPO, make_workload
+from .common import make_workload
 from .runs import start_broker, start_redis
 
 SESSIONS = 8
@@ -38,22 +36,22 @@ TURNS = 6
 BLOCK = 32
 
 
-def start_workers(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> list[subprocess.Popen[bytes]]:
-    procs = []
+def start_workers(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> list[WorkerProcess]:
+    workers = []
     for name in ("a", "b"):
+        worker_id = f"{mode}-{name}"
         args = [
             *("--model", str(model), "--enforce-eager", "--block-size", str(BLOCK)),
             *("--gpu-memory-utilization", "0.1", "--max-model-len", "2048", "--max-num-seqs", "16"),
-            *("--mqtt-port", str(port), "--topic-prefix", mode, "--worker-id", f"{mode}-{name}"),
+            *("--mqtt-port", str(port), "--topic-prefix", mode, "--worker-id", worker_id),
             *("--share-group", mode, "--mqtt-session-expiry", "0", "--stats-interval", "1"),
             *("--store", "redis", "--redis-url", f"redis://127.0.0.1:{redis_port}/0"),
             "--redis-route-to-owner" if mode == "owner" else "--no-redis-route-to-owner",
             *("--max-requests-per-user-per-minute", "0"),
         ]
-        log = open(workdir / f"{mode}-{name}.log", "wb")  # noqa: SIM115 - the process owns it
-        cmd = [sys.executable, "-m", "worker", *args]
-        procs.append(subprocess.Popen(cmd, cwd=REPO, stdout=log, stderr=subprocess.STDOUT, start_new_session=True))
-    return procs
+        status = (port, f"{mode}/_worker/{worker_id}/status")
+        workers.append(WorkerProcess(args, workdir / f"{worker_id}.log", status=status))
+    return workers
 
 
 def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) -> dict[str, Any]:
@@ -61,22 +59,12 @@ def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) 
 
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, system_tokens=300, user_tokens=(60, 120), max_tokens=32)
-    inbox: queue.Queue[tuple[str, bytes]] = queue.Queue()
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-    client.on_message = lambda c, u, m: inbox.put((m.topic, bytes(m.payload)))
-    client.connect("127.0.0.1", port)
-    client.loop_start()
-    client.subscribe([(f"{mode}/+/+/reply", 1), (f"{mode}/_worker/+/status", 1), (f"{mode}/_worker/+/stats", 1)])
-    procs = start_workers(mode, model, port, redis_port, workdir)
+    client = Client(port, [f"{mode}/+/+/reply", f"{mode}/_worker/+/stats"])
+    workers = start_workers(mode, model, port, redis_port, workdir)
     stats: dict[str, dict[str, Any]] = {}
     try:
-        online: set[str] = set()
-        deadline = time.monotonic() + 900
-        while len(online) < 2:
-            assert time.monotonic() < deadline and all(p.poll() is None for p in procs), "workers did not start"
-            with_timeout = _get(inbox, 1)
-            if with_timeout and with_timeout[0].endswith("/status") and with_timeout[1] == b"online":
-                online.add(with_timeout[0])
+        for worker in workers:
+            worker.wait_online(900)  # they load at the same time
         records: list[dict[str, Any]] = []
         turn_of = dict.fromkeys(range(2 * SESSIONS), 0)
         # Sessions 0..SESSIONS-1 share one system prompt (cached on every worker once it has
@@ -90,20 +78,17 @@ def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) 
                 shared = session < SESSIONS
                 request["systemPrompt"] = (workload if shared else own_prompts[session - SESSIONS]).system_prompt
             request["requestId"] = f"s{session}-t{turn}"
-            client.publish(f"{mode}/bench/s{session}/request", json.dumps(request), qos=1)
+            client.publish(f"{mode}/bench/s{session}/request", request)
 
         for session in range(2 * SESSIONS):
             send(session)
         while len(records) < 2 * SESSIONS * TURNS:
-            item = _get(inbox, 300)
-            assert item is not None, "no reply within 300 s"
-            topic, payload = item
-            if topic.endswith("/stats"):
-                stats[topic] = json.loads(payload)
+            message = _get(client, 300)
+            assert message is not None, "no reply within 300 s"
+            if message.topic.endswith("/stats"):
+                stats[message.topic] = message.json()
                 continue
-            if not topic.endswith("/reply"):
-                continue
-            reply = json.loads(payload)
+            reply = message.json()
             assert "error" not in reply, reply
             session = int(reply["sessionId"][1:])
             records.append({"session": session, "turn": turn_of[session], **reply["usage"]})
@@ -111,22 +96,19 @@ def run_mode(mode: str, model: Path, port: int, redis_port: int, workdir: Path) 
             if turn_of[session] < TURNS:
                 send(session)
         time.sleep(2.5)  # two more stats intervals: the counters after the last turn
-        while (item := _get(inbox, 0.1)) is not None:
-            if item[0].endswith("/stats"):
-                stats[item[0]] = json.loads(item[1])
+        while (message := _get(client, 0.1)) is not None:
+            if message.topic.endswith("/stats"):
+                stats[message.topic] = message.json()
     finally:
-        for proc in procs:
-            proc.terminate()
-        for proc in procs:
-            proc.wait(120)
-        client.loop_stop()
-        client.disconnect()
+        for worker in workers:
+            worker.stop(120)
+        client.close()
     return summarize(mode, records, stats, workdir)
 
 
-def _get(inbox: queue.Queue[tuple[str, bytes]], timeout: float) -> tuple[str, bytes] | None:
+def _get(client: Client, timeout: float) -> Received | None:
     try:
-        return inbox.get(timeout=timeout)
+        return client.messages.get(timeout=timeout)
     except queue.Empty:
         return None
 

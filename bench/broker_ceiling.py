@@ -1,7 +1,7 @@
 """What one mosquitto routes when its clients cost almost nothing: C clients (mosquitto_pub -l
 and mosquitto_sub) on the request topic layout and the workers' shared subscription, QoS 1.
 
-    python -m bench.broker_ceiling --out docs/benchmarks/scale --messages 200000
+    python -m bench.broker_ceiling --out bench/results/scale --messages 200000
 
 ``--publishers`` mosquitto_pub processes each send ``--messages`` requests (a ~200-byte JSON
 request, ``--repeat``: one after another, each on its own user/session topic) as fast as the

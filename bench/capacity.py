@@ -101,7 +101,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
     from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
-    from .runs import WorkerRun, start_broker
+    from .runs import STOP_TIMEOUT, start_broker, start_worker
 
     name = "capacity_offload" if offload else "capacity"
     tokenizer = ChatTokenizer(str(model))
@@ -111,7 +111,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
     broker = start_broker(mosquitto, out)
     log = out / f"worker-{name}.log"
     offset = log.stat().st_size if log.exists() else 0
-    worker = WorkerRun(args, broker.port, log)
+    worker = start_worker(args, broker.port, log)
     text = log.read_text(errors="replace")[offset:]
     kv = KV_TOKENS.search(text)
     warm = WARMUP_DONE.search(text)
@@ -206,7 +206,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         result["decode_batch1_tok_per_s"] = decode_rate(decode)
     finally:
         driver.close()
-        worker.stop()
+        worker.stop(STOP_TIMEOUT)
         broker.stop()
     # vLLM warns of each kernel it compiles while serving: before online (the warm-up) or after.
     text = log.read_text(errors="replace")[offset:]
@@ -225,14 +225,14 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
     from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
-    from .runs import WorkerRun, decode_rate, start_broker
+    from .runs import STOP_TIMEOUT, decode_rate, start_broker, start_worker
 
     tokenizer = ChatTokenizer(str(model))
     args = ["--model", str(model), *profile.fp8_worker_args, "--kv-offload-gib", "0"]
     broker = start_broker(mosquitto, out)
     log = out / "worker-fp8.log"
     offset = log.stat().st_size if log.exists() else 0
-    worker = WorkerRun(args, broker.port, log)
+    worker = start_worker(args, broker.port, log)
     text = log.read_text(errors="replace")[offset:]
     kv = KV_TOKENS.search(text)
     driver = MqttDriver("127.0.0.1", broker.port)
@@ -244,7 +244,7 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
         )[0]
     finally:
         driver.close()
-        worker.stop()
+        worker.stop(STOP_TIMEOUT)
         broker.stop()
     return {
         "args": profile.fp8_worker_args,

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import functools
 import json
@@ -12,11 +13,12 @@ import random
 import socket
 import subprocess
 import time
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from worker.core.history import ChatMessage
+from worker.session import ChatMessage
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -201,3 +203,19 @@ def save(path: Path, data: Any) -> None:
 
 def load(path: Path) -> Any:
     return json.loads(path.read_text())
+
+
+def phase_list(valid: Collection[str]) -> Callable[[str], list[str]]:
+    """An argparse type for ``--phases``: comma-separated names, each one of ``valid``. A name
+    that is not (a typo) is refused with the valid ones named, before anything starts: a
+    phase that is silently skipped looks like a run that measured it."""
+
+    def parse(text: str) -> list[str]:
+        names = [name.strip() for name in text.split(",") if name.strip()]
+        unknown = [name for name in names if name not in valid]
+        if unknown or not names:
+            given = f"unknown phase {', '.join(repr(name) for name in unknown)}" if unknown else "no phase given"
+            raise argparse.ArgumentTypeError(f"{given}; the phases are: {', '.join(valid)}")
+        return names
+
+    return parse

@@ -1,6 +1,6 @@
 """The benchmark: one command, resumable phases, JSON per phase, then a report.
 
-    python -m bench --profile cpu --out docs/benchmarks/cpu            # here, tiny model
+    python -m bench --profile cpu --out bench/results/cpu            # here, tiny model
     python -m bench --profile gpu --geometry qwen2.5-7b --out OUT     # on the GPU machine
 
 Phases (each writes OUT/<phase>.json and is skipped when that file exists, so a run that does
@@ -12,7 +12,8 @@ not fit one command continues where it stopped):
   structured the same requests with and without a JSON schema (vLLM structured outputs)
   restart    a second worker start on a warm compile cache
   capacity   sessions at 1x, 3x, 10x what the KV cache holds, users who think and come back
-             (bench/capacity.py); capacity_offload: the same with the host-memory KV tier
+             (bench/capacity.py)
+  capacity_offload  the same with the host-memory KV tier
   fp8        FP8 weights and KV cache: KV-cache size and batch-1 decode
 """
 
@@ -25,14 +26,18 @@ import os
 import shutil
 import subprocess
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
-from .common import REPO, current_commit, load, make_workload, run_metadata, save, summarize
+from devtools.worker_process import WorkerProcess
+
+from .common import REPO, current_commit, load, make_workload, phase_list, run_metadata, save, summarize
 from .profiles import PROFILES, Profile
-from .runs import WorkerRun, decode_rate, start_broker, timed
+from .runs import STOP_TIMEOUT, decode_rate, start_broker, start_worker, timed
 
 # A typical structured-output schema: a few fields, no length bounds. Bounds are costly in
 # xgrammar: a {"minLength": 400} string (which this bench used first, to make every reply run
@@ -51,7 +56,7 @@ SCHEMA = {
 }
 
 
-def profile_worker(worker: WorkerRun, output: Path) -> subprocess.Popen[bytes] | None:
+def profile_worker(worker: WorkerProcess, output: Path) -> subprocess.Popen[bytes] | None:
     """With BENCH_PYSPY=path/to/py-spy (and BENCH_PYSPY_S seconds, default 5): sample the
     worker process's Python threads while the largest concurrency runs, as collapsed stacks
     (``--format raw``; ``--gil``: only the thread that holds the GIL, i.e. what the event
@@ -76,7 +81,7 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
     broker = start_broker(mosquitto, out)
     cache_empty = not any(Path(os.environ["VLLM_CACHE_ROOT"]).glob("*"))
-    worker = WorkerRun(
+    worker = start_worker(
         ["--model", str(model), "--stats-interval", "2", *profile.worker_args], broker.port, out / "worker.log"
     )
     driver = MqttDriver("127.0.0.1", broker.port)
@@ -149,7 +154,7 @@ def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think
         result.update(runs)
     finally:
         driver.close()
-        worker.stop()
+        worker.stop(STOP_TIMEOUT)
         broker.stop()
     return result
 
@@ -163,7 +168,7 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
     tokenizer = ChatTokenizer(str(model))
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
     broker = start_broker(mosquitto, out)
-    worker = WorkerRun(["--model", str(model), *profile.worker_args], broker.port, out / "worker-structured.log")
+    worker = start_worker(["--model", str(model), *profile.worker_args], broker.port, out / "worker-structured.log")
     driver = MqttDriver("127.0.0.1", broker.port)
     result: dict[str, Any] = {}
     schema = {"responseFormat": {"type": "json_schema", "schema": SCHEMA}}
@@ -196,7 +201,7 @@ def structured_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -
                 driver.drain(5)
     finally:
         driver.close()
-        worker.stop()
+        worker.stop(STOP_TIMEOUT)
         broker.stop()
     return result
 
@@ -267,6 +272,49 @@ async def ablation_phase(profile: Profile, model: Path, out: Path) -> None:
         save(path, result)
 
 
+@dataclass(frozen=True)
+class PhaseRun:
+    """What every phase of one command runs with."""
+
+    profile: Profile
+    model: Path
+    out: Path
+    mosquitto: str
+    think_s: float
+
+
+def _ablation(run: PhaseRun) -> None:
+    """One file per setting (OUT/ablation-NAME.json), each skipped when it exists."""
+    if run.profile.ablation:
+        asyncio.run(ablation_phase(run.profile, run.model, run.out))
+
+
+def _capacity(run: PhaseRun, *, offload: bool) -> dict[str, Any]:
+    from .capacity import capacity_phase
+
+    return capacity_phase(run.profile, run.model, run.out, run.mosquitto, offload=offload)
+
+
+def _fp8(run: PhaseRun) -> dict[str, Any]:
+    from .capacity import fp8_phase
+
+    return fp8_phase(run.profile, run.model, run.out, run.mosquitto)
+
+
+# The phases, in the order of the module's docstring: each returns what OUT/<phase>.json holds
+# (None: the phase writes its own files). --phases takes these names only.
+PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
+    "worker": lambda run: worker_phase(run.profile, run.model, run.out, run.mosquitto, think_s=run.think_s),
+    "inprocess": lambda run: asyncio.run(inprocess_phase(run.profile, run.model, think_s=run.think_s)),
+    "ablation": _ablation,
+    "structured": lambda run: structured_phase(run.profile, run.model, run.out, run.mosquitto),
+    "restart": lambda run: restart_phase(run.profile, run.model, run.out, run.mosquitto),
+    "capacity": functools.partial(_capacity, offload=False),
+    "capacity_offload": functools.partial(_capacity, offload=True),
+    "fp8": _fp8,
+}
+
+
 def stamped(result: dict[str, Any]) -> dict[str, Any]:
     """A phase's result with the commit it ran (phases of one directory may run apart)."""
     return {**result, "commit": current_commit(), "finished": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
@@ -278,7 +326,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="model directory (default: generated per profile)")
     parser.add_argument("--geometry", help="generate a real geometry (dummy weights), e.g. qwen2.5-7b")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phases", default="worker,inprocess,structured,restart,ablation")
+    parser.add_argument(
+        "--phases",
+        type=phase_list(PHASES),
+        default="worker,inprocess,structured,restart,ablation",
+        help=f"comma separated, of {', '.join(PHASES)}",
+    )
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     parser.add_argument(
         "--think-time",
@@ -304,31 +357,16 @@ def main(argv: list[str] | None = None) -> int:
                 "worker_args": profile.worker_args,
             },
         )
-    for phase in args.phases.split(","):
+    run = PhaseRun(profile, model, out, args.mosquitto, args.think_time)
+    for phase in args.phases:
         path = out / f"{phase}.json"
         if path.exists() and phase != "ablation":
             print(f"{phase}: done before ({path})")
             continue
         started = time.perf_counter()
-        if phase == "worker":
-            save(path, stamped(worker_phase(profile, model, out, args.mosquitto, think_s=args.think_time)))
-        elif phase == "structured":
-            save(path, stamped(structured_phase(profile, model, out, args.mosquitto)))
-        elif phase == "inprocess":
-            save(path, stamped(asyncio.run(inprocess_phase(profile, model, think_s=args.think_time))))
-        elif phase == "restart":
-            save(path, stamped(restart_phase(profile, model, out, args.mosquitto)))
-        elif phase == "ablation" and profile.ablation:
-            asyncio.run(ablation_phase(profile, model, out))
-        elif phase in ("capacity", "capacity_offload"):
-            from .capacity import capacity_phase
-
-            result = capacity_phase(profile, model, out, args.mosquitto, offload=phase == "capacity_offload")
+        result = PHASES[phase](run)
+        if result is not None:
             save(path, stamped(result))
-        elif phase == "fp8":
-            from .capacity import fp8_phase
-
-            save(path, stamped(fp8_phase(profile, model, out, args.mosquitto)))
         print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
     names = ("capacity", "capacity_offload", "fp8")
     capacity = {p: load(out / f"{p}.json") for p in names if (out / f"{p}.json").exists()}
@@ -336,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
         from .capacity import capacity_markdown
 
         (out / "capacity.md").write_text(capacity_markdown(capacity))
-    if set(args.phases.split(",")) - {"capacity", "capacity_offload", "fp8"}:
+    if set(args.phases) - {"capacity", "capacity_offload", "fp8"}:
         from .report import write_report
 
         write_report(out)
@@ -347,8 +385,8 @@ def restart_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> d
     """A second start on the compile cache the first one filled (as systemd's CacheDirectory keeps it)."""
     broker = start_broker(mosquitto, out)
     try:
-        worker = WorkerRun(["--model", str(model), *profile.worker_args], broker.port, out / "worker-restart.log")
-        worker.stop()
+        worker = start_worker(["--model", str(model), *profile.worker_args], broker.port, out / "worker-restart.log")
+        worker.stop(STOP_TIMEOUT)
     finally:
         broker.stop()
     first = load(out / "worker.json")

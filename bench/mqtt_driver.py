@@ -13,9 +13,8 @@ from collections.abc import Callable
 from typing import Any
 
 import paho.mqtt.client as mqtt
-from paho.mqtt.enums import CallbackAPIVersion
 
-from worker.transport.mqtt import set_tcp_nodelay
+from devtools.mqtt_client import connect
 
 from .common import Record, Workload, think_time
 
@@ -27,15 +26,12 @@ class MqttDriver:
         self.prefix, self.user = prefix, user
         self.events: queue.Queue[tuple[float, str, bytes]] = queue.Queue()
         self.stats: list[dict[str, Any]] = []
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        self.client.on_message = self._on_message
-        self.client.connect(host, port, keepalive=60)
-        set_tcp_nodelay(self.client)  # without it every round trip waits for delayed ACKs
-        self.client.loop_start()
-        for kind in ("reply", "stream"):
-            self.client.subscribe(f"{prefix}/{user}/+/{kind}", qos=1 if kind == "reply" else 0)
-        self.client.subscribe(f"{prefix}/_worker/+/stats", qos=1)
-        time.sleep(0.3)
+        subscriptions = [
+            (f"{prefix}/{user}/+/reply", 1),
+            (f"{prefix}/{user}/+/stream", 0),
+            (f"{prefix}/_worker/+/stats", 1),
+        ]
+        self.client = connect(port, subscriptions, on_message=self._on_message, host=host, keepalive=60)
         self.run_id = uuid.uuid4().hex[:6]
         self._runs = 0
 
@@ -44,7 +40,7 @@ class MqttDriver:
         self._runs += 1
         return [f"{label}-c{sessions}-{i}-{self.run_id}{self._runs}" for i in range(sessions)]
 
-    def _on_message(self, client: Any, userdata: Any, message: mqtt.MQTTMessage) -> None:
+    def _on_message(self, message: mqtt.MQTTMessage) -> None:
         if message.topic.endswith("/stats"):
             self.stats.append(json.loads(message.payload))
         else:

@@ -35,10 +35,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from .common import REPO, Record, load, run_metadata, save
+from devtools.worker_process import WorkerProcess
+
+from .common import REPO, Record, load, phase_list, run_metadata, save
 from .harness import prepare_model, stamped
 from .profiles import PROFILES, Profile
-from .runs import WorkerRun, start_broker, start_redis, timed
+from .runs import STOP_TIMEOUT, start_broker, start_redis, start_worker, timed, wait_ready
 
 PHASES = ("single", "dp", "tp")
 SHARE_GROUP = "bench"
@@ -103,16 +105,16 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
     broker = start_broker(mosquitto, out)
     common = ["--model", str(model), "--stats-interval", "2", *profile.worker_args, *extra]
-    workers: dict[str, WorkerRun] = {}
+    workers: dict[str, WorkerProcess] = {}
     result: dict[str, Any] = {"phase": phase, "workers": {}}
     driver: MqttDriver | None = None
     try:
         for worker_id, args, env in worker_commands(phase, profile, common, out / "state"):
             log = out / f"worker-{phase}-{worker_id}.log"
-            workers[worker_id] = WorkerRun(args, broker.port, log, worker_id=worker_id, env=env, wait=False)
+            workers[worker_id] = start_worker(args, broker.port, log, worker_id=worker_id, env=env, wait=False)
             result["workers"][worker_id] = {"args": args[len(common) :] + extra}
         for worker_id, worker in workers.items():
-            worker.wait_ready()  # they load at the same time, each on its GPU
+            wait_ready(worker)  # they load at the same time, each on its GPU
             result["workers"][worker_id]["start_to_ready_s"] = worker.start_to_ready_s
         driver = active = MqttDriver("127.0.0.1", broker.port)
         total = sum(c * profile.turns for c in profile.multi_concurrency)
@@ -149,7 +151,7 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
         if driver is not None:
             driver.close()
         for worker in workers.values():
-            worker.stop()
+            worker.stop(STOP_TIMEOUT)
         broker.stop()
     return result
 
@@ -235,7 +237,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="model directory (default: generated per profile)")
     parser.add_argument("--geometry", help="generate a real geometry (dummy weights), e.g. qwen2.5-7b")
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--phases", default="single,dp", help=f"comma separated, of {', '.join(PHASES)}")
+    parser.add_argument(
+        "--phases", type=phase_list(PHASES), default="single,dp", help=f"comma separated, of {', '.join(PHASES)}"
+    )
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     parser.add_argument("--worker-args", default="", help="more worker flags for every phase, e.g. a shared store")
     parser.add_argument("--redis-server", help="start this redis-server per phase; {redis_port} in --worker-args")
@@ -253,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     if not (out / "meta.json").exists():
         meta = run_metadata(model, profile.engine_overrides)
         save(out / "meta.json", {**meta, "profile": args.profile, "worker_args": profile.worker_args})
-    for phase in args.phases.split(","):
+    for phase in args.phases:
         path = out / f"{phase}.json"
         if path.exists():
             print(f"{phase}: done before ({path})")

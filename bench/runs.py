@@ -1,13 +1,9 @@
-"""What a benchmark phase starts and measures with: the broker, Redis, a worker process (its
-start-to-ready time, its memory), and the per-request decode rate."""
+"""What a benchmark phase starts and measures with: the broker, Redis, a worker process (the
+tests' launcher, devtools/worker_process.py, with a progress bar of its start), and the
+per-request decode rate."""
 
 from __future__ import annotations
 
-import contextlib
-import os
-import signal
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -15,9 +11,16 @@ from typing import Any
 
 from devtools.mosquitto import Mosquitto
 from devtools.redis_server import RedisServer
+from devtools.worker_process import WorkerProcess
 
-from .common import REPO, Record, summarize
+from .common import Record, summarize
 from .startbar import StartBar
+
+# How long a benchmark worker may take to come online (a 32B model's first start on a GPU:
+# load, compile, CUDA graphs, warm-up, takes minutes) and to stop (its drain, the engine's
+# shutdown).
+START_TIMEOUT = 900
+STOP_TIMEOUT = 120
 
 
 def start_broker(binary: str, workdir: Path, extra_config: str = "") -> Mosquitto:
@@ -35,83 +38,40 @@ def start_redis(binary: str | None, workdir: Path) -> RedisServer:
     return server
 
 
-class WorkerRun:
-    """``python -m worker`` in its own process group; start-to-ready measured by its status.
-    Several start at once (one per GPU) with ``wait=False`` and then ``wait_ready()`` each."""
+def start_worker(
+    args: list[str],
+    port: int,
+    log: Path,
+    *,
+    worker_id: str = "bench",
+    env: dict[str, str] | None = None,
+    wait: bool = True,
+) -> WorkerProcess:
+    """``python -m worker`` on the benchmark's broker, its log appended to ``log``; with
+    ``wait``, once it is online (``start_to_ready_s``: from its start to its online status).
+    Several start at once (one per GPU) with ``wait=False`` and then ``wait_ready`` each."""
+    # One user (bench) sends everything: the per-user rate limit is off.
+    limit_off = ["--max-requests-per-user-per-minute", "0"]
+    cmd = ["--mqtt-port", str(port), "--worker-id", worker_id, *limit_off, *args]
+    worker = WorkerProcess(cmd, log, env, status=(port, f"chat/_worker/{worker_id}/status"), append=True)
+    if wait:
+        wait_ready(worker)
+    return worker
 
-    def __init__(
-        self,
-        args: list[str],
-        port: int,
-        log: Path,
-        *,
-        worker_id: str = "bench",
-        env: dict[str, str] | None = None,
-        wait: bool = True,
-    ) -> None:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
 
-        self._online: list[float] = []
-        self.log_path = log
-        self._watcher = watcher = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        watcher.on_message = lambda c, u, m: m.payload == b"online" and self._online.append(time.perf_counter())
-        watcher.connect("127.0.0.1", port)
-        watcher.loop_start()
-        watcher.subscribe(f"chat/_worker/{worker_id}/status", qos=1)
-        time.sleep(0.3)
-        self._started = time.perf_counter()
-        self.log = open(log, "ab")  # noqa: SIM115 - closed in stop()
-        # One user (bench) sends everything: the per-user rate limit is off.
-        limit_off = ["--max-requests-per-user-per-minute", "0"]
-        cmd = [sys.executable, "-m", "worker", "--mqtt-port", str(port), "--worker-id", worker_id, *limit_off, *args]
-        self._log_offset = self.log.tell()  # the log may hold earlier starts
-        self.proc = subprocess.Popen(
-            cmd,
-            cwd=REPO,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            env={**os.environ, **(env or {})},
-        )
-        if wait:
-            self.wait_ready()
-
-    def wait_ready(self) -> None:
-        progress = StartBar(self.log_path, offset=self._log_offset)
-        try:
-            while not self._online:
-                progress.poll()
-                if self.proc.poll() is not None:
-                    raise RuntimeError(f"worker exited with {self.proc.returncode}; see {self.log_path}")
-                if time.perf_counter() - self._started > 900:
-                    raise RuntimeError(f"worker not online after 900 s; see {self.log_path}")
-                time.sleep(0.1)
-            # "online" comes with the connection, the log's "Serving" with the SUBACK: the bar's end.
-            settle = time.perf_counter() + 5
-            while not progress.poll() and time.perf_counter() < settle:
-                time.sleep(0.05)
-        finally:
-            progress.close()
-        self.start_to_ready_s = round(self._online[0] - self._started, 1)
-        self._watcher.disconnect()
-        self._watcher.loop_stop()
-
-    def rss_mb(self) -> dict[str, float]:
-        import psutil
-
-        main = psutil.Process(self.proc.pid)
-        children = main.children(recursive=True)
-        total = main.memory_info().rss + sum(c.memory_info().rss for c in children if c.is_running())
-        return {"worker_rss_mb": round(main.memory_info().rss / 2**20, 1), "total_rss_mb": round(total / 2**20, 1)}
-
-    def stop(self) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(120)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        self.log.close()
+def wait_ready(worker: WorkerProcess) -> float:
+    """Until the worker is online, with a progress bar of its start from its log; the seconds
+    from its start to its online status."""
+    progress = StartBar(worker.log_path, offset=worker.log_offset)
+    try:
+        seconds = worker.wait_online(START_TIMEOUT, progress=progress.poll)
+        # "online" comes with the connection, the log's "Serving" with the SUBACK: the bar's end.
+        settle = time.perf_counter() + 5
+        while not progress.poll() and time.perf_counter() < settle:
+            time.sleep(0.05)
+    finally:
+        progress.close()
+    return seconds
 
 
 def timed(run: Callable[[], list[Record]]) -> dict[str, Any]:

@@ -1,6 +1,6 @@
 """Many workers, one broker: a load test of the MQTT side with an engine that costs nothing.
 
-    python -m bench.scale --out docs/benchmarks/scale --workers 10,50,100 --rates 250,500,1000,2000
+    python -m bench.scale --out bench/results/scale --workers 10,50,100 --rates 250,500,1000,2000
 
 N simulated workers (the real Service and MqttTransport, each its own MQTT client, client id and
 status topic, all in one share group: ``$share/<group>/<prefix>/+/+/request``) run in a few
@@ -40,19 +40,14 @@ def generate_load(
     """Open loop: one request on a new session every 1/rate s; the reply time of each. Prints
     ``start`` when it begins sending (the orchestrator's measuring window opens). Replies count
     as in the window until ``gen_s`` (a reply's generation time) after it closes."""
-    import paho.mqtt.client as mqtt
-    from paho.mqtt.enums import CallbackAPIVersion
-
-    from worker.transport.mqtt import set_tcp_nodelay
+    from devtools.mqtt_client import connect
 
     received: list[tuple[float, str]] = []  # list.append is atomic: paho's thread only appends
-    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=f"load-{user}", protocol=mqtt.MQTTv5)
-    client.max_inflight_messages_set(0)  # paho's default of 20 would pace the sends, not the rate
     streamed = [0]
 
     errors: list[str] = []
 
-    def on_message(client: Any, userdata: Any, message: Any) -> None:
+    def on_message(message: Any) -> None:
         if message.topic.endswith("/reply"):
             if b'"error":' in message.payload:  # an answer, but not a generated one
                 errors.append(message.payload.decode()[:300])
@@ -60,13 +55,10 @@ def generate_load(
         else:
             streamed[0] += 1
 
-    client.on_message = on_message
-    client.connect("127.0.0.1", port)
-    set_tcp_nodelay(client)
-    client.loop_start()
-    client.subscribe(f"{PREFIX}/{user}/+/reply", qos=1)
-    client.subscribe(f"{PREFIX}/{user}/+/stream", qos=0)  # as chat frontends do: the broker sends them
-    time.sleep(0.5)
+    # Streams at QoS 0, as chat frontends take them: the broker sends them. No limit on the
+    # messages in flight: paho's default of 20 would pace the sends, not the rate.
+    subscriptions = [(f"{PREFIX}/{user}/+/reply", 1), (f"{PREFIX}/{user}/+/stream", 0)]
+    client = connect(port, subscriptions, on_message=on_message, client_id=f"load-{user}", max_inflight=0)
     total = int(rate * duration)
     sent: dict[str, float] = {}
     payload = json.dumps({"message": "hello " * 20, "maxTokens": reply_tokens, "stream": True})
@@ -124,18 +116,16 @@ class SysCounters:
     TOPICS = ("publish/messages/received", "publish/messages/sent", "messages/received", "messages/sent")
 
     def __init__(self, port: int) -> None:
-        import paho.mqtt.client as mqtt
-        from paho.mqtt.enums import CallbackAPIVersion
+        from devtools.mqtt_client import connect
 
         self.updates: list[tuple[float, str, int]] = []
-        self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
-        self.client.on_message = lambda c, u, m: self.updates.append(
-            (time.perf_counter(), m.topic[len("$SYS/broker/") :], int(m.payload))
+        self.client = connect(
+            port,
+            [(f"$SYS/broker/{topic}", 0) for topic in self.TOPICS],
+            on_message=lambda m: self.updates.append(
+                (time.perf_counter(), m.topic[len("$SYS/broker/") :], int(m.payload))
+            ),
         )
-        self.client.connect("127.0.0.1", port)
-        self.client.loop_start()
-        for topic in self.TOPICS:
-            self.client.subscribe(f"$SYS/broker/{topic}")
 
     def rates(self, start: float, end: float) -> dict[str, float | None]:
         out: dict[str, float | None] = {}

@@ -12,15 +12,18 @@ Modules:
 - ``mosquitto``: a mosquitto broker on a free loopback port, owned by its caller
 - ``redis_server``: a redis-server on a free loopback port, owned by its caller
 - ``pki``: a test PKI made with openssl (CAs, broker, client and misnamed certificates)
-- ``mqtt_client``: a plain paho client that records what it receives
-- ``worker_process``: ``python -m worker`` in its own process group, and the engine settings
-  of every test worker
+- ``mqtt_client``: the MQTT clients of the tests and the benchmark: ``connect`` (a paho
+  client, subscribed once the broker says so) and ``Client``, which records what it receives
+- ``worker_process``: ``python -m worker`` in its own process group, online when its status
+  says so, for the tests and the benchmark; and the engine settings of every test worker
 - ``systemd``: the systemd side: a ``NOTIFY_SOCKET`` listener, the units' settings
 - ``fakes``: fakes of the engine, renderer and transport ports, and a Service on them
-- ``inproc``: the real Service and MqttTransport on a thread's event loop (fake engine)
+- ``inproc``: the worker's own parts (worker/wiring.py) on a thread's event loop (fake engine)
 - ``acl``: mosquitto with users and the topic ACL of docs/security.md
 - ``chat_terminal``: the chat client (``python -m worker.chat``) in a pseudo-terminal
-- ``layout``: README.md's layout table from the docstrings (``python -m devtools.layout --write``)
+- ``layout``: docs/architecture.md's layout table from the docstrings (``python -m devtools.layout --write``)
+- ``warmup_check``: a worker's warm-up logs no ERROR line and does every step
+  (``python -m devtools.warmup_check MODEL``)
 """
 
 from __future__ import annotations

@@ -17,10 +17,11 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
 
 from worker.config.models import WorkerConfig
-from worker.core.history import ChatMessage
+from worker.core.history import Tools
 from worker.core.service import Service
-from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate
+from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate, ToolSupport
 from worker.protocol.messages import log_ref
+from worker.session import ChatMessage
 from worker.store.port import HistoryStore
 from worker.transport.port import InboundMessage
 
@@ -30,14 +31,19 @@ class WordRenderer:
 
     opens_reasoning = False
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]:
-        words = [w for m in messages for w in (m["role"], *m["content"].split())]
+    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
+        words = [w for m in messages for w in (m["role"], *str(m.get("content") or "").split())]
+        words += [str(call) for m in messages for call in m.get("tool_calls") or ()]
+        words += [str(tool) for tool in tools or ()]
         return [1] * (len(words) + (1 if add_generation_prompt else 0))
+
+    def encode(self, text: str) -> list[int]:
+        return [1] * len(text.split())
 
     def count_text(self, text: str) -> int:
         return len(text.split())
 
-    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+    async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         pass
 
 
@@ -160,6 +166,7 @@ class Harness:
         *,
         store: HistoryStore | None = None,
         history: dict[str, Any] | None = None,
+        tools: ToolSupport | None = None,
         **limits: Any,
     ) -> None:
         config = WorkerConfig.model_validate(
@@ -174,7 +181,9 @@ class Harness:
         self.engine = FakeEngine()
         self.transport = MemoryTransport()
         self.stop_codes: list[int] = []
-        self.service = Service(config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store)
+        self.service = Service(
+            config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store, tools=tools
+        )
 
     async def run_until(self, condition: Any, timeout: float = 10) -> None:
         consumer = asyncio.ensure_future(self.service.consume())

@@ -1,11 +1,13 @@
-"""An in-process worker on a real broker: the Service and the real MqttTransport on an asyncio
-loop in a thread of the test, generating with devtools.fakes' FakeEngine. For what the broker
-decides (delivery, acknowledgements, Receive Maximum, packet sizes, message expiry), where a
-vLLM engine would add only minutes of start-up."""
+"""An in-process worker on a real broker: the worker's own parts (worker/wiring.py: the real
+MqttTransport, in a group on Redis the intake, the store and the Service) on an asyncio loop in
+a thread of the test, generating with devtools.fakes' FakeEngine. For what the broker decides
+(delivery, acknowledgements, Receive Maximum, packet sizes, message expiry), where a vLLM
+engine would add only minutes of start-up."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import threading
 import time
@@ -13,14 +15,10 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from worker.config.models import WorkerConfig
-from worker.core.service import Service
-from worker.intake.group import Intake
-from worker.intake.streams import RedisStreams
-from worker.protocol.topics import Topics
 from worker.store import open_store
-from worker.store.port import HistoryStore
 from worker.transport.mqtt import MqttSettings, MqttTransport
 from worker.transport.port import InboundMessage
+from worker.wiring import wire
 
 from .fakes import FakeEngine, WordRenderer
 
@@ -52,14 +50,21 @@ class RecordingTransport(MqttTransport):
 
 class LiveWorker:
     """``LiveWorker(port, limits={...})``: config sections as keyword arguments. Its topic
-    prefix is its own, so workers sharing a broker never see each other's requests."""
+    prefix is its own, so workers sharing a broker never see each other's requests. Its
+    sessions are in memory unless a test names another store (``history={"store": "redis"}``:
+    a member of a group on the shared Redis, with its intake, as a real worker)."""
 
     def __init__(self, port: int, *, engine: FakeEngine | None = None, **sections: dict[str, Any]) -> None:
         n = next(_ids)
-        self.prefix = f"live{n}"
-        mqtt = {"port": port, "topic_prefix": self.prefix, "worker_id": f"live-worker-{n}", "session_expiry": 0}
+        mqtt = {"port": port, "topic_prefix": f"live{n}", "worker_id": f"live-worker-{n}", "session_expiry": 0}
         self.config = WorkerConfig.model_validate(
-            {"engine": {"model": "fake"}, "stats": {"interval": 0}, **sections, "mqtt": mqtt | sections.get("mqtt", {})}
+            {
+                "engine": {"model": "fake"},
+                "stats": {"interval": 0},
+                **sections,
+                "mqtt": mqtt | sections.get("mqtt", {}),
+                "history": {"store": "memory"} | sections.get("history", {}),
+            }
         )
         self.prefix = self.config.mqtt.topic_prefix  # the service's, where a test gives its own
         self.engine = engine or FakeEngine()
@@ -67,35 +72,19 @@ class LiveWorker:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
+        self._resources = contextlib.AsyncExitStack()
         self.call(self._start())
 
     async def _start(self) -> None:
-        topics = Topics(self.prefix)
-        settings = MqttSettings.from_config(self.config, topics, self.config.effective_worker_id)
-        self.transport = RecordingTransport(settings, self.loop)
-        self.intake: Intake | None = None
-        store: HistoryStore | None = None
-        if self.config.history.store == "redis":  # a group member on the shared store, as worker/server.py
-            redis = self.config.redis
-            store = open_store(self.config.history, redis, self.prefix)
-            instance = f"{self.config.effective_worker_id}.{next(_ids)}"
-            streams = RedisStreams(
-                redis.url, self.prefix, instance, worker_lease=redis.worker_lease, owner_lease=redis.owner_lease
-            )
-            self.intake = Intake(
-                streams,
-                self.transport,
-                topics,
-                worker_lease=redis.worker_lease,
-                route_to_owner=redis.route_to_owner,
-                stop_requested=self.stop_codes.append,
-            )
-        self.service = Service(
-            self.config, self.engine, WordRenderer(), self.intake or self.transport, self.stop_codes.append, store
+        config = self.config
+        store = open_store(config.history, config.redis, self.prefix)
+        self._resources.callback(store.close)
+        parts = wire(
+            config, self.engine, WordRenderer(), store, self.stop_codes.append, transport_class=RecordingTransport
         )
-        if self.intake is not None:
-            await self.intake.start()
-        self.transport.start()
+        assert isinstance(parts.transport, RecordingTransport)
+        self.transport, self.intake, self.service = parts.transport, parts.intake, parts.service
+        await parts.start(self._resources)
         await asyncio.wait_for(self.transport.wait_connected(), 10)
         await asyncio.to_thread(self.transport.subscribed.wait, 10)
         self._consumer = asyncio.ensure_future(self.service.consume())
@@ -134,14 +123,15 @@ class LiveWorker:
         return acked
 
     def close(self) -> None:
+        """Stopped as the server stops: a group's member unsubscribes, running turns finish
+        (up to a second), then the transport closes (offline) and the intake leaves."""
+
         async def stop() -> None:
             self._consumer.cancel()
             if self.intake is not None:
                 self.transport.unsubscribe()
             await self.service.drain(1)
-            if self.intake is not None:
-                await self.intake.close()
-            await self.transport.close(2)
+            await self._resources.aclose()
 
         try:
             self.call(stop())

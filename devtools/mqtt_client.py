@@ -1,21 +1,91 @@
-"""A plain paho MQTT v5 client, as a chat frontend or an observer: publishes, and records
-everything it receives."""
+"""The MQTT clients of the tests and the benchmark: ``connect`` starts a plain paho MQTT v5
+client, subscribed once the broker has said so; ``Client`` is one that publishes, as a chat
+frontend, and records everything it receives. The benchmark's clients (bench/mqtt_driver.py,
+bench/scale.py) are ``connect``'s with their own ``on_message``."""
 
 from __future__ import annotations
 
 import json
 import queue
+import threading
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import paho.mqtt.client as mqtt
 from paho.mqtt.enums import CallbackAPIVersion
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from worker.transport.mqtt import MqttSettings, set_tcp_nodelay
+
+# How long ``connect`` waits for the CONNACK and the SUBACK: a broker on this machine answers
+# in milliseconds.
+ANSWER_TIMEOUT = 10.0
+
+
+def connect(
+    port: int,
+    subscriptions: Sequence[str | tuple[str, int]] = (),
+    *,
+    on_message: Callable[[mqtt.MQTTMessage], None] | None = None,
+    client_id: str = "",
+    login: tuple[str, str] | None = None,
+    host: str = "127.0.0.1",
+    keepalive: int = 30,
+    max_inflight: int | None = None,
+) -> mqtt.Client:
+    """A paho MQTT v5 client connected to ``host:port`` (the broker accepted it: else
+    ConnectionError), its network loop running, subscribed to ``subscriptions`` (QoS 1, or
+    ``(topic, qos)``) once the broker has acknowledged them, so that whatever is published from
+    then on reaches it. ``on_message`` runs on paho's thread. Nagle's algorithm is off, as on
+    the worker's own connection (without it each round trip waits for a delayed ACK:
+    set_tcp_nodelay). ``max_inflight``: QoS 1 messages on their way at once (0: no limit;
+    paho's default of 20 paces a client that sends at a fixed rate)."""
+    client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
+    if login is not None:
+        client.username_pw_set(*login)
+    if max_inflight is not None:
+        client.max_inflight_messages_set(max_inflight)
+    if on_message is not None:
+        client.on_message = lambda c, u, message: on_message(message)
+    connack: list[Any] = []  # the CONNACK's reason code
+    acknowledged: set[int] = set()  # the SUBSCRIBE packets the broker answered
+    answered = threading.Condition()
+
+    def on_connect(c: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
+        with answered:
+            connack.append(reason)
+            answered.notify_all()
+
+    def on_subscribe(c: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
+        with answered:
+            acknowledged.add(mid)
+            answered.notify_all()
+
+    client.on_connect, client.on_subscribe = on_connect, on_subscribe
+    client.connect(host, port, keepalive=keepalive)
+    set_tcp_nodelay(client)
+    client.loop_start()
+    mid = None
+    if subscriptions:
+        topics = [(t, 1) if isinstance(t, str) else t for t in subscriptions]
+        result, mid = client.subscribe([(topic, SubscribeOptions(qos=qos)) for topic, qos in topics])
+        assert result == mqtt.MQTT_ERR_SUCCESS
+
+    def answered_all() -> bool:  # a refused login gets no SUBACK: its CONNACK is the answer
+        return bool(connack) and (connack[0].is_failure or mid is None or mid in acknowledged)
+
+    with answered:
+        done = answered.wait_for(answered_all, ANSWER_TIMEOUT)
+    if not done or connack[0].is_failure:
+        client.disconnect()
+        client.loop_stop()
+        what = f"refused the connection: {connack[0]}" if connack else "did not answer"
+        raise ConnectionError(f"the MQTT broker at {host}:{port} {what} (within {ANSWER_TIMEOUT:g} s)")
+    return client
 
 
 @dataclass
@@ -24,6 +94,7 @@ class Received:
     payload: bytes
     retain: bool
     properties: Any
+    at: float = field(default_factory=time.perf_counter)  # when it arrived (paho's thread)
 
     def json(self) -> Any:
         return json.loads(self.payload)
@@ -41,19 +112,13 @@ class Client:
     ) -> None:
         self.messages: queue.Queue[Received] = queue.Queue()
         self.seen: list[Received] = []
-        self._client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id=client_id, protocol=mqtt.MQTTv5)
-        if login is not None:
-            self._client.username_pw_set(*login)
-        self._client.on_message = lambda c, u, m: self.messages.put(
-            Received(m.topic, bytes(m.payload), bool(m.retain), m.properties)
+        self._client = connect(
+            port,
+            subscriptions,
+            on_message=lambda m: self.messages.put(Received(m.topic, bytes(m.payload), bool(m.retain), m.properties)),
+            client_id=client_id,
+            login=login,
         )
-        self._client.connect("127.0.0.1", port, keepalive=30)
-        set_tcp_nodelay(self._client)
-        self._client.loop_start()
-        for topic in subscriptions:
-            result, _ = self._client.subscribe(topic, qos=1)
-            assert result == mqtt.MQTT_ERR_SUCCESS
-        time.sleep(0.2)  # let the SUBACKs arrive before the first publish
 
     def publish(self, topic: str, payload: Any, *, qos: int = 1, properties: Any = None, retain: bool = False) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()

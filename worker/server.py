@@ -3,23 +3,27 @@ stop, and stops it; the exit code. Modelled on uvicorn's ``Server`` (``serve`` â
 / ``main_loop`` / ``shutdown``) and hypercorn's ``worker_serve`` (a ``finally`` that cancels
 the background tasks and waits for them under a timeout).
 
-Start (``startup``), in order: one login to the broker to check it (a broker that is down, or
-refuses the login, is found in seconds instead of after minutes of loading the model); the
-import of vLLM, torch and transformers; the metrics endpoint and the session store (a port in
-use, a bad state_dir or an unreachable Redis fail before the model load); the tokenizer; the
-engine and its warm-up; then MQTT for good (in a group on Redis, the intake joins first), so
-that the retained ``online`` status means the worker can answer. Each resource goes on an
-``AsyncExitStack`` as it is opened: a start that fails at any step closes what the steps
-before it opened, in reverse order, and nothing else. A start that cannot go on (the broker,
-the metrics port, the store, the group in Redis) ends with exit code 2; an error of the
-tokenizer or the engine is raised, after the same clean-up.
+Start (``startup``), one method a step, in order: ``with_sampling_defaults``, the sampling
+defaults resolved once (the configuration's, else the model's generation_config.json, else
+built in); ``_check_broker``, one login to the broker
+(a broker that is down, or refuses the login, is found in seconds instead of after minutes of
+loading the model); ``_import_engine_libraries``, vLLM, torch and transformers;
+``_open_metrics`` and ``_open_store`` (a port in use, a bad state_dir or an unreachable Redis
+fail before the model load); ``_load_tokenizer``; ``_start_engine`` and ``_warm_up``; then
+``_connect``, the service wired to MQTT (worker/wiring.py; in a group on Redis, the intake
+joins first), so that the retained ``online`` status means the worker can answer; last, the
+background tasks. Each resource goes on an ``AsyncExitStack`` as it is opened: a start that
+fails at any step closes what the steps before it opened, in reverse order, and nothing else.
+A start that cannot go on (the broker, the metrics port, the store, the group in Redis) raises
+``CannotStart`` and ends with exit code 2; an error of the tokenizer or the engine is raised,
+after the same clean-up.
 
 Stop (``shutdown``), on SIGTERM/SIGINT, an injected ``shutdown_trigger``, or a dead engine
 (exit code 1): stop receiving (a share group's member unsubscribes), let running generations
 finish up to ``drain_timeout`` (none when the engine died), publish the last stats; then the
 background tasks are cancelled and awaited, and the exit stack closes the rest in reverse
-order of opening: the intake leaves the group, ``offline`` is published and the connection
-closed, the engine shut down, the store closed, the metrics endpoint closed. A second signal
+order of opening: ``offline`` is published and the connection closed, the intake leaves the
+group, the engine shut down, the store closed, the metrics endpoint closed. A second signal
 exits at once. The signal handlers are the server's only while it runs: the previous ones
 are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
 
@@ -32,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import secrets
 import signal
 import threading
 import time
@@ -43,8 +46,8 @@ from loguru import logger
 
 from . import __version__
 from .config.loader import render_toml
-from .config.models import WorkerConfig
-from .engine.port import ServedEngine, WarmupPlan
+from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
+from .engine.port import ServedEngine, ToolSupport, WarmupPlan
 from .protocol.topics import Topics
 from .system.children import remove_files
 from .system.logs import route_library_logging
@@ -53,7 +56,9 @@ from .system.progress import start_phase
 
 if TYPE_CHECKING:
     from .core.service import Service
+    from .engine.tokenizer import ChatTokenizer
     from .intake.group import Intake
+    from .store.port import HistoryStore
     from .system.metrics import MetricsEndpoint
     from .transport.mqtt import MqttSettings, MqttTransport
 
@@ -82,7 +87,32 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
         stop_token_ids=stop_token_ids,
         json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
         progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
+        sampling=config.generation.engine_sampling(),
     )
+
+
+SAMPLING_SOURCES = {"config": "config", "model": MODEL_DEFAULTS_FILE, "built-in": "built-in"}
+
+
+def with_sampling_defaults(config: WorkerConfig) -> WorkerConfig:
+    """The configuration with its sampling defaults resolved, once, at start: what the
+    configuration sets, else the model's generation_config.json, else the built-in default
+    (config/models.py resolve_sampling). Logged with where each came from; a request's own
+    temperature and topP still come first."""
+    values, problem = read_model_defaults(config.engine.model)
+    if problem:
+        logger.warning("The model's sampling defaults are not used: {}", problem)
+    generation, sources = resolve_sampling(config.generation, values)
+    for source in sources:
+        if source.note:
+            logger.warning("The model's sampling default is not used: {}", source.note)
+    shown = [
+        f"{s.name}={'off' if s.value in SAMPLING_OFF.get(s.name, ()) else format(s.value, 'g')} "
+        f"({SAMPLING_SOURCES[s.source]})"
+        for s in sources
+    ]
+    logger.info("Sampling defaults of requests that set none: {}", ", ".join(shown))
+    return config.model_copy(update={"generation": generation})
 
 
 async def broker_accepts(
@@ -174,6 +204,11 @@ async def cancel_and_wait(tasks: Collection[asyncio.Future[Any]], timeout: float
     return pending
 
 
+class CannotStart(Exception):
+    """A start that cannot go on: exit code 2. Its message is the log line that says why
+    (none where the step has said it already)."""
+
+
 class Server:
     """One run of the worker: ``await Server(config).serve()``, the exit code.
 
@@ -195,7 +230,7 @@ class Server:
         self.notifier = Notifier.from_environment()
         self.exit_code = 0
         self.started = False  # the main loop was reached
-        self._start_engine = start_engine
+        self._engine_starter = start_engine
         self._tasks_timeout = tasks_timeout
         self._started_at = time.monotonic()
         self._stop = asyncio.Event()
@@ -231,7 +266,7 @@ class Server:
             finally:
                 # Awaited, so nothing they do overlaps the closing below.
                 await cancel_and_wait(self._tasks, self._tasks_timeout)
-                # What startup opened, in reverse order: intake, transport, engine, store, metrics.
+                # What startup opened, in reverse order: transport, intake, engine, store, metrics.
                 await self._resources.aclose()
                 if self.started:
                     logger.info("Stopped (exit code {})", self.exit_code)
@@ -317,14 +352,40 @@ class Server:
 
     # -- start --------------------------------------------------------------------------
 
-    def _cannot_start(self) -> bool:
-        self.exit_code = 2
-        return False
-
     async def startup(self) -> bool:
-        """Open everything, in order, each resource onto the exit stack. False when the start
-        cannot go on (``exit_code`` 2), or was stopped while waiting for the broker."""
-        config, notifier = self.config, self.notifier
+        """Open everything, step by step in the order of the module's docstring, each resource
+        onto the exit stack as it is opened. False when the start cannot go on (``exit_code``
+        2), or was stopped while it waited for the broker."""
+        self._log_start()
+        self.config = with_sampling_defaults(self.config)  # once, for the engine, the warm-up and requests
+        try:
+            if not await self._check_broker():
+                logger.info("Stopped while waiting for the broker (exit code {})", self.exit_code)
+                return False
+            self._import_engine_libraries()
+            self._open_metrics()
+            store = self._open_store()
+            route_library_logging()
+            # The engine start holds this thread (and the event loop) until the model is
+            # loaded; it must stay on this thread: vLLM's processes die when the thread that
+            # started them ends.
+            with self.notifier.extending_timeout():
+                renderer = await self._load_tokenizer()
+                tools = self._tool_support(renderer)
+                engine = await self._start_engine(renderer)
+                await self._warm_up(engine)
+            route_library_logging()
+            service = await self._connect(engine, renderer, tools, store)
+        except CannotStart as exc:
+            if str(exc):
+                logger.error("{}", exc)
+            self.exit_code = 2
+            return False
+        self._spawn_background_tasks(service)
+        return True
+
+    def _log_start(self) -> None:
+        config = self.config
         logger.info(
             "Worker {} {} starting: model {}, broker {}:{}, store {}",
             self.worker_id,
@@ -337,117 +398,146 @@ class Server:
         # The whole configuration is some 80 lines: at DEBUG (--check-config prints it too).
         logger.debug("Configuration:\n{}", render_toml(config.masked(), comments=False).rstrip())
 
+    async def _check_broker(self) -> bool:
+        """One login, before the model load, which takes minutes: a broker that is down or
+        refuses the login is found at once. False when stopped while waiting for it (with
+        --wait-for-broker, or under systemd); CannotStart when it does not accept the login
+        (``broker_accepts`` has said why)."""
         from .transport.mqtt import MqttSettings, check_broker  # paho only: imports in milliseconds
 
+        config = self.config
         settings = MqttSettings.from_config(config, self.topics, self.worker_id)
-        # Before the model load, which takes minutes: a broker that is down or refuses the login
-        # is found at once.
-        wait = config.mqtt.wait_for_broker or notifier.enabled
-        if not await broker_accepts(settings, check_broker, notifier, self._stop, wait=wait):
-            if self._stop.is_set():
-                logger.info("Stopped while waiting for the broker (exit code {})", self.exit_code)
-                return False
-            return self._cannot_start()
+        wait = config.mqtt.wait_for_broker or self.notifier.enabled
+        if await broker_accepts(settings, check_broker, self.notifier, self._stop, wait=wait):
+            return True
+        if self._stop.is_set():
+            return False
+        raise CannotStart()
 
-        with start_phase(notifier, "Importing vLLM, torch and transformers", "Imported"):
-            from .engine.tokenizer import ChatTokenizer
+    def _import_engine_libraries(self) -> None:
+        """vLLM, torch and transformers; then the engine.extra keys are checked against this
+        vLLM's engine arguments, before the model load (vLLM refused one 12 s into its start)."""
+        with start_phase(self.notifier, "Importing vLLM, torch and transformers", "Imported"):
+            from .engine.tokenizer import ChatTokenizer  # noqa: F401 - imports transformers
             from .engine.vllm import unknown_engine_arguments  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
-            from .store import open_store
-            from .store.port import StoreError
-            from .system.metrics import LiveSources, MetricsEndpoint
-            from .transport.mqtt import MqttTransport
+        if unknown := unknown_engine_arguments(self.config.engine.extra):
+            raise CannotStart(f"Cannot start the engine: {'; '.join(unknown)}")
 
-        if unknown := unknown_engine_arguments(config.engine.extra):  # before the model load, as the rest
-            logger.error("Cannot start the engine: {}", "; ".join(unknown))
-            return self._cannot_start()
-        try:  # before the model load: a port in use fails fast
-            self.metrics = MetricsEndpoint.start(config.stats)  # None unless metrics_port is set
+    def _open_metrics(self) -> None:
+        """The Prometheus endpoint, where ``stats.metrics_port`` is set: before the model load,
+        so that a port in use fails fast."""
+        from .system.metrics import MetricsEndpoint
+
+        stats = self.config.stats
+        try:
+            self.metrics = MetricsEndpoint.start(stats)  # None unless metrics_port is set
         except OSError as exc:
-            logger.error("Cannot serve metrics on {}:{}: {}", config.stats.metrics_host, config.stats.metrics_port, exc)
-            return self._cannot_start()
+            raise CannotStart(f"Cannot serve metrics on {stats.metrics_host}:{stats.metrics_port}: {exc}") from exc
         if self.metrics is not None:
             self._resources.callback(self.metrics.close)
-        try:  # before the model load: a bad state_dir or an unreachable Redis fails fast
+
+    def _open_store(self) -> HistoryStore:
+        """The session store: before the model load, so that a bad state_dir or an unreachable
+        Redis fails fast. Closed after the drain: every stored turn is committed."""
+        from .store import open_store
+        from .store.port import StoreError
+
+        config = self.config
+        try:
             store = open_store(config.history, config.redis, config.mqtt.topic_prefix)
         except StoreError as exc:  # locked for longer than the start waits, read-only, a newer schema
-            logger.error("Cannot use the session store: {}", exc)
-            return self._cannot_start()
+            raise CannotStart(f"Cannot use the session store: {exc}") from exc
         except Exception as exc:
             if config.history.store != "redis":
                 raise
-            logger.error("Cannot use the Redis store: {}", exc)
-            return self._cannot_start()
-        self._resources.callback(store.close)  # after the drain: every stored turn is committed
+            raise CannotStart(f"Cannot use the Redis store: {exc}") from exc
+        self._resources.callback(store.close)
+        return store
 
-        route_library_logging()
-        model = config.engine.model
+    async def _load_tokenizer(self) -> ChatTokenizer:
+        from .engine.tokenizer import ChatTokenizer
+
+        model = self.config.engine.model
         assert model is not None
-        # The engine start holds this thread (and the event loop) until the model is loaded; it
-        # must stay on this thread: vLLM's processes die when the thread that started them ends.
-        with notifier.extending_timeout():
-            with start_phase(notifier, "Loading the tokenizer", "Tokenizer loaded", detail=model):
-                renderer = await asyncio.to_thread(ChatTokenizer, model)
-            starting = start_phase(notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}")
-            with starting, self._signals_cancel_the_start():
-                engine = self.engine = await self._start_engine(config, renderer.stop_token_ids)
-            self._resources.push_async_callback(engine.shutdown)
-            # Before online: the first real burst must not wait for kernels compiled on first use.
-            plan = WarmupPlan(
-                mode=config.engine.warmup,
-                temperature=config.generation.temperature,
-                top_p=config.generation.top_p,
-                max_batch=config.engine.warmup_max_batch,
-                timeout_s=config.engine.warmup_timeout,
-            )
-            with start_phase(notifier, "Warming the engine up", "Warm-up phase over", announce=False):
-                await engine.warm_up(plan)
-        route_library_logging()
-        notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
+        with start_phase(self.notifier, "Loading the tokenizer", "Tokenizer loaded", detail=model):
+            return await asyncio.to_thread(ChatTokenizer, model)
 
-        from .core.service import InFlight, Service
+    def _tool_support(self, renderer: ChatTokenizer) -> ToolSupport:
+        """How the model calls tools (engine.tool_parser, or the parser its chat template's call
+        format matches): a parser vLLM does not have fails before the engine start."""
+        from .engine.vllm import tool_support
 
-        transport = self.transport = MqttTransport(settings, asyncio.get_running_loop())
-        in_flight = InFlight(config.limits.max_pending_requests)
-        intake = None
-        if config.history.store == "redis":
-            from .intake.group import Intake
+        engine = self.config.engine
+        assert engine.model is not None
+        try:
+            return tool_support(engine.tool_parser, renderer, engine.model)
+        except ValueError as exc:
+            raise CannotStart(f"Cannot use tool_parser {engine.tool_parser!r}: {exc}") from exc
 
-            # One instance per start: a restart is a new one.
-            instance = f"{self.worker_id}.{secrets.token_hex(4)}"
-            intake = Intake.for_group(config, transport, self.topics, instance, self.request_stop, in_flight.room)
-        service = self.service = Service(
-            config, engine, renderer, intake or transport, self.request_stop, store, in_flight
+    async def _start_engine(self, renderer: ChatTokenizer) -> ServedEngine:
+        model = self.config.engine.model
+        starting = start_phase(self.notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}")
+        with starting, self._signals_cancel_the_start():
+            engine = self.engine = await self._engine_starter(self.config, renderer.stop_token_ids)
+        self._resources.push_async_callback(engine.shutdown)
+        return engine
+
+    async def _warm_up(self, engine: ServedEngine) -> None:
+        """Before online: the first real burst must not wait for kernels compiled on first use."""
+        config = self.config
+        plan = WarmupPlan(
+            mode=config.engine.warmup,
+            temperature=config.generation.temperature,
+            top_p=config.generation.top_p,
+            max_batch=config.engine.warmup_max_batch,
+            timeout_s=config.engine.warmup_timeout,
         )
-        if intake is not None:
-            try:
-                await intake.start()  # before the broker connection: requests are routed from the first
-            except Exception as exc:
-                logger.error("Cannot join the group in Redis: {}", exc)
-                await intake.streams.close()  # the connection pool the failed join used
-                return self._cannot_start()
-            self.intake = intake
-            self._resources.push_async_callback(intake.close)
-        if self.metrics is not None:
-            info = engine.info
-            self.metrics.attach(
-                service.stats,
-                LiveSources(
-                    engine.peek_stats,
-                    sessions=lambda: len(service.sessions),
-                    pending=lambda: service.pending,
-                    info={"version": __version__, "engine": f"{info.name} {info.version}", "model": info.model},
-                ),
-            )
-        transport.start()
-        self._resources.push_async_callback(transport.close)  # publishes offline, disconnects
+        with start_phase(self.notifier, "Warming the engine up", "Warm-up phase over", announce=False):
+            await engine.warm_up(plan)
 
+    async def _connect(
+        self, engine: ServedEngine, renderer: ChatTokenizer, tools: ToolSupport, store: HistoryStore
+    ) -> Service:
+        """The service, wired to the broker (worker/wiring.py), and MQTT for good: in a group on
+        Redis the intake joins first. The retained ``online`` status comes with the connection."""
+        from .wiring import wire
+
+        config = self.config
+        self.notifier.status(f"Model loaded; connecting to {config.mqtt.host}:{config.mqtt.port}")
+        parts = wire(config, engine, renderer, store, self.request_stop, tools=tools)
+        self.transport, self.service = parts.transport, parts.service
+        self._attach_metrics(parts.service, engine)
+        try:
+            await parts.join_group(self._resources)  # before the broker connection: requests are routed from the first
+        except Exception as exc:
+            raise CannotStart(f"Cannot join the group in Redis: {exc}") from exc
+        self.intake = parts.intake
+        parts.connect(self._resources)
+        return parts.service
+
+    def _attach_metrics(self, service: Service, engine: ServedEngine) -> None:
+        if self.metrics is None:
+            return
+        from .system.metrics import LiveSources
+
+        info = engine.info
+        self.metrics.attach(
+            service.stats,
+            LiveSources(
+                engine.peek_stats,
+                sessions=lambda: len(service.sessions),
+                pending=lambda: service.pending,
+                info={"version": __version__, "engine": f"{info.name} {info.version}", "model": info.model},
+            ),
+        )
+
+    def _spawn_background_tasks(self, service: Service) -> None:
         self._spawn(service.consume(), "consume")
         self._spawn(service.publish_stats_forever(), "publish stats")
         self._spawn(service.expire_sessions_forever(), "expire sessions")
         self._spawn(self.announce_ready(), "announce ready")
-        self._spawn(notifier.watchdog_forever(self.health), "watchdog")
+        self._spawn(self.notifier.watchdog_forever(self.health), "watchdog")
         self._spawn(self.watch_engine(), "watch engine")
-        return True
 
     def _spawn(self, coro: Coroutine[Any, Any, None], name: str) -> None:
         self._tasks.append(asyncio.create_task(coro, name=name))

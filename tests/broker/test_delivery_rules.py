@@ -99,10 +99,13 @@ def test_after_a_reset_a_message_is_a_new_turn_and_an_old_request_id_is_told_to_
         client.close()
 
 
-MARKER = "Zq7Marker"
+MARKER = "Zq7Marker"  # text a client wrote: never at INFO or above
+NAME = "Nm4Name"  # in ids and topics a client chose: logged, escaped and cut
 
 
 def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquitto) -> None:
+    """Except the names the log finds a request by: its requestId and the topic of a message
+    on an invalid topic, escaped (a line break in them cannot start a log line of its own)."""
     lines: list[str] = []
     sink = logger.add(lambda message: lines.append(str(message)), level="INFO", format="{level} {message}")
     live = LiveWorker(
@@ -111,10 +114,11 @@ def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquit
         limits={"max_requests_per_user_per_minute": 1000},
     )
     client = Client(broker.port, [f"{live.prefix}/#"])
+    forged = f"{NAME}\nERROR forged line"
     try:
         topic = live.topic("eve", "s1")
         sent = [
-            (topic, {"message": MARKER, "systemPrompt": MARKER, "requestId": f"id-{MARKER}"}),
+            (topic, {"message": MARKER, "systemPrompt": MARKER, "requestId": f"id-{NAME}"}),
             (topic, {"message": "x", f"field{MARKER}": 1}),  # an unknown field's name
             (topic, {"message": "x", "sessionId": f"other{MARKER}"}),  # a mismatched sessionId
             (topic, {"message": "x", "maxTokens": f"{MARKER}"}),  # a wrong type's value
@@ -123,11 +127,12 @@ def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquit
                 {"message": "x", "responseFormat": {"type": "json_schema", "schema": {"$ref": f"https://{MARKER}"}}},
             ),
             (topic, {"message": "x", "responseFormat": {"type": "json_schema", "schema": {"type": MARKER}}}),
-            (topic, {"message": "x", "requestId": f"again-{MARKER}", "maxTokens": 500, "stream": True}),
+            (topic, {"message": "x", "requestId": f"again-{NAME}", "maxTokens": 500, "stream": True}),
+            (topic, {"message": "x", "requestId": forged}),
             (live.topic("eve", "s1", "control"), {"action": MARKER}),
-            (live.topic("eve", "s1", "control"), {"action": "cancel", "requestId": f"again-{MARKER}"}),
-            (live.topic("eve", "s1", "control"), {"action": "cancel", "requestId": f"nothing-{MARKER}"}),
-            (f"{live.prefix}/eve/bad{MARKER}!/request", {"message": "x"}),  # an invalid topic part
+            (live.topic("eve", "s1", "control"), {"action": "cancel", "requestId": f"again-{NAME}"}),
+            (live.topic("eve", "s1", "control"), {"action": "cancel", "requestId": f"nothing-{NAME}"}),
+            (f"{live.prefix}/eve/bad{NAME}!/request", {"message": "x"}),  # an invalid topic part
             (f"{live.prefix}/eve/s1/{MARKER}", {"message": "x"}),  # an unknown kind
             (live.topic("eve", "s1"), f"not json {MARKER}".encode()),
         ]
@@ -148,6 +153,10 @@ def test_no_text_a_client_chose_reaches_the_log_at_info_or_above(broker: Mosquit
     leaked = [line for line in lines if MARKER in line]
     assert not leaked, leaked
     assert any("refused" in line for line in lines)  # the log did speak of these requests
+    named = "\n".join(line for line in lines if NAME in line)
+    for name in (f"id-{NAME}", f"again-{NAME}", f"nothing-{NAME}", f"'{live.prefix}/eve/bad{NAME}!/request'"):
+        assert name in named, (name, named)
+    assert repr(forged) in named and not any(line.startswith("ERROR forged") for line in "".join(lines).splitlines())
 
 
 def test_a_publish_the_broker_does_not_take_is_a_typed_failure(tmp_path_factory: pytest.TempPathFactory) -> None:

@@ -1,8 +1,8 @@
 """The Redis intake of a share group (issue 7, point 2) with in-process workers (the fake
 engine) on the real mosquitto and redis-server: a session's turns, handed round robin to both
-workers by the broker, all run on its owner, one at a time, each with the turns before it; a Redis
-that goes away holds requests unacknowledged in the broker, and they are answered once it is
-back."""
+workers by the broker, all run on its owner, one at a time, each with the turns before it; a member
+takes from Redis only as many requests as it has room for; a Redis that goes away holds requests
+unacknowledged in the broker, and they are answered once it is back."""
 
 from __future__ import annotations
 
@@ -19,8 +19,8 @@ from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.redis_server import RedisServer
-from worker.core.history import SessionHistory, Turn
 from worker.intake.streams import RedisStreams
+from worker.session import SessionHistory, Turn
 from worker.store.redis import RedisStore
 
 _groups = itertools.count()
@@ -93,6 +93,30 @@ def test_a_sessions_turns_run_on_its_owner_one_at_a_time(
             worker.close()
 
 
+def test_a_member_takes_from_redis_only_what_it_has_room_for(
+    broker: Mosquitto, redis_server: RedisServer, frontend: Client, prefix: str
+) -> None:
+    """More requests at once than the member runs (limits.max_pending_requests 2): the rest
+    wait in its Redis stream, not in the service, and each is answered once there is room;
+    none is refused as busy (an intake that read them all would hand the service more than it
+    admits)."""
+    worker = LiveWorker(
+        broker.port,
+        mqtt={"topic_prefix": prefix, "worker_id": f"{prefix}-0", "share_group": prefix},
+        history={"store": "redis"},
+        redis={"url": redis_server.url},
+        limits={"max_pending_requests": 2},
+    )
+    try:
+        for n in range(6):  # six sessions: no session's own queue limit applies
+            frontend.publish(f"{prefix}/u{n}/s/request", {"message": "x", "maxTokens": 20, "requestId": "r"})
+        replies = [frontend.wait_for(lambda m: m.topic.endswith("/reply")).json() for _ in range(6)]
+        assert [reply.get("error") for reply in replies] == [None] * 6, replies
+        assert worker.engine.most_running == 2
+    finally:
+        worker.close()
+
+
 def test_requests_wait_in_the_broker_while_redis_is_away(
     broker: Mosquitto, frontend: Client, prefix: str, tmp_path: Path
 ) -> None:
@@ -144,7 +168,7 @@ def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
 
         assert slow.call(take_over()) == 1
         RedisStore(redis_server.url, prefix, 3600).save(
-            "ann/s", SessionHistory(None, [Turn("r", "long", "x")]), "r", first
+            "ann/s", SessionHistory(None, [Turn.plain("r", "long", "x")]), "r", first
         )
         reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30)
         assert reply.payload == first

@@ -13,9 +13,9 @@ from typing import TypeVar
 import pytest
 
 from devtools.redis_server import RedisServer
-from worker.core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from worker.core.sessions import SessionCache
 from worker.intake.streams import RedisStreams
-from worker.store.cache import SessionCache
+from worker.session import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 from worker.store.redis import RedisStore
 
 T = TypeVar("T")
@@ -41,18 +41,18 @@ def test_two_workers_see_each_others_turns(redis_server: RedisServer, prefix: st
     two = SessionCache(RedisStore(redis_server.url, prefix, 3600), capacity=10)
     assert two.get("u/s").turns == []  # now in two's memory
     history = one.get("u/s")
-    history.turns.append(Turn("k1", "hi", "hello"))
+    history.turns.append(Turn.plain("k1", "hi", "hello"))
     assert one.save("u/s", history, "k1", b'{"reply": "hello"}') is None
     seen = two.get("u/s")
-    assert seen.turns == [Turn("k1", "hi", "hello")] and seen.answered == {"k1": b'{"reply": "hello"}'}
+    assert seen.turns == [Turn.plain("k1", "hi", "hello")] and seen.answered == {"k1": b'{"reply": "hello"}'}
 
 
 def test_the_first_stored_answer_stands(redis_server: RedisServer, prefix: str) -> None:
     """Two workers that both generated a request (one was taken for dead while it was only
     slow): the second answer is not written, and the first one is returned to give instead."""
     store = RedisStore(redis_server.url, prefix, 3600)
-    first = SessionHistory(None, [Turn("k", "hi", "first")])
-    second = SessionHistory(None, [Turn("k", "hi", "second")])
+    first = SessionHistory(None, [Turn.plain("k", "hi", "first")])
+    second = SessionHistory(None, [Turn.plain("k", "hi", "second")])
     assert store.save("u/s", first, "k", b"first answer") is None
     assert store.save("u/s", second, "k", b"second answer") == b"first answer"
     loaded = store.load("u/s")
@@ -70,7 +70,7 @@ def test_only_the_newest_answers_are_kept(redis_server: RedisServer, prefix: str
 
 def test_an_idle_session_expires_by_itself(redis_server: RedisServer, prefix: str) -> None:
     store = RedisStore(redis_server.url, prefix, session_ttl=0.3)
-    store.save("u/s", SessionHistory(None, [Turn("k", "hi", "hello")]), "k", b"{}")
+    store.save("u/s", SessionHistory(None, [Turn.plain("k", "hi", "hello")]), "k", b"{}")
     store.count_delivery("u/s", "k2")
     assert store.load("u/s") is not None
     deadline = time.monotonic() + 10

@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from worker.core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
-from worker.store.cache import SessionCache
+from worker.core.sessions import SessionCache
+from worker.session import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore, StoreUnavailable
 from worker.store.sqlite import DATABASE_NAME, SqliteStore
@@ -38,7 +38,7 @@ _prefixes = itertools.count()
 
 
 def two_turns() -> SessionHistory:
-    return SessionHistory("be brief", [Turn("k1", "hi", "hello"), Turn("k2", "and?", "that's all")])
+    return SessionHistory("be brief", [Turn.plain("k1", "hi", "hello"), Turn.plain("k2", "and?", "that's all")])
 
 
 def test_a_session_round_trips_with_its_answers(make_store: Factory, tmp_path: Path) -> None:
@@ -121,16 +121,16 @@ def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str) -> N
     store = SqliteStore(tmp_path)
     cache = SessionCache(store, capacity=10)
     markers = [b"system-marker", b"user-marker", b"assistant-marker", b"answer-marker"]
-    history = SessionHistory("system-marker", [Turn("k1", "user-marker", "assistant-marker")])
+    history = SessionHistory("system-marker", [Turn.plain("k1", "user-marker", "assistant-marker")])
     cache.save("u/s", history, "k1", b'{"reply": "answer-marker"}')
-    history.turns.append(Turn("k2", "user-marker 2", "assistant-marker 2"))  # an older state to delete too
+    history.turns.append(Turn.plain("k2", "user-marker 2", "assistant-marker 2"))  # an older state to delete too
     cache.save("u/s", history, "k2", b'{"reply": "answer-marker 2"}')
     assert all(marker in file_bytes(tmp_path) for marker in markers)
     if deletion == "reset":
         cache.reset("u/s")
     else:
         time.sleep(0.3)
-    cache.save("u/other", SessionHistory(None, [Turn("k", "kept-marker", "x")]), "k", b"{}")
+    cache.save("u/other", SessionHistory(None, [Turn.plain("k", "kept-marker", "x")]), "k", b"{}")
     if deletion == "expiry":
         assert cache.expire(0.2) == 1
     data = file_bytes(tmp_path)
@@ -141,7 +141,7 @@ def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str) -> N
 def test_the_cache_drops_the_least_recently_used_and_reloads_it_from_the_store(tmp_path: Path) -> None:
     cache = SessionCache(SqliteStore(tmp_path), capacity=2)
     a = cache.get("a")
-    a.turns.append(Turn("k", "hi", "hello"))
+    a.turns.append(Turn.plain("k", "hi", "hello"))
     cache.save("a", a, "k", b"{}")
     cache.get("b")
     cache.get("c")  # a is dropped from memory
@@ -154,10 +154,10 @@ def test_a_turn_finished_after_its_session_left_memory_is_not_lost(tmp_path: Pat
     cache = SessionCache(SqliteStore(tmp_path), capacity=1)
     history = cache.get("a")
     cache.get("b")  # "a" is dropped from memory while its turn runs
-    history.turns.append(Turn("k", "hi", "hello"))
+    history.turns.append(Turn.plain("k", "hi", "hello"))
     cache.save("a", history, "k", b"{}")
     assert len(cache) == 1  # back in memory, "b" out: never more than capacity
-    assert cache.get("a").turns == [Turn("k", "hi", "hello")]
+    assert cache.get("a").turns == [Turn.plain("k", "hi", "hello")]
 
 
 def test_a_newer_workers_database_is_refused_and_kept(tmp_path: Path) -> None:

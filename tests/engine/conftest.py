@@ -52,8 +52,9 @@ def shared_worker(
             "4",
         ],
         log,
+        status=(broker.port, "chat/_worker/shared/status"),
     )
-    with serving(worker, broker.port, "chat/_worker/shared/status"):
+    with serving(worker):
         yield worker
 
 
@@ -68,7 +69,7 @@ def real_worker(
         [
             "--model",
             str(real_model),
-            # This model goes astray in vLLM's bfloat16 on the CPU (worker/models.py).
+            # This model goes astray in vLLM's bfloat16 on the CPU (worker/prepare_model.py).
             "--dtype",
             "float32",
             "--enforce-eager",
@@ -94,6 +95,7 @@ def real_worker(
             str(workdir / "state"),
         ],
         workdir / "worker.log",
+        status=(broker.port, f"{REAL_PREFIX}/_worker/real/status"),
     )
-    with serving(worker, broker.port, f"{REAL_PREFIX}/_worker/real/status"):
+    with serving(worker):
         yield worker

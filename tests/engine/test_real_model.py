@@ -1,4 +1,4 @@
-"""What replies mean, with a real model: SmolLM2-135M-Instruct (``python -m worker.models``) on
+"""What replies mean, with a real model: SmolLM2-135M-Instruct (``python -m worker.prepare_model``) on
 the real vLLM CPU engine behind a real mosquitto, one worker for the session (conftest's
 ``real_worker``).
 

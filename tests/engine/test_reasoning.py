@@ -58,8 +58,9 @@ def thinking_worker(
             str(workdir / "state"),
         ],
         workdir / "worker.log",
+        status=(broker.port, f"{PREFIX}/_worker/thinking/status"),
     )
-    with serving(worker, broker.port, f"{PREFIX}/_worker/thinking/status"):
+    with serving(worker):
         yield worker
 
 

@@ -29,8 +29,8 @@ import pytest
 import worker.core.service
 import worker.store.sqlite
 from devtools.fakes import Harness, MemoryTransport
-from worker.core.history import SessionHistory
 from worker.engine.port import EngineError
+from worker.session import SessionHistory
 from worker.store.port import StoreUnavailable
 from worker.store.sqlite import DATABASE_NAME, SqliteStore
 from worker.transport.port import InboundMessage, PublishNotSent, PublishRefused

@@ -7,7 +7,7 @@
 - the shipped package imports nothing of what the wheel leaves out (devtools, tests, bench);
 - no two worker modules import each other in a circle;
 - the wheel ships every package of worker/ and nothing of devtools/, tests/ or bench/;
-- README.md's layout table is the one devtools/layout.py generates from the docstrings.
+- docs/architecture.md's layout table is the one devtools/layout.py generates from the docstrings.
 """
 
 from __future__ import annotations
@@ -34,8 +34,8 @@ WORKER = REPO / "worker"
 # The libraries that do I/O or carry an engine, and the only modules that may import each.
 ADAPTERS: dict[str, set[str]] = {
     "vllm": {"worker/engine/vllm.py"},
-    "torch": {"worker/models.py"},
-    "transformers": {"worker/engine/tokenizer.py", "worker/models.py"},
+    "torch": {"worker/prepare_model.py"},
+    "transformers": {"worker/engine/tokenizer.py", "worker/prepare_model.py"},
     "tokenizers": set(),
     "huggingface_hub": {"worker/system/hub.py"},
     "gguf": set(),
@@ -53,7 +53,7 @@ ADAPTERS: dict[str, set[str]] = {
     },
     "http": {"worker/web/__init__.py"},
     "urllib": {"worker/web/__init__.py"},
-    "subprocess": {"worker/models.py"},
+    "subprocess": {"worker/prepare_model.py"},
     "ctypes": {"worker/system/children.py"},
 }
 # Importable without any of the libraries above: the logic, the wire and the ports.
@@ -72,7 +72,9 @@ PURE = [
     "worker.engine.port",
     "worker.transport.port",
     "worker.store.port",
-    "worker.store.cache",
+    "worker.core.sessions",
+    "worker.core.tools",
+    "worker.session",
     "worker.store.memory",
     "worker.intake.group",
 ]
@@ -138,9 +140,9 @@ def test_the_shipped_package_imports_nothing_the_wheel_leaves_out() -> None:
     assert not leaks
 
 
-def test_the_readme_layout_table_is_current() -> None:
-    readme = (REPO / "README.md").read_text(encoding="utf-8")
-    assert layout.readme_with_table(readme, layout.table()) == readme, "regenerate: python -m devtools.layout --write"
+def test_the_layout_table_is_current() -> None:
+    page = (REPO / layout.PAGE).read_text(encoding="utf-8")
+    assert layout.page_with_table(page, layout.table()) == page, "regenerate: python -m devtools.layout --write"
 
 
 def test_the_layout_table_names_every_module_and_package(tmp_path: Path) -> None:
@@ -233,3 +235,40 @@ def test_the_wheel_ships_the_worker_and_nothing_of_development() -> None:
     wanted = {module_name(path) for path in worker_modules() if path.name == "__init__.py"}
     assert wanted <= shipped and "worker.web.static.vendor" in shipped
     assert not {name for name in shipped if name.split(".")[0] in UNSHIPPED}
+
+
+def package_of(module: str) -> str:
+    """worker.core.turns -> worker.core; a top-level module (worker.session) is its own unit."""
+    parts = module.split(".")
+    return ".".join(parts[:2])
+
+
+def test_no_package_imports_one_that_depends_on_it() -> None:
+    """Between packages (worker.core, worker.store, worker.engine, ...) imports point one way:
+    the session's data types live in worker.session, which imports none of them, so the store
+    and the engine adapters need not import the core that uses them."""
+    modules = {module_name(path): path for path in worker_modules()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        source = package_of(name)
+        targets = {package_of(m) for m in worker_imports(path) if m in modules or m.rpartition(".")[0] in modules}
+        graph.setdefault(source, set()).update(t for t in targets if t not in (source, "worker"))
+    order: list[str] = []
+    state: dict[str, int] = {}
+    circles: list[list[str]] = []
+
+    def visit(name: str, path: list[str]) -> None:
+        state[name] = 1
+        for target in sorted(graph.get(name, ())):
+            if state.get(target) == 1:
+                circles.append([*path[path.index(target) :], target])
+            elif target not in state:
+                visit(target, [*path, target])
+        state[name] = 2
+        order.append(name)
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not circles, circles
+    assert "worker.core" not in graph["worker.store"] | graph["worker.engine"]

@@ -1,4 +1,4 @@
-"""python -m worker.models: a prepared model is reused, and every failure the user can act on
+"""python -m worker.prepare_model: a prepared model is reused, and every failure the user can act on
 ends in a message, with nothing half-written left that could pass for a prepared model."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import pytest
 
 from devtools import REPO
 from devtools.net import free_port
-from worker import models
+from worker import prepare_model as models
 
 
 def leftovers(parent: Path) -> list[str]:
@@ -22,9 +22,11 @@ def leftovers(parent: Path) -> list[str]:
     return sorted(p.name for p in parent.iterdir() if not p.name.endswith(".lock"))
 
 
-def run_models(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+def run_models(
+    *args: str, env: dict[str, str] | None = None, module: str = "worker.prepare_model"
+) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "worker.models", *args],
+        [sys.executable, "-m", module, *args],
         capture_output=True,
         text=True,
         cwd=REPO,
@@ -44,6 +46,12 @@ def test_a_prepared_model_is_reused_without_download_or_conversion(
     monkeypatch.setattr(models, "convert", fail)
     assert models.prepare("smollm2", real_model) == real_model
     done = run_models("smollm2", str(real_model))
+    assert done.returncode == 0 and done.stdout.strip() == str(real_model), done.stderr
+
+
+def test_the_earlier_command_name_still_prepares(real_model: Path) -> None:
+    """``python -m worker.models smollm2``, as users and older docs type it, is the same command."""
+    done = run_models("smollm2", str(real_model), module="worker.models")
     assert done.returncode == 0 and done.stdout.strip() == str(real_model), done.stderr
 
 

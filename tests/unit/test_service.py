@@ -11,9 +11,9 @@ from typing import Any
 import pytest
 
 from devtools.fakes import Harness, WordRenderer, mentions
-from worker.core.history import ChatMessage
 from worker.engine.port import EngineDead, EngineError, StructuredOutput, StructuredOutputRejected
 from worker.protocol.messages import log_ref
+from worker.session import ChatMessage
 
 
 def test_sessions_run_concurrently_turns_in_order() -> None:
@@ -103,7 +103,7 @@ def test_a_cancel_while_the_turn_prepares_its_prompt_is_not_lost() -> None:
             self.entered = asyncio.Event()
             self.release = asyncio.Event()
 
-        async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+        async def prepare(self, messages: Sequence[ChatMessage], tools: object = None) -> None:
             self.entered.set()
             await self.release.wait()
 

@@ -221,3 +221,82 @@ def test_the_recorder_counts_prompt_tokens_by_source() -> None:
     assert (stats.prompt_tokens_computed, stats.prompt_tokens_gpu_hit, stats.prompt_tokens_host_hit) == (200, 800, 500)
     recorder.record(None, SimpleNamespace())  # a release without the breakdown: nothing counted, no error
     assert stats.prompt_tokens_computed == 200
+
+
+class WarmupLLM(StandInLLM):
+    """A stand-in with what the warm-up reads of the engine's configuration; requests whose
+    SamplingParams match ``fails`` end with finish_reason "error", as vLLM ends a request it
+    terminates (vLLM 0.26: "grammar rejected tokens ... Terminating request")."""
+
+    def __init__(self, fails: Any = lambda params: False) -> None:
+        super().__init__()
+        self.fails = fails
+        self.vllm_config = SimpleNamespace(
+            scheduler_config=SimpleNamespace(max_num_seqs=4, max_num_batched_tokens=64),
+            model_config=SimpleNamespace(get_vocab_size=lambda: 1000),
+        )
+
+    async def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[Any]:
+        self.params.append(params)
+        reason = "error" if self.fails(params) else "stop"
+        completion = SimpleNamespace(token_ids=[], text="", finish_reason=reason)
+        yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, finished=True)
+
+
+def warm_up(llm: WarmupLLM, lines: list[str], sampling: dict[str, Any] | None = None) -> dict[str, Any]:
+    from loguru import logger
+
+    engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7, 8], EngineStats(), sampling=sampling)
+    sink = logger.add(lines.append, format="{level} {message}", level="INFO")
+    try:
+        report = asyncio.run(engine.warm_up(WarmupPlan(mode="on", temperature=0.2, top_p=0.9)))
+    finally:
+        logger.remove(sink)
+    assert report is not None
+    return report
+
+
+def test_the_warm_ups_structured_requests_may_end_and_stop_as_real_requests_do() -> None:
+    """A JSON request is free to end once its JSON is complete: with ignore_eos the grammar,
+    which then accepts only the end, made vLLM 0.26 terminate it with an ERROR line. Every
+    request stops at the tokenizer's stop tokens, as real requests do; free text still runs
+    every decode step (ignore_eos)."""
+    llm = WarmupLLM()
+    report = warm_up(llm, [])
+    assert report["steps"] == report["planned"]
+    structured = [p for p in llm.params if p.structured_outputs is not None]
+    free = [p for p in llm.params if p.structured_outputs is None]
+    assert structured and free
+    assert not any(p.ignore_eos for p in structured)
+    assert all(p.ignore_eos for p in free)
+    assert all(set(p.stop_token_ids or []) >= {7, 8} for p in llm.params)
+    # The sampling the worker uses by default (the model's, resolved at start) is what it warms.
+    assert any(p.temperature == 0.2 and p.top_p == 0.9 for p in free)
+
+
+def test_a_warm_up_step_whose_requests_failed_is_not_counted_as_done() -> None:
+    llm = WarmupLLM(fails=lambda params: params.structured_outputs is not None)
+    lines: list[str] = []
+    report = warm_up(llm, lines)
+    json_steps = 2  # the JSON variant at batch 1 and at the limit
+    assert report["steps"] == report["planned"] - json_steps
+    failed = [line for line in lines if line.startswith("WARNING Warm-up: step json")]
+    assert len(failed) == json_steps and "ended with error" in failed[0], lines
+    assert any(f"{report['steps']} of {report['planned']} steps" in line for line in lines)
+
+
+def test_the_engine_wide_sampling_defaults_reach_every_request_and_the_warm_up() -> None:
+    """The model's top_k, min_p and repetition_penalty (generation.engine_sampling): requests
+    have no field for them; the warm-up warms the sampler with them."""
+    llm = WarmupLLM()
+    warm_up(llm, [], sampling={"top_k": 20, "repetition_penalty": 1.05})
+    assert all(p.repetition_penalty == 1.05 for p in llm.params)
+    assert all(p.top_k == 20 for p in llm.params if p.temperature > 0)  # vLLM: greedy drops top-k
+    engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7], EngineStats(), sampling={"min_p": 0.1})
+    request = GenerationRequest("r1", [1, 2, 3], SamplingOptions(8, 0.5, 1.0))
+
+    async def collect() -> list[Any]:
+        return [update async for update in engine.generate(request)]
+
+    asyncio.run(collect())
+    assert llm.params[-1].min_p == 0.1 and llm.params[-1].temperature == 0.5

@@ -8,25 +8,32 @@ Precedence: CLI > environment (``WORKER_`` + flag in upper snake case) > TOML > 
 
 from __future__ import annotations
 
+import json
 import re
 import socket
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
 
 TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENV_PREFIX = "WORKER_"
 
 
-def opt(default: Any, help: str, *, flag: str | None = None, secret: bool = False, **kw: Any) -> Any:
+def opt(
+    default: Any, help: str, *, flag: str | None = None, secret: bool = False, model_default: bool = False, **kw: Any
+) -> Any:
     """A config field with its help text and, where the generic ``--section-key`` would be
-    wrong, its flag name."""
+    wrong, its flag name. ``model_default``: a sampling default that, left unset, comes from
+    the model's generation_config.json (``default`` only where the model has none)."""
     extra: dict[str, Any] = {}
     if flag:
         extra["flag"] = flag
     if secret:
         extra["secret"] = True
+    if model_default:
+        extra["model_default"] = True
     return Field(default, description=help, json_schema_extra=extra or None, **kw)
 
 
@@ -226,6 +233,13 @@ class EngineConfig(Section):
         ge=0,
     )
     seed: int = opt(0, "Engine random seed.", flag="--seed")
+    tool_parser: str = opt(
+        "auto",
+        "vLLM tool-call parser for the model's replies: auto (chosen from the chat template: hermes for "
+        "<tool_call> templates such as Qwen2.5, QwQ and Qwen3, llama3_json for Llama 3.x), none (no tool "
+        "calling), or a vLLM parser name.",
+        flag="--tool-parser",
+    )
     extra: dict[str, Any] = opt(
         {},
         "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
@@ -314,8 +328,55 @@ class GenerationConfig(Section):
         flag="--max-tokens-limit",
         ge=1,
     )
-    temperature: float = opt(0.7, "Default sampling temperature.", flag="--temperature", ge=0, le=2)
-    top_p: float = opt(0.95, "Default nucleus sampling top_p.", flag="--top-p", gt=0, le=1)
+    # The sampling defaults below (model_default) are the model's own where the configuration
+    # leaves them unset, as with `vllm serve` (generation_config "auto") and Ollama: the demo
+    # model at the built-in 0.7 drifted into French word salad where its card recommends 0.2.
+    # "Unset" is pydantic's fields-set: a key given anywhere, even at its default value, is set.
+    # The server resolves them once at start (resolve_sampling); the rest reads the values.
+    temperature: float = opt(
+        0.7,
+        "Sampling temperature of requests that give none. Unset: the model's generation_config.json "
+        "value, else 0.7. Set (even to 0.7), it overrides the model's.",
+        flag="--temperature",
+        model_default=True,
+        ge=0,
+        le=2,
+    )
+    top_p: float = opt(
+        0.95,
+        "Nucleus sampling top_p of requests that give none. Unset: the model's generation_config.json "
+        "value, else 0.95.",
+        flag="--top-p",
+        model_default=True,
+        gt=0,
+        le=1,
+    )
+    top_k: int = opt(
+        0,
+        "Top-k sampling of every request (0: off; requests have no field for it). Unset: the model's "
+        "generation_config.json value, else off.",
+        flag="--top-k",
+        model_default=True,
+        ge=-1,
+    )
+    min_p: float = opt(
+        0.0,
+        "Min-p sampling of every request (0: off; requests have no field for it). Unset: the model's "
+        "generation_config.json value, else off.",
+        flag="--min-p",
+        model_default=True,
+        ge=0,
+        le=1,
+    )
+    repetition_penalty: float = opt(
+        1.0,
+        "Repetition penalty of every request (1: off; requests have no field for it). Unset: the model's "
+        "generation_config.json value, else off.",
+        flag="--repetition-penalty",
+        model_default=True,
+        gt=0,
+        le=2,
+    )
     stream_interval_ms: float = opt(
         50.0,
         "Stream deltas are published at most this often (the first at once); 0: every engine step.",
@@ -347,6 +408,82 @@ class GenerationConfig(Section):
             raise ValueError(f"max_tokens ({self.max_tokens}) exceeds max_tokens_limit ({self.max_tokens_limit})")
         return self
 
+    def unset_model_defaults(self) -> list[str]:
+        """The sampling defaults this configuration leaves to the model (not given by a flag,
+        the environment or the TOML file)."""
+        return [name for name in model_default_fields() if name not in self.model_fields_set]
+
+    def engine_sampling(self) -> dict[str, Any]:
+        """The sampling defaults that requests cannot change, as the engine applies them to
+        every request (vLLM's SamplingParams names); left out where off."""
+        return {name: getattr(self, name) for name, off in SAMPLING_OFF.items() if getattr(self, name) not in off}
+
+
+MODEL_DEFAULTS_FILE = "generation_config.json"
+# The values of the engine-wide sampling defaults that turn them off (vLLM: top_k 0 or -1).
+SAMPLING_OFF: dict[str, tuple[float, ...]] = {"top_k": (0, -1), "min_p": (0.0,), "repetition_penalty": (1.0,)}
+
+
+def model_default_fields() -> list[str]:
+    """The GenerationConfig keys that come from the model's generation_config.json when unset."""
+    return [name for name, info in GenerationConfig.model_fields.items() if _extra(info).get("model_default")]
+
+
+def read_model_defaults(model: str | None) -> tuple[dict[str, Any], str | None]:
+    """The sampling values of the model's generation_config.json (Hugging Face's names, which
+    are the worker's), and a problem reading it, if any. A model that is not a local directory
+    (a .gguf file), or a directory without the file, has none."""
+    if not model:
+        return {}, None
+    path = Path(model).expanduser() / MODEL_DEFAULTS_FILE
+    if not path.is_file():
+        return {}, None
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        return {}, f"cannot read {path}: {exc}"
+    if not isinstance(data, dict):
+        return {}, f"{path} is not a JSON object"
+    return {name: data[name] for name in model_default_fields() if data.get(name) is not None}, None
+
+
+@dataclass(frozen=True)
+class SamplingSource:
+    """Where one effective sampling default came from."""
+
+    name: str
+    value: Any
+    source: str  # "config", "model" or "built-in"
+    note: str | None = None  # why a model's value was not taken
+
+
+def resolve_sampling(
+    generation: GenerationConfig, model_values: dict[str, Any], where: str = MODEL_DEFAULTS_FILE
+) -> tuple[GenerationConfig, list[SamplingSource]]:
+    """The effective sampling defaults, highest first: the configuration's (a flag, the
+    environment or the TOML file), the model's (``model_values``, read from ``where``), the
+    built-in default. A model's value outside the key's bounds is not taken (noted)."""
+    unset = set(generation.unset_model_defaults())
+    updates: dict[str, Any] = {}
+    sources: list[SamplingSource] = []
+    for name in model_default_fields():
+        if name not in unset:
+            sources.append(SamplingSource(name, getattr(generation, name), "config"))
+            continue
+        note = None
+        if name in model_values:
+            value = model_values[name]
+            try:
+                checked = GenerationConfig.model_validate({name: value})
+            except ValidationError as exc:
+                note = f"{where} has {name} = {value!r}, not usable: {exc.errors()[0]['msg']}"
+            else:
+                updates[name] = getattr(checked, name)
+                sources.append(SamplingSource(name, updates[name], "model"))
+                continue
+        sources.append(SamplingSource(name, getattr(generation, name), "built-in", note))
+    return generation.model_copy(update=updates), sources
+
 
 class LimitsConfig(Section):
     max_payload_bytes: int = opt(
@@ -354,6 +491,12 @@ class LimitsConfig(Section):
     )
     max_message_tokens: int = opt(
         4096, "Largest user message in tokens; above it too_long.", flag="--max-message-tokens", ge=1
+    )
+    max_tool_result_bytes: int = opt(
+        16384,
+        "Largest tool result (one toolResults entry's content) in bytes; above it too_large.",
+        flag="--max-tool-result-bytes",
+        ge=1,
     )
     max_pending_requests: int = opt(
         1024,
@@ -406,7 +549,7 @@ class StatsConfig(Section):
     )
     metrics_port: int | None = opt(
         None,
-        "TCP port of a Prometheus /metrics endpoint (see README, Metrics). Default: none, no endpoint.",
+        "TCP port of a Prometheus /metrics endpoint (see docs/operations.md, Metrics). Default: none, no endpoint.",
         flag="--metrics-port",
         ge=1,
         le=65535,
@@ -465,6 +608,8 @@ class WorkerConfig(Section):
                 if field_is_secret(info) and data[section][name] is not None:
                     data[section][name] = "***"
         data["mqtt"]["worker_id"] = self.effective_worker_id
+        for name in self.generation.unset_model_defaults():  # the model's, resolved at start
+            data["generation"][name] = None
         return data
 
 
@@ -503,6 +648,10 @@ def _extra(info: Any) -> dict[str, Any]:
 
 def field_is_secret(info: Any) -> bool:
     return bool(_extra(info).get("secret"))
+
+
+def field_is_model_default(info: Any) -> bool:
+    return bool(_extra(info).get("model_default"))
 
 
 def flag_for(section: str, key: str, info: Any) -> str:

@@ -10,17 +10,14 @@ a cache miss; dropping down to half the limit keeps the prefix stable for severa
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 from ..protocol.messages import ErrorCode, RequestError
+from ..session import THINK_CLOSE, THINK_OPEN, ChatMessage, SessionHistory
 
-ChatMessage = dict[str, str]
-THINK_OPEN = "<think>"
-THINK_CLOSE = "</think>"
-ANSWERED_KEYS_PER_SESSION = 256
+Tools = Sequence[dict[str, Any]] | None  # the session's tools as the chat template takes them
 
 
 class PromptRenderer(Protocol):
@@ -28,64 +25,27 @@ class PromptRenderer(Protocol):
 
     opens_reasoning: bool  # the generation prompt opens <think> (QwQ-style templates)
 
-    def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool) -> list[int]: ...
+    def render(
+        self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None
+    ) -> list[int]: ...
+
+    def encode(self, text: str) -> list[int]:
+        """Text the model itself writes (a forced call's opening), as ids: added tokens such
+        as <tool_call> become their ids."""
+        ...
 
     def count_text(self, text: str) -> int: ...
 
-    async def prepare(self, messages: Sequence[ChatMessage]) -> None:
+    async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         """Get ready to render these messages (with a generation prompt) soon: e.g. encode
         their new text off the event loop. render() must give the same ids either way."""
-
-
-@dataclass
-class Turn:
-    key: str
-    user: str
-    assistant: str
 
 
 @dataclass(frozen=True)
 class HistoryLimits:
     max_turns: int
-    max_tokens: int
-
-
-@dataclass
-class SessionHistory:
-    system_prompt: str | None = None
-    turns: list[Turn] = field(default_factory=list)
-    # request key -> the reply payload it got; a redelivery is answered from here. None: a
-    # tombstone (answered before a reset, which deleted the text).
-    answered: OrderedDict[str, bytes | None] = field(default_factory=OrderedDict)
-
-    def messages(self, turns: Sequence[Turn] | None = None) -> list[ChatMessage]:
-        out: list[ChatMessage] = []
-        if self.system_prompt:
-            out.append({"role": "system", "content": self.system_prompt})
-        for turn in self.turns if turns is None else turns:
-            out.append({"role": "user", "content": turn.user})
-            out.append({"role": "assistant", "content": turn.assistant})
-        return out
-
-    def draft(self) -> SessionHistory:
-        """A copy for a turn to work on (its system prompt, trimming, the new turn): the
-        session itself changes only when the answered turn is committed, so a refused or
-        failed request leaves it as it was."""
-        return SessionHistory(self.system_prompt, list(self.turns), self.answered.copy())
-
-    def remember_answer(self, key: str, reply_payload: bytes) -> None:
-        self.answered[key] = reply_payload
-        self.answered.move_to_end(key)
-        while len(self.answered) > ANSWERED_KEYS_PER_SESSION:
-            self.answered.popitem(last=False)
-
-    def reset(self) -> None:
-        """Forget the conversation and the answers' text; keep the answered keys so an old
-        redelivery is still recognised and never generates again."""
-        self.turns.clear()
-        self.system_prompt = None
-        for key in self.answered:
-            self.answered[key] = None
+    # What the kept turns may add to a prompt, in tokens (not a reply length: that is maxTokens).
+    max_history_tokens: int
 
 
 @dataclass(frozen=True)
@@ -104,18 +64,20 @@ class Prompt:
 
 
 class _PromptRenderings:
-    """Renders history + one user message, and what the history adds to it: the prompt with
-    the kept turns minus the prompt without them (the system prompt and the new message are
-    not counted). One full render per request; trimming re-renders only when it drops turns."""
+    """Renders history + the current turn's messages (a new user message, or an open turn and
+    its tool results), and what the history adds to it: the prompt with the kept turns minus
+    the prompt without them (the system prompt, the tools and the current turn are not
+    counted). One full render per request; trimming re-renders only when it drops turns."""
 
-    def __init__(self, renderer: PromptRenderer, history: SessionHistory, user_message: str) -> None:
+    def __init__(self, renderer: PromptRenderer, history: SessionHistory, current: Sequence[ChatMessage]) -> None:
         self.renderer, self.history = renderer, history
-        self.user: ChatMessage = {"role": "user", "content": user_message}
+        self.current = list(current)
+        self.tools = history.tool_forms()
         self._bare = self._render(history.messages(turns=[]))
         self.update()
 
     def _render(self, messages: list[ChatMessage]) -> list[int]:
-        return self.renderer.render([*messages, self.user], add_generation_prompt=True)
+        return self.renderer.render([*messages, *self.current], add_generation_prompt=True, tools=self.tools)
 
     def update(self) -> None:
         self.token_ids = self._render(self.history.messages()) if self.history.turns else self._bare
@@ -126,45 +88,53 @@ class _PromptRenderings:
         self.update()
 
 
-def history_tokens(renderer: PromptRenderer, history: SessionHistory, user_message: str = "") -> int:
+def user_message(text: str) -> ChatMessage:
+    return {"role": "user", "content": text}
+
+
+def history_tokens(renderer: PromptRenderer, history: SessionHistory, message: str = "") -> int:
     """Exact tokens the kept turns add to a prompt (see _PromptRenderings)."""
-    return _PromptRenderings(renderer, history, user_message).history_tokens
+    return _PromptRenderings(renderer, history, [user_message(message)]).history_tokens
 
 
 def build_prompt(
     renderer: PromptRenderer,
     history: SessionHistory,
-    user_message: str,
+    current: str | Sequence[ChatMessage],
     *,
     limits: HistoryLimits,
     max_tokens: int,
     max_model_len: int,
+    prefill: Sequence[int] = (),
 ) -> Prompt:
-    """The token ids of history + the new user message.
+    """The token ids of history + the current turn's messages (``history.turns`` holds the
+    closed turns only), then ``prefill``: the start of the reply, written for the model (a
+    forced call's opening), whose tokens count towards the context. A str is a new user
+    message.
 
     Once a history limit is exceeded, the oldest turns are dropped until both are at most half
     their limit; then more, if prompt + max_tokens would not fit the context. Raises
     RequestError(too_long) when even the bare message cannot fit."""
-    prompt = _PromptRenderings(renderer, history, user_message)
+    prompt = _PromptRenderings(renderer, history, [user_message(current)] if isinstance(current, str) else current)
     trims: list[Trim] = []
     turns = history.turns
-    if len(turns) > limits.max_turns or prompt.history_tokens > limits.max_tokens:
+    if len(turns) > limits.max_turns or prompt.history_tokens > limits.max_history_tokens:
         before, dropped = prompt.history_tokens, 0
-        while turns and (len(turns) > limits.max_turns // 2 or prompt.history_tokens > limits.max_tokens // 2):
+        while turns and (len(turns) > limits.max_turns // 2 or prompt.history_tokens > limits.max_history_tokens // 2):
             prompt.drop_oldest()
             dropped += 1
         trims.append(Trim(dropped, len(turns), before, prompt.history_tokens))
-    while len(prompt.token_ids) + max_tokens > max_model_len:
+    while len(prompt.token_ids) + len(prefill) + max_tokens > max_model_len:
         if not turns:
             raise RequestError(
                 ErrorCode.TOO_LONG,
-                f"prompt of {len(prompt.token_ids)} tokens plus maxTokens {max_tokens} exceeds the "
+                f"prompt of {len(prompt.token_ids) + len(prefill)} tokens plus maxTokens {max_tokens} exceeds the "
                 f"context of {max_model_len} tokens",
             )
         before = prompt.history_tokens
         prompt.drop_oldest()
         trims.append(Trim(1, len(turns), before, prompt.history_tokens))
-    return Prompt(prompt.token_ids, prompt.history_tokens, tuple(trims))
+    return Prompt([*prompt.token_ids, *prefill], prompt.history_tokens, tuple(trims))
 
 
 def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, str | None]:
@@ -185,7 +155,7 @@ def split_reasoning(text: str, *, opened_in_prompt: bool = False) -> tuple[str, 
     return text, None
 
 
-def _partial_tag_suffix(text: str, tag: str) -> int:
+def partial_tag_suffix(text: str, tag: str) -> int:
     """Length of the longest end of text that is the start of tag (a tag split over deltas)."""
     for size in range(min(len(text), len(tag) - 1), 0, -1):
         if tag.startswith(text[-size:]):
@@ -241,7 +211,7 @@ class ReasoningSplitter:
                         out.append((True, held[:end]))
                     self.state, held = "answer", held[end + len(THINK_CLOSE) :]
                     continue
-                keep = _partial_tag_suffix(held, THINK_CLOSE)
+                keep = partial_tag_suffix(held, THINK_CLOSE)
                 if len(held) > keep:
                     out.append((True, held[: len(held) - keep]))
                 held = held[len(held) - keep :]

@@ -23,7 +23,7 @@ from typing import Any
 from loguru import logger
 
 from ..config.models import WorkerConfig
-from ..engine.port import Engine, EngineDead
+from ..engine.port import Engine, EngineDead, ToolSupport
 from ..protocol.messages import (
     ChatRequest,
     ControlReply,
@@ -34,18 +34,20 @@ from ..protocol.messages import (
     best_effort_request_id,
     fresh_key,
     log_ref,
+    log_text,
     parse_chat_request,
     parse_control,
     request_key,
 )
 from ..protocol.packets import fit_answer
 from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
-from ..store.cache import SessionCache
+from ..session import SessionHistory
 from ..store.memory import MemoryStore
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
-from .history import HistoryLimits, PromptRenderer, SessionHistory
+from .history import HistoryLimits, PromptRenderer
 from .ratelimit import RateLimiter
+from .sessions import SessionCache
 from .stats import StatsCollector
 from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
 
@@ -85,6 +87,7 @@ class Service:
         stop_requested: Callable[[int], None],
         store: HistoryStore | None = None,
         in_flight: InFlight | None = None,
+        tools: ToolSupport | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -111,6 +114,8 @@ class Service:
             publisher=transport,
             stats=self.stats,
             engine_died=stop_requested,
+            tools=tools,
+            max_tool_result_bytes=config.limits.max_tool_result_bytes,
         )
 
     @property
@@ -208,9 +213,8 @@ class Service:
         try:
             address, kind = self.topics.parse(message.topic)
         except InvalidTopic as exc:
-            # The topic is the sender's text: only its size at WARNING.
-            logger.warning("Ignoring a message on an invalid topic ({} bytes)", len(message.topic.encode()))
-            logger.debug("Invalid topic {!r}: {}", message.topic[:300], exc)
+            # Named escaped and cut (log_text): the sender chose it, but it cannot forge a line.
+            logger.warning("Ignoring a message on an invalid topic {}: {}", log_text(message.topic, 128), exc)
             self.stats.record_invalid_topic()
             self._acknowledge([message])
             return
@@ -342,6 +346,8 @@ class Service:
         waiting = len(runtime.messages) - (1 if runtime.running or runtime.lock.locked() else 0)
         if len(runtime.messages) > limits.max_queued_per_session:  # one running plus the queue
             raise RequestError(ErrorCode.BUSY, f"{waiting} requests of this session are queued")
+        if request.message is None:
+            return  # tool results: each is capped in bytes (max_tool_result_bytes) by its turn
         # A token covers at least one byte of the text (SentencePiece adds one for the space
         # it prefixes): a message with fewer bytes than the limit is not encoded here at all.
         if len(request.message.encode()) + 1 <= limits.max_message_tokens:

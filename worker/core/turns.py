@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -25,32 +26,48 @@ from ..engine.port import (
     SamplingOptions,
     StructuredOutput,
     StructuredOutputRejected,
+    ToolSupport,
 )
 from ..protocol.messages import (
     REASONING_BUDGET,
+    TOOL_CALLS,
     ChatReply,
     ChatRequest,
     ErrorCode,
+    FunctionCall,
     JsonSchemaFormat,
     Latency,
     RequestError,
     StreamDelta,
+    ToolCallOut,
     Usage,
     log_ref,
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
+from ..session import THINK_CLOSE, SessionHistory, ToolCall, Turn, assistant_message
 from ..transport.port import InboundMessage, Publisher
 from .history import (
     HistoryLimits,
     PromptRenderer,
     ReasoningSplitter,
-    SessionHistory,
-    Turn,
     build_prompt,
     split_reasoning,
+    user_message,
 )
 from .stats import StatsCollector
+from .tools import (
+    MarkupHold,
+    ToolPlan,
+    apply_results,
+    check_calls,
+    close_unanswered,
+    escape_raw_controls,
+    forced_call_schema,
+    plan_tools,
+    rounds_in,
+    specs_from_request,
+)
 
 
 @dataclass
@@ -85,6 +102,8 @@ class Outcome:
     cached_tokens: int = 0
     reasoning: str | None = None  # the think block, when the request asked for it
     reasoning_tokens: int | None = None  # completion tokens spent reasoning (a model that thinks)
+    tool_calls: tuple[ToolCall, ...] = ()  # calls for the client to run (finish_reason tool_calls)
+    tool_parse_error: str | None = None  # call markup that was not a valid call
 
 
 @dataclass
@@ -118,10 +137,11 @@ def structured_output(request: ChatRequest) -> StructuredOutput | None:
     return StructuredOutput()
 
 
-def reasoning_budget(request: ChatRequest, generation: GenerationConfig) -> int:
+def reasoning_budget(request: ChatRequest, generation: GenerationConfig, *, structured: bool = False) -> int:
     """The request's thinking budget in tokens (0: none): its maxReasoningTokens capped by the
-    configured max_reasoning_tokens, else that. Structured output has no think block."""
-    if request.response_format is not None:
+    configured max_reasoning_tokens, else that. Structured output (a responseFormat, a forced
+    call) has no think block."""
+    if structured:
         return 0
     configured, asked = generation.max_reasoning_tokens, request.max_reasoning_tokens
     if asked is None:
@@ -168,6 +188,15 @@ class _DeltaStream:
         self._seq += len(payloads)
         self._last = time.monotonic()
 
+    def announce(self, calls: list[ToolCallOut]) -> None:
+        """The event that says the reply calls tools (after the last text delta)."""
+        self.flush()
+        payload = StreamDelta(request_id=self._request_id, seq=self._seq, delta="", tool_calls=calls).to_json()
+        limit = self._publisher.payload_limit(self._topic, qos=0)
+        if limit is None or len(payload) <= limit:
+            self._publisher.publish(self._topic, payload, qos=0)
+            self._seq += 1
+
     def _delta(self, seq: int, text: str) -> bytes:
         if self._reasoning:
             return StreamDelta(request_id=self._request_id, seq=seq, delta="", reasoning=text).to_json()
@@ -187,6 +216,8 @@ class TurnRunner:
         publisher: Publisher,
         stats: StatsCollector,
         engine_died: Callable[[int], None],
+        tools: ToolSupport | None = None,
+        max_tool_result_bytes: int = 65536,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -198,11 +229,13 @@ class TurnRunner:
         self.stats = stats
         self._engine_died = engine_died
         self._ids = itertools.count(1)
+        self.tools = tools or ToolSupport()
+        self.max_tool_result_bytes = max_tool_result_bytes
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
         """Generate the turn's reply on ``history``, a draft of the session (its system
-        prompt, trimming and the new turn go there); the reply and the draft to commit.
-        RequestError: refused; the caller drops the draft."""
+        prompt, tools, trimming and the new turn or tool round go there); the reply and the
+        draft to commit. RequestError: refused; the caller drops the draft."""
         address, request = turn.address, turn.request
         generation = self.generation
         if turn.deadline is not None and time.monotonic() > turn.deadline:
@@ -212,15 +245,41 @@ class TurnRunner:
             history.system_prompt = request.system_prompt
         elif history.system_prompt is None:
             history.system_prompt = self.default_system_prompt
+        if request.tools is not None:
+            if request.tools and self.tools.unsupported is not None:
+                raise RequestError(ErrorCode.INVALID_REQUEST, self.tools.unsupported)
+            history.tools = specs_from_request(request.tools)
+        plan = plan_tools(request, history.tools)
+        current = self._current_turn(turn, history)
+        prefill_text, structured = "", structured_output(request)
+        parser = self.tools.parser
+        if plan.offered and parser is None:
+            raise RequestError(ErrorCode.INVALID_REQUEST, self.tools.unsupported or "tool calling is not available")
+        if plan.forced:
+            assert parser is not None
+            if parser.format is None:
+                raise RequestError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"toolChoice 'required' or a named tool needs a known call format; the {parser.name} tool "
+                    "parser has none in this worker (use toolChoice 'auto')",
+                )
+            # The reply opens with the call itself, written for the model in its own format,
+            # and the grammar constrains the call's JSON: the call always parses, and the
+            # stored history renders as the model was trained. A prompt that opened a think
+            # block has it closed first (a forced call does not think).
+            prefill_text = (f"{THINK_CLOSE}\n\n" if self.renderer.opens_reasoning else "") + parser.format.open
+            structured = StructuredOutput(json_schema=forced_call_schema(plan.forced, parser.format))
         max_tokens = request.max_tokens or generation.max_tokens
-        await self.renderer.prepare([*history.messages(), {"role": "user", "content": request.message}])
+        tools = history.tool_forms()
+        await self.renderer.prepare([*history.messages(), *current.messages], tools)
         prompt = build_prompt(
             self.renderer,
             history,
-            request.message,
+            current.messages,
             limits=self.limits,
             max_tokens=max_tokens,
             max_model_len=self.engine.info.max_model_len,
+            prefill=self.renderer.encode(prefill_text) if prefill_text else (),
         )
         for trim in prompt.trims:
             logger.info(
@@ -236,21 +295,28 @@ class TurnRunner:
             temperature=generation.temperature if request.temperature is None else request.temperature,
             top_p=generation.top_p if request.top_p is None else request.top_p,
             stop=tuple(generation.stop),
-            structured=structured_output(request),
+            structured=structured,
         )
         if turn.key in turn.runtime.cancelled:
             # Cancelled while queued, or while its prompt was prepared (an await): checked here,
             # since from here on to the engine nothing awaits, and _stream marks it running,
             # where a cancel aborts it. No turn: the session stays as it was.
             return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
-        logger.debug("Request {} of {}: {!r}", turn.key, address, request.message)
+        logger.debug("Request {} of {}: {!r}", turn.key, address, request.message or request.tool_results)
+        stream = _DeltaStream(self, turn) if request.stream else None
+        hold = MarkupHold(parser.format) if plan.offered and parser is not None and parser.format else None
         outcome = await self._stream(
             turn,
-            # vLLM logs request ids (an abort at INFO): the client's requestId stays out of them.
+            # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
             GenerationRequest(f"{address}/{log_ref(turn.key)}/{next(self._ids)}", prompt.token_ids, sampling),
-            reasoning_budget(request, generation),
+            reasoning_budget(request, generation, structured=structured is not None),
+            stream=None if plan.forced else stream,  # a forced reply is all call: no text to stream
+            hold=hold,
         )
-        if sampling.structured is None:
+        if plan.forced:
+            assert parser is not None and parser.format is not None
+            answer = parser.format.open + escape_raw_controls(outcome.text) + parser.format.close
+        elif sampling.structured is None:
             answer, reasoning = split_reasoning(outcome.text, opened_in_prompt=self.renderer.opens_reasoning)
             if request.include_reasoning:
                 outcome.reasoning = reasoning  # in the reply only: the history keeps the answer
@@ -263,19 +329,70 @@ class TurnRunner:
         logger.debug("Reply {} of {}: {!r}", turn.key, address, answer)
         if outcome.finish_reason == "cancelled":
             return TurnAnswer(self.reply(turn, outcome), None)  # no turn: the session stays as it was
-        history.turns.append(Turn(turn.key, request.message, answer))
+        if plan.offered:
+            assert parser is not None
+            self._take_calls(turn, plan, outcome, history, round_=rounds_in(current))
+        current.messages.append(assistant_message(outcome.text, outcome.tool_calls))
+        history.turns.append(current)
+        if stream and outcome.tool_calls:
+            stream.announce(wire_calls(outcome.tool_calls))
         return TurnAnswer(self.reply(turn, outcome), history)
 
-    async def _stream(self, turn: PendingTurn, request: GenerationRequest, budget: int = 0) -> Outcome:
-        """Run the generation, publishing deltas if asked; what came out of it.
+    def _current_turn(self, turn: PendingTurn, history: SessionHistory) -> Turn:
+        """The turn this request adds to, taken out of ``history.turns`` (which keeps the
+        closed turns while the prompt is built): the open turn with the client's results, or
+        a new turn for a new message (any calls left open get a result saying they were not
+        run)."""
+        request, open_turn = turn.request, history.open_turn
+        if request.tool_results is not None:
+            if open_turn is None:
+                raise RequestError(
+                    ErrorCode.INVALID_REQUEST, "toolResults sent, but the session has no pending tool calls"
+                )
+            apply_results(open_turn, request.tool_results, self.max_tool_result_bytes)
+            return history.turns.pop()
+        if open_turn is not None:
+            close_unanswered(open_turn)
+        assert request.message is not None
+        return Turn(turn.key, [user_message(request.message)])
+
+    def _take_calls(
+        self, turn: PendingTurn, plan: ToolPlan, outcome: Outcome, history: SessionHistory, *, round_: int
+    ) -> None:
+        """Parse the answer's calls with the model's parser and check them (core/tools.py):
+        valid calls end the reply with finishReason tool_calls; markup that is no valid call
+        leaves the text as it is, with the reason."""
+        parser = self.tools.parser
+        assert parser is not None
+        parsed = parser.parse(outcome.text, history.tools)
+        checked = check_calls(
+            outcome.text, parsed, history.tools, key=turn.key, round_=round_, validate_all=bool(plan.forced)
+        )
+        if checked.error is not None:
+            logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
+            outcome.tool_parse_error = checked.error
+        elif checked.calls:
+            outcome.text, outcome.tool_calls = checked.content.strip(), checked.calls
+            outcome.finish_reason = TOOL_CALLS
+
+    async def _stream(
+        self,
+        turn: PendingTurn,
+        request: GenerationRequest,
+        budget: int = 0,
+        *,
+        stream: _DeltaStream | None = None,
+        hold: MarkupHold | None = None,
+    ) -> Outcome:
+        """Run the generation, publishing deltas to ``stream``; what came out of it.
 
         Free text is split into reasoning and answer as it comes: the stream carries the answer,
-        and the reasoning only with includeReasoning. A generation still reasoning after
+        and the reasoning only with includeReasoning; ``hold`` keeps tool-call markup out of the
+        answer's deltas. A generation still reasoning after
         ``budget`` completion tokens (the engine's count) is aborted: finishReason
         reasoning_budget, and what came after the budget is dropped."""
         outcome = Outcome(submitted=time.monotonic(), prompt_tokens=len(request.prompt_token_ids))
         parts: list[str] = []
-        stream = _DeltaStream(self, turn) if turn.request.stream else None
         show_reasoning = turn.request.include_reasoning
         splitter = None
         if request.sampling.structured is None:
@@ -297,7 +414,10 @@ class TurnRunner:
                     pieces = splitter.feed(update.delta) if splitter else [(False, update.delta)]
                     for is_reasoning, text in pieces:
                         if stream and (show_reasoning or not is_reasoning):
-                            stream.add(text, reasoning=is_reasoning)
+                            if hold is not None and not is_reasoning:
+                                text = hold.feed(text)
+                            if text:
+                                stream.add(text, reasoning=is_reasoning)
                 if splitter is None or not splitter.opened:
                     continue
                 if outcome.reasoning_tokens is None and not splitter.reasoning:  # the think block closed
@@ -336,7 +456,12 @@ class TurnRunner:
             if splitter:
                 for is_reasoning, text in splitter.flush():
                     if show_reasoning or not is_reasoning:
-                        stream.add(text, reasoning=is_reasoning)
+                        if hold is not None and not is_reasoning:
+                            text = hold.feed(text)
+                        if text:
+                            stream.add(text, reasoning=is_reasoning)
+            if hold is not None and (rest := hold.flush()):
+                stream.add(rest)
             stream.flush()
         outcome.text = "".join(parts)
         return outcome
@@ -371,8 +496,17 @@ class TurnRunner:
             request_id=turn.key,
             reply=outcome.text,
             reasoning=outcome.reasoning,
+            tool_calls=wire_calls(outcome.tool_calls) or None,
+            tool_parse_error=outcome.tool_parse_error,
             finish_reason=outcome.finish_reason,
             usage=usage,
             latency=latency,
         )
         return reply.to_json()
+
+
+def wire_calls(calls: tuple[ToolCall, ...]) -> list[ToolCallOut]:
+    return [
+        ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
+        for c in calls
+    ]

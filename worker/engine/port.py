@@ -6,9 +6,11 @@ fails on demand. Nothing here imports vLLM.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
+
+from ..session import ToolSpec
 
 
 class EngineError(Exception):
@@ -104,6 +106,48 @@ class EngineInfo:
     block_size: int | None
     prefix_caching: bool
     kv_cache_tokens: int | None = None  # the GPU KV cache's size in tokens, where the engine says
+
+
+@dataclass(frozen=True)
+class ToolCallFormat:
+    """How a model family writes one tool call: a forced call's reply is ``open``, then the
+    call's JSON (``{"name": ..., <arguments_key>: {...}}``), then ``close``: the model's own
+    format, so the stored history renders as the model was trained."""
+
+    open: str  # "<tool_call>\n" (Hermes)
+    close: str  # "\n</tool_call>" (Hermes)
+    arguments_key: str  # "arguments" (Hermes), "parameters" (Llama 3 JSON)
+    # Text that begins call markup: streamed deltas stop there (the calls come in the reply).
+    markers: tuple[str, ...]
+    # Markup that counts only at the very start of the answer (Llama 3's bare JSON object).
+    leading_markers: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class ParsedTools:
+    """What a tool parser found in a reply's answer (after any think block)."""
+
+    content: str  # the text before the calls
+    calls: list[tuple[str, str]]  # (name, arguments as JSON text), as the model wrote them
+    markup: bool  # the text has call markup (calls found or not)
+
+
+class ToolParser(Protocol):
+    """The model family's tool-call parser (vLLM's, wrapped in engine/vllm.py)."""
+
+    name: str  # the parser's name in vLLM ("hermes", "llama3_json")
+    format: ToolCallFormat | None  # None: this worker knows no forced-call format for it
+
+    def parse(self, text: str, tools: Sequence[ToolSpec]) -> ParsedTools: ...
+
+
+@dataclass(frozen=True)
+class ToolSupport:
+    """Whether the served model can call tools, and its parser (chosen at start from the
+    model's chat template, or named by engine.tool_parser)."""
+
+    parser: ToolParser | None = None
+    unsupported: str | None = "tool calling is not set up for this worker"  # why not (None: it can)
 
 
 class Engine(Protocol):

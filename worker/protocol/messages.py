@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import secrets
 from enum import Enum
 from typing import Annotated, Any, Literal
@@ -20,6 +21,10 @@ from pydantic.alias_generators import to_camel
 # objects and arrays, and JSON values in all (the payload size is capped separately).
 MAX_SCHEMA_DEPTH = 32
 MAX_SCHEMA_NODES = 4096
+# Tools: OpenAI's limits on names and on how many a request may declare.
+TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
+MAX_TOOLS = 128
+TOOL_CALLS = "tool_calls"  # finishReason of a reply that asks the client to run tools
 
 
 class ErrorCode(str, Enum):
@@ -81,8 +86,57 @@ class JsonObjectFormat(InboundModel):
 ResponseFormat = Annotated[JsonSchemaFormat | JsonObjectFormat, Field(discriminator="type")]
 
 
+class FunctionSpec(InboundModel):
+    """A tool's function, as OpenAI's API declares it."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments object
+    strict: bool | None = None
+
+
+class ToolSpecIn(InboundModel):
+    type: Literal["function"]
+    function: FunctionSpec
+
+
+class NamedFunction(InboundModel):
+    name: str
+
+
+class NamedToolChoice(InboundModel):
+    """toolChoice naming the one tool the model must call."""
+
+    type: Literal["function"]
+    function: NamedFunction
+
+
+ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
+
+
+class ToolResult(InboundModel):
+    """The client's result of one of the session's pending tool calls."""
+
+    tool_call_id: str = Field(min_length=1, max_length=128)
+    content: str
+
+
 class ChatRequest(InboundModel):
-    message: str = Field(min_length=1)
+    # Exactly one of message and toolResults (checked by parse_chat_request; said in the schema).
+    model_config = ConfigDict(
+        alias_generator=to_camel,
+        populate_by_name=False,
+        extra="forbid",
+        strict=True,
+        json_schema_extra={
+            "oneOf": [
+                {"required": ["message"], "properties": {"message": {"type": "string"}}},
+                {"required": ["toolResults"], "properties": {"toolResults": {"type": "array"}}},
+            ]
+        },
+    )
+
+    message: str | None = Field(None, min_length=1)
     session_id: str | None = None
     max_tokens: int | None = Field(None, ge=1)
     temperature: float | None = Field(None, ge=0, le=2)
@@ -93,6 +147,11 @@ class ChatRequest(InboundModel):
     response_format: ResponseFormat | None = None
     include_reasoning: bool = False
     max_reasoning_tokens: int | None = Field(None, ge=1)
+    # Tool calling (docs/protocol.md#tools): tools are kept by the session, like systemPrompt;
+    # toolChoice applies to this request; toolResults answer the session's pending calls.
+    tools: list[ToolSpecIn] | None = None
+    tool_choice: ToolChoice | None = None
+    tool_results: list[ToolResult] | None = None
 
 
 class ControlRequest(InboundModel):
@@ -119,11 +178,28 @@ class Latency(WireModel):
 REASONING_BUDGET = "reasoning_budget"
 
 
+class FunctionCall(WireModel):
+    name: str
+    arguments: str  # the JSON text of an object
+
+
+class ToolCallOut(WireModel):
+    """A call the client is asked to run (OpenAI's shape)."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatReply(WireModel):
     session_id: str
     request_id: str
     reply: str
     reasoning: str | None = None  # the think block, when the request asked for it
+    tool_calls: list[ToolCallOut] | None = None  # finishReason tool_calls: run these, send toolResults
+    # Set when the model wrote tool-call markup that is not a valid call (malformed JSON, an
+    # undeclared tool, arguments that are not an object): the reply is then its text as written.
+    tool_parse_error: str | None = None
     finish_reason: str
     usage: Usage
     latency: Latency
@@ -151,6 +227,8 @@ class StreamDelta(WireModel):
     seq: int
     delta: str  # answer text ("" in a delta of reasoning)
     reasoning: str | None = None  # reasoning text, only with includeReasoning
+    # The last event of a reply that calls tools announces them (the reply carries them too).
+    tool_calls: list[ToolCallOut] | None = None
 
 
 def _load_json(payload: bytes) -> Any:
@@ -200,14 +278,68 @@ def parse_chat_request(payload: bytes, session: str, max_payload_bytes: int) -> 
     try:
         request = ChatRequest.model_validate(data)
     except ValidationError as exc:
-        raise RequestError(ErrorCode.INVALID_REQUEST, _validation_message(exc)) from None
+        message = _validation_message(exc)
+        if "message" not in data and "toolResults" not in data:
+            message += "; 'message' (or 'toolResults') is required"
+        raise RequestError(ErrorCode.INVALID_REQUEST, message) from None
     if request.session_id is not None and request.session_id != session:
         raise RequestError(
             ErrorCode.INVALID_REQUEST, f"sessionId {request.session_id[:140]!r} differs from the topic's session"
         )
+    if (request.message is None) == (request.tool_results is None):
+        raise RequestError(ErrorCode.INVALID_REQUEST, "a request carries exactly one of 'message' and 'toolResults'")
     if isinstance(request.response_format, JsonSchemaFormat):
         check_json_schema(request.response_format.json_schema)
+    if request.tools is not None:
+        check_tools(request.tools)
+    if request.tool_results is not None:
+        check_tool_results(request.tool_results)
     return request
+
+
+def check_tools(tools: list[ToolSpecIn]) -> None:
+    """Refuse a tool list with too many tools, an invalid or duplicate name (invalid_request),
+    or an unusable parameters schema (invalid_schema, checked like a responseFormat schema).
+    Every message names the tool."""
+    if len(tools) > MAX_TOOLS:
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"'tools' has {len(tools)} tools; the limit is {MAX_TOOLS}")
+    seen: set[str] = set()
+    for index, tool in enumerate(tools):
+        name = tool.function.name
+        if not TOOL_NAME.fullmatch(name):
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"'tools.{index}.function.name' {name[:80]!r} is not a valid tool name: "
+                "1 to 64 of A-Z, a-z, 0-9, _ and -",
+            )
+        if name in seen:
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"tool {name!r} is declared twice in 'tools'")
+        seen.add(name)
+        parameters = tool.function.parameters
+        if parameters is None:
+            continue
+        try:
+            check_json_schema(parameters)
+        except RequestError as exc:
+            raise RequestError(exc.code, f"tool {name!r}: parameters: {exc.message}") from None
+        if parameters.get("type", "object") != "object":
+            raise RequestError(
+                ErrorCode.INVALID_SCHEMA, f"tool {name!r}: parameters must describe a JSON object (type object)"
+            )
+
+
+def check_tool_results(results: list[ToolResult]) -> None:
+    """Refuse an empty list or one that answers a call twice; whether each call is pending is
+    the session's to say (core/tools.py)."""
+    if not results:
+        raise RequestError(ErrorCode.INVALID_REQUEST, "'toolResults' is empty")
+    seen: set[str] = set()
+    for result in results:
+        if result.tool_call_id in seen:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST, f"'toolResults' answers toolCallId {result.tool_call_id[:140]!r} twice"
+            )
+        seen.add(result.tool_call_id)
 
 
 def _schema_shape(schema: Any) -> tuple[int, int]:
@@ -299,12 +431,26 @@ def fresh_key(key: str) -> str:
     return f"{key}-{secrets.token_hex(4)}"
 
 
+# What a client-chosen name may hold to be logged as it is; anything else is logged escaped.
+_PLAIN_LOG_TEXT = re.compile(r"[A-Za-z0-9._:@+=~-]+")
+
+
+def log_text(text: str, limit: int = 64) -> str:
+    """A client-chosen name (a requestId, a topic) as a log line shows it: as sent when it is
+    plain, else quoted and escaped (repr: no line break, control character or terminal escape
+    reaches the log, so it cannot forge a line); cut after ``limit`` characters, marked "…"."""
+    cut = text[:limit]
+    shown = cut if _PLAIN_LOG_TEXT.fullmatch(cut) else repr(cut)
+    return shown + ("…" if len(text) > limit else "")
+
+
 def log_ref(key: str | None) -> str:
-    """How logs at INFO and above name a request: a short hash, since a requestId is the
-    client's text (which is logged at DEBUG only)."""
+    """How logs name a request: its key, the requestId the client sent or the ``h-…`` key the
+    reply carries (``requestId``), so that grep finds it; escaped and cut (log_text). A
+    requestId is an id the client chose, not message text, which is logged at DEBUG only."""
     if key is None:
         return "-"
-    return "r:" + hashlib.sha256(key.encode()).hexdigest()[:10]
+    return log_text(key)
 
 
 def best_effort_request_id(payload: bytes, max_payload_bytes: int | None = None) -> str | None:

@@ -81,7 +81,10 @@ def request_rules() -> str:
         "`too_long`); `responseFormat.schema` is a valid JSON Schema for its `$schema` (default the latest "
         f"draft), nests at most {MAX_SCHEMA_DEPTH} levels, holds at most {MAX_SCHEMA_NODES} values and uses "
         "only what the grammar backend supports (else `invalid_schema`); requests per user namespace are "
-        "limited (`rate_limited`) and so are pending ones (`busy`, `expired`)."
+        "limited (`rate_limited`) and so are pending ones (`busy`, `expired`). Tools: names are unique, "
+        "`toolChoice` names a declared tool, `parameters` is checked like `responseFormat.schema` "
+        "(`invalid_schema`, naming the tool), `toolResults` answer exactly the session's pending calls, each "
+        f"of at most `max_tool_result_bytes` bytes (default {limits.max_tool_result_bytes}; else `too_large`)."
     )
 
 

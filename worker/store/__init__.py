@@ -4,7 +4,6 @@
 - ``sqlite.py``: the default, one SQLite file in ``history.state_dir``
 - ``memory.py``: this process's memory (tests, throwaway runs)
 - ``redis.py``: Redis, shared by the workers of a share group (imports redis, optional)
-- ``cache.py``: SessionCache, the live sessions in memory over any of them
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import time
 
-from ..core.history import SessionHistory
+from ..session import SessionHistory
 
 
 class MemoryStore:

@@ -3,9 +3,10 @@
 Every store keeps the contract; the faults are those of docs/reliability.md; SQLite and Redis
 share the stored state's JSON encoding.
 
-What is stored per session: the system prompt and the kept turns (as trimmed), and the
-answers given to its requests by request key, so a redelivered request is answered from here
-and never generates twice. ``reset`` deletes the conversation and the answers' text but keeps
+What is stored per session: the system prompt, the tools, the kept turns (as trimmed; each
+turn's messages, tool rounds and pending calls included), and the answers given to its
+requests by request key, so a redelivered request is answered from here and never generates
+twice. ``reset`` deletes the conversation and the answers' text but keeps
 their keys (tombstones). Per request key, the number of deliveries that did not end in an
 answer: a request that keeps killing the worker is recognised (a poison request).
 """
@@ -14,9 +15,9 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from typing import Protocol
+from typing import Any, Protocol
 
-from ..core.history import SessionHistory, Turn
+from ..session import SessionHistory, ToolSpec, Turn
 
 
 class StoreError(Exception):
@@ -64,23 +65,42 @@ class HistoryStore(Protocol):
 
 
 def encode_state(history: SessionHistory) -> str:
-    turns = [{"key": t.key, "user": t.user, "assistant": t.assistant} for t in history.turns]
-    return json.dumps({"systemPrompt": history.system_prompt, "turns": turns}, ensure_ascii=False)
+    turns = [{"key": t.key, "messages": t.messages} for t in history.turns]
+    state: dict[str, Any] = {"systemPrompt": history.system_prompt, "turns": turns}
+    if history.tools:
+        state["tools"] = [{k: v for k, v in vars(tool).items() if v is not None} for tool in history.tools]
+    return json.dumps(state, ensure_ascii=False)
 
 
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn]]:
-    """The system prompt and turns of a stored state; SessionUnreadable when it is damaged."""
+def _turn(data: dict[str, Any]) -> Turn:
+    if "messages" not in data:  # stored before tool calling: one user and one assistant message
+        return Turn.plain(str(data["key"]), str(data["user"]), str(data["assistant"]))
+    messages = data["messages"]
+    if not isinstance(messages, list) or not all(isinstance(m, dict) and isinstance(m["role"], str) for m in messages):
+        raise TypeError("a turn's messages are not a list of messages")
+    return Turn(str(data["key"]), messages)
+
+
+def _tool(data: dict[str, Any]) -> ToolSpec:
+    return ToolSpec(str(data["name"]), data.get("description"), data.get("parameters"), data.get("strict"))
+
+
+def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec]]:
+    """The system prompt, turns and tools of a stored state; SessionUnreadable when it is
+    damaged. A state stored before tool calling (turns of user and assistant text) reads as
+    turns of two messages."""
     try:
         data = json.loads(state)
-        turns = [Turn(str(t["key"]), str(t["user"]), str(t["assistant"])) for t in data["turns"]]
+        turns = [_turn(t) for t in data["turns"]]
+        tools = [_tool(t) for t in data.get("tools") or []]
         system_prompt = data["systemPrompt"]
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TypeError("systemPrompt is not a string")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SessionUnreadable(session, f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    return system_prompt, turns
+    return system_prompt, turns, tools
 
 
 def decode_history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    system_prompt, turns = parse_state(session, state)
-    return SessionHistory(system_prompt, turns, OrderedDict(answers))
+    system_prompt, turns, tools = parse_state(session, state)
+    return SessionHistory(system_prompt, turns, tools, OrderedDict(answers))

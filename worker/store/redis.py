@@ -27,7 +27,7 @@ from typing import Any, TypeVar
 
 import redis
 
-from ..core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory
+from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
 from .port import StoreUnavailable, encode_state, parse_state
 
 # KEYS: state, answers, order, deliveries. ARGV: state json, key, payload ("" none), now,
@@ -116,7 +116,7 @@ class RedisStore:
             return None
         history = SessionHistory()
         if state is not None:
-            history.system_prompt, history.turns = parse_state(session, state)
+            history.system_prompt, history.turns, history.tools = parse_state(session, state)
         answered: OrderedDict[str, bytes | None] = OrderedDict()
         for key in order:
             payload = answers.get(key)

@@ -30,7 +30,7 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from ..core.history import ANSWERED_KEYS_PER_SESSION, SessionHistory
+from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
 from .port import StoreUnavailable, decode_history, encode_state
 
 DATABASE_NAME = "sessions.sqlite3"

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 from collections import OrderedDict
 
-from ..core.history import SessionHistory
-from .port import HistoryStore
+from ..session import SessionHistory
+from ..store.port import HistoryStore
 
 
 class SessionCache:

