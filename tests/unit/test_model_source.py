@@ -49,7 +49,7 @@ def run_worker(*args: str, env: dict[str, str]) -> tuple[int, str, float]:
 def assert_one_clear_message(err: str, *, download: bool) -> None:
     assert "Traceback" not in err and "Retrying" not in err, err
     assert err.count("worker: configuration error:") == 1, err
-    assert "python -m worker.models smollm2" in err, err  # the demo model, without the hub
+    assert "python -m worker.prepare_model smollm2" in err, err  # the demo model, without the hub
     assert ("hf download SomeOrg/Name --local-dir DIR" in err) is download, err
 
 

@@ -299,7 +299,7 @@ def model_not_found(model: str, why: str, *, hub: bool = False) -> str:
     ways = [
         "give --model a model directory on this machine (config.json, a tokenizer and weights, "
         "as the Hugging Face hub has them)",
-        "prepare the demo model, SmolLM2-135M-Instruct, without the hub: python -m worker.models smollm2 "
+        "prepare the demo model, SmolLM2-135M-Instruct, without the hub: python -m worker.prepare_model smollm2 "
         "(it prints the directory to give --model)",
     ]
     if hub:
