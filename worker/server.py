@@ -23,9 +23,13 @@ Stop (``shutdown``), on SIGTERM/SIGINT, an injected ``shutdown_trigger``, or a d
 finish up to ``drain_timeout`` (none when the engine died), publish the last stats; then the
 background tasks are cancelled and awaited, and the exit stack closes the rest in reverse
 order of opening: ``offline`` is published and the connection closed, the intake leaves the
-group, the engine shut down, the store closed, the metrics endpoint closed. A second signal
-exits at once. The signal handlers are the server's only while it runs: the previous ones
-are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
+group, the engine shut down, the store closed, the metrics endpoint closed. Ctrl-C in the
+worker's terminal is this same stop: the engine's processes never get the terminal's SIGINT
+(system/children.py). A second signal exits at once, leaving what is unanswered to the
+broker's redelivery. A signal during the start cancels it (``_start``; the engine start,
+which holds the event loop, through ``_signals_cancel_the_start``): "Stopped during the
+start", exit code 0. The signal handlers are the server's only while it runs: the previous
+ones are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
 
 paho is imported at the broker check (milliseconds), vLLM in the import phase: importing this
 module imports neither (main.py sets CUDA_VISIBLE_DEVICES before vLLM may be imported).
