@@ -15,15 +15,17 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-# The lines that end a start phase, in order: each one found moves the bar a step.
-PHASES_DONE = (
-    "worker.system.progress: Imported in ",
-    "worker.system.progress: Tokenizer loaded in ",
-    "worker.system.progress: Engine ready in ",
-    "worker.system.progress: Warm-up phase over in ",
-    "worker.server: Serving ",
+# The lines that end a start phase, in order, each one or more alternatives: each one found
+# moves the bar a step. The warm-up ends with the engine's own line: its summary, or that it
+# is off (the CPU backend's default).
+PHASES_DONE: tuple[tuple[str, ...], ...] = (
+    ("worker.system.progress: Imported in ",),
+    ("worker.system.progress: Tokenizer loaded in ",),
+    ("worker.system.progress: Engine ready in ",),
+    ("worker.engine.vllm: Warm-up done in ", "worker.engine.vllm: Warm-up: off "),
+    ("worker.server: Serving ",),
 )
-START_LINE = re.compile(r"\| (?:worker\.system\.progress|worker\.server): (.*)$", re.M)
+START_LINE = re.compile(r"\| (?:worker\.system\.progress|worker\.server|worker\.engine\.vllm(?=: Warm)): (.*)$", re.M)
 
 
 class StartBar:
@@ -57,7 +59,7 @@ class StartBar:
                     print(f"    {line}", flush=True)
             self.lines = lines
             self.bar.set_description_str(lines[-1][:70], refresh=False)
-        done = sum(phase in self.text for phase in PHASES_DONE)
+        done = sum(any(line in self.text for line in phase) for phase in PHASES_DONE)
         self.bar.update(done - self.done)
         self.done = done
         self.bar.refresh()  # the elapsed time moves even when the log does not

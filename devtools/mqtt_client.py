@@ -120,9 +120,9 @@ class Client:
             login=login,
         )
 
-    def publish(self, topic: str, payload: Any, *, qos: int = 1, properties: Any = None) -> None:
+    def publish(self, topic: str, payload: Any, *, qos: int = 1, properties: Any = None, retain: bool = False) -> None:
         data = payload if isinstance(payload, bytes) else json.dumps(payload).encode()
-        info = self._client.publish(topic, data, qos=qos, properties=properties)
+        info = self._client.publish(topic, data, qos=qos, properties=properties, retain=retain)
         info.wait_for_publish(5)
 
     def wait_for(self, predicate: Callable[[Received], bool], timeout: float = 120) -> Received:

@@ -25,12 +25,27 @@ setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "
   --stats-interval 5 \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
+# Stops what this script started, by pid, on every way out (the end, an error, Ctrl-C): the
+# worker first (SIGTERM: it finishes a running reply, then stops its engine; a Ctrl-C here ends
+# the wait, and the worker, at once), then the broker.
 cleanup() {
-  kill -TERM "$WORKER" 2>/dev/null && { timeout 60 tail --pid="$WORKER" -f /dev/null || true; }
+  local now=""
+  trap 'now=1' INT
+  if kill -0 "$WORKER" 2>/dev/null; then
+    echo "==> stopping the worker and the broker (Ctrl-C to stop the worker at once)"
+    kill -TERM "$WORKER" 2>/dev/null || true
+    for _ in $(seq 600); do  # up to 120 s: its drain (60 s at most) and its engine's stop
+      { [ -z "$now" ] && kill -0 "$WORKER" 2>/dev/null; } || break
+      sleep 0.2 || true  # a Ctrl-C ends the sleep too: not an error (set -e)
+    done
+  fi
   kill -KILL -- "-$WORKER" 2>/dev/null || true
   kill "$BROKER" 2>/dev/null || true
 }
 trap cleanup EXIT
+# Ctrl-C: a plain exit, and the clean-up above runs as the EXIT trap, where a second Ctrl-C
+# ends the wait for the worker.
+trap 'exit 130' INT
 
 echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300

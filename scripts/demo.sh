@@ -16,7 +16,7 @@ RUN=$(mktemp -d)
 PORT=$(.venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
 MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
 printf 'listener %s 127.0.0.1\nallow_anonymous true\nset_tcp_nodelay true\nmax_inflight_messages 0\nmax_queued_messages 100000\n' "$PORT" > "$RUN/mosquitto.conf"
-"$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &
+setsid "$MOSQUITTO" -c "$RUN/mosquitto.conf" >"$RUN/mosquitto.log" 2>&1 &  # setsid: Ctrl-C is for this script
 BROKER=$!
 # --dtype float32: this small model goes astray in vLLM's bfloat16 on the CPU (worker/prepare_model.py).
 # --block-size 32: vLLM caches prefixes in whole blocks, 128 tokens by default on the CPU, longer
@@ -28,12 +28,28 @@ setsid .venv/bin/python -m worker --model "$MODEL" --dtype float32 --mqtt-port "
   --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   >"$RUN/worker.log" 2>&1 &
 WORKER=$!
+# Stops what this script started, by pid, on every way out (the end, an error, Ctrl-C): the
+# worker first (SIGTERM: it finishes a running reply, then stops its engine; a Ctrl-C here ends
+# the wait, and the worker, at once), then the broker.
 cleanup() {
-  kill -TERM "$WORKER" 2>/dev/null && { timeout 60 tail --pid="$WORKER" -f /dev/null || true; }
+  local now=""
+  trap 'now=1' INT
+  if kill -0 "$WORKER" 2>/dev/null; then
+    echo "==> stopping the worker and the broker (Ctrl-C to stop the worker at once)"
+    kill -TERM "$WORKER" 2>/dev/null || true
+    for _ in $(seq 600); do  # up to 120 s: its drain (60 s at most) and its engine's stop
+      { [ -z "$now" ] && kill -0 "$WORKER" 2>/dev/null; } || break
+      sleep 0.2 || true  # a Ctrl-C ends the sleep too: not an error (set -e)
+    done
+  fi
   kill -KILL -- "-$WORKER" 2>/dev/null || true
   kill "$BROKER" 2>/dev/null || true
+  [ -n "${SUB:-}" ] && kill "$SUB" 2>/dev/null || true  # a turn's subscriber
 }
 trap cleanup EXIT
+# Ctrl-C: a plain exit, and the clean-up above runs as the EXIT trap, where a second Ctrl-C
+# ends the wait for the worker.
+trap 'exit 130' INT
 
 echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
@@ -43,12 +59,12 @@ SYSTEM="You are a helpful travel assistant. Answer in one or two short sentences
 turn() {
   local payload=$1
   mosquitto_sub -p "$PORT" -t "chat/me/$SESSION/reply" -C 1 -W 120 > "$RUN/reply.json" &
-  local sub=$!
+  SUB=$!
   sleep 0.3
   echo
   echo ">>> $payload"
   mosquitto_pub -p "$PORT" -q 1 -t "chat/me/$SESSION/request" -m "$payload"
-  wait "$sub"
+  wait "$SUB"
   .venv/bin/python - "$RUN/reply.json" <<'PY'
 import json, sys, textwrap
 r = json.load(open(sys.argv[1]))

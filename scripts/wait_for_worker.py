@@ -4,7 +4,8 @@ demo scripts.
     .venv/bin/python scripts/wait_for_worker.py WORKER_LOG --pid WORKER_PID [--timeout 300]
 
 Exits 0 once the worker serves (the broker has acknowledged its subscriptions: a request is
-answered from then on), 1 with the end of its log if it exits first or the time runs out.
+answered from then on), 1 with the end of its log if it exits first or the time runs out,
+130 on Ctrl-C (without a traceback: the script's clean-up follows).
 """
 
 from __future__ import annotations
@@ -47,6 +48,8 @@ def main() -> int:
             time.sleep(0.5)
         else:
             return 0
+    except KeyboardInterrupt:  # Ctrl-C: the demo script stops what it started
+        return 130
     finally:
         bar.close()
     why = "exited" if not alive(args.pid) else f"did not serve within {args.timeout:.0f} s"

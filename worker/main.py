@@ -11,16 +11,18 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from loguru import logger
 
-from .config.loader import ConfigError, load_config, render_toml
+from .config.loader import ConfigError, cached_hub_model, load_config, render_toml
 from .config.models import WorkerConfig, nvidia_gpu_present
 from .server import Server
-from .system.children import expect_children
+from .system.children import expect_children, remove_at_exit, remove_files
 from .system.logs import configure_logging, use_loguru_in_vllm_processes
 
 
@@ -30,7 +32,26 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"worker: configuration error: {exc}", file=sys.stderr)
         return 2
+    model = config.engine.model
+    assert model is not None  # load_config checked it
+    if not Path(model).expanduser().exists():  # a hub id (load_config refused anything else)
+        from .system.hub import check_hub_model
+
+        problem = check_hub_model(model, cached=cached_hub_model(model, os.environ) is not None)
+        if problem is not None:
+            print(f"worker: configuration error: {problem}", file=sys.stderr)
+            return 2
     if args.check_config:
+        if config.engine.extra:  # checked against this vLLM's engine arguments: imports vLLM (seconds)
+            # Without vLLM's warnings as it imports (Triton's on the CPU): the check's output only.
+            os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")
+            logging.getLogger("vllm").setLevel(logging.ERROR)
+            from .engine.vllm import unknown_engine_arguments
+
+            unknown = unknown_engine_arguments(config.engine.extra)
+            if unknown:
+                print(f"worker: configuration error: {'; '.join(unknown)}", file=sys.stderr)
+                return 2
         sys.stdout.write(render_toml(config.masked(), comments=False))
         return 0
     if config.engine.visible_devices is not None:
@@ -42,14 +63,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     vllm_logging = use_loguru_in_vllm_processes(
         config.logging.level, json_logs=config.logging.json_logs, vllm_level=config.logging.vllm_level
     )
-    expect_children()  # before vLLM is imported: its processes then die with this one
+    remove_at_exit(vllm_logging)
+    # Before vLLM is imported: its processes then die with this one, out of the terminal's reach.
+    remove_at_exit(expect_children())
     try:
         return asyncio.run(Server(config).serve())
-    except KeyboardInterrupt:  # a second Ctrl-C
+    except KeyboardInterrupt:  # a Ctrl-C before the server's signal handlers were set
         return 130
     finally:
-        if vllm_logging is not None:
-            vllm_logging.unlink(missing_ok=True)
+        remove_files()
 
 
 def warn_about_absent_gpus(config: WorkerConfig) -> None:

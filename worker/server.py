@@ -23,9 +23,13 @@ Stop (``shutdown``), on SIGTERM/SIGINT, an injected ``shutdown_trigger``, or a d
 finish up to ``drain_timeout`` (none when the engine died), publish the last stats; then the
 background tasks are cancelled and awaited, and the exit stack closes the rest in reverse
 order of opening: ``offline`` is published and the connection closed, the intake leaves the
-group, the engine shut down, the store closed, the metrics endpoint closed. A second signal
-exits at once. The signal handlers are the server's only while it runs: the previous ones
-are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
+group, the engine shut down, the store closed, the metrics endpoint closed. Ctrl-C in the
+worker's terminal is this same stop: the engine's processes never get the terminal's SIGINT
+(system/children.py). A second signal exits at once, leaving what is unanswered to the
+broker's redelivery. A signal during the start cancels it (``_start``; the engine start,
+which holds the event loop, through ``_signals_cancel_the_start``): "Stopped during the
+start", exit code 0. The signal handlers are the server's only while it runs: the previous
+ones are restored afterwards. Under systemd (``Type=notify``) each step is reported (system/notify.py).
 
 paho is imported at the broker check (milliseconds), vLLM in the import phase: importing this
 module imports neither (main.py sets CUDA_VISIBLE_DEVICES before vLLM may be imported).
@@ -49,6 +53,7 @@ from .config.loader import render_toml
 from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
 from .engine.port import ServedEngine, ToolSupport, WarmupPlan
 from .protocol.topics import Topics
+from .system.children import remove_files
 from .system.logs import route_library_logging
 from .system.notify import Notifier
 from .system.progress import start_phase
@@ -126,6 +131,26 @@ async def broker_accepts(
     saying why not). With ``wait``, a broker that is down or unreachable is tried again with
     the reconnect delays until it answers or ``stop`` is set; a refused login or a TLS error is
     final either way: waiting does not change credentials or certificates."""
+    try:
+        return await _broker_accepts(settings, check, notifier, stop, wait=wait)
+    except asyncio.CancelledError:
+        if not stop.is_set():
+            raise
+        # A stop cancels the start (Server._start): here it ends the wait like ``stop`` does.
+        task = asyncio.current_task()
+        if task is not None and hasattr(task, "uncancel"):  # 3.11+
+            task.uncancel()
+        return False
+
+
+async def _broker_accepts(
+    settings: MqttSettings,
+    check: Callable[[MqttSettings], None],
+    notifier: Notifier,
+    stop: asyncio.Event,
+    *,
+    wait: bool,
+) -> bool:
     from .transport.mqtt import BrokerUnavailable
 
     where = f"{settings.host}:{settings.port}"
@@ -215,6 +240,9 @@ class Server:
         self._stop = asyncio.Event()
         self._engine_died = asyncio.Event()
         self._resources = contextlib.AsyncExitStack()
+        self._starting: asyncio.Future[bool] | None = None  # the startup task
+        self._start_interrupted = False  # a stop signal came during the engine start
+        self._signal: signal.Signals | None = None  # the stop signal, if a signal stopped it
         self._tasks: list[asyncio.Future[Any]] = []
         # Set by startup, in order.
         self.metrics: MetricsEndpoint | None = None
@@ -235,7 +263,7 @@ class Server:
                 trigger.add_done_callback(self._triggered)
                 self._tasks.append(trigger)
             try:
-                if await self.startup():
+                if await self._start():
                     self.started = True
                     await self.main_loop()
                     await self.shutdown()
@@ -248,14 +276,59 @@ class Server:
                     logger.info("Stopped (exit code {})", self.exit_code)
         return self.exit_code
 
+    async def _start(self) -> bool:
+        """``startup`` as a task of its own, which a stop signal cancels: a Ctrl-C while the
+        tokenizer loads or the engine warms up (minutes on a GPU) stops the start, not after it."""
+        self._starting = asyncio.ensure_future(self.startup())
+        try:
+            return await self._starting
+        except asyncio.CancelledError:
+            if not (self._stop.is_set() or self._start_interrupted):
+                raise  # serve itself was cancelled
+            logger.info("Stopped during the start (exit code {})", self.exit_code)
+            return False
+
     def request_stop(self, code: int = 0) -> None:
         """Stop with at least exit code ``code``. A second request to stop without an error
-        (a second SIGTERM or Ctrl-C) exits at once."""
+        (a second SIGTERM or Ctrl-C) exits at once: the requests not answered yet stay
+        unacknowledged, and the broker redelivers them to the next start."""
         self.exit_code = max(self.exit_code, code)
         if self._stop.is_set() and code == 0:
-            logger.warning("Second stop signal: exiting now")
+            pending = self.service.pending if self.service is not None else 0
+            logger.warning(
+                "Second stop signal: exiting now ({} unanswered request(s) left for the next start)", pending
+            )
+            remove_files()
             os._exit(1)
         self._stop.set()
+        if self._starting is not None and not self._starting.done():
+            self._starting.cancel()
+
+    def _on_signal(self, sig: int) -> None:
+        self._signal = signal.Signals(sig)
+        self.request_stop()
+
+    @contextlib.contextmanager
+    def _signals_cancel_the_start(self) -> Iterator[None]:
+        """For the engine start, which holds the event loop (and must: system/children.py), so
+        that the loop's own signal handlers run only once it is over, minutes for a large
+        model: a stop signal meanwhile raises CancelledError where the start is, which unwinds
+        it as a cancelled start. The loop still sees the signal once it runs again (signals
+        also reach its wakeup fd) and requests the stop then."""
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+
+        def interrupt(signum: int, frame: object) -> None:
+            self._start_interrupted = True
+            raise asyncio.CancelledError(f"{signal.Signals(signum).name} during the engine start")
+
+        previous = {sig: signal.signal(sig, interrupt) for sig in HANDLED_SIGNALS}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
     def _triggered(self, trigger: asyncio.Future[None]) -> None:
         if not trigger.cancelled():  # cancelled at the end of the run: no request to stop
@@ -272,7 +345,7 @@ class Server:
         loop = asyncio.get_running_loop()
         previous = {sig: signal.getsignal(sig) for sig in HANDLED_SIGNALS}
         for sig in HANDLED_SIGNALS:
-            loop.add_signal_handler(sig, self.request_stop)
+            loop.add_signal_handler(sig, self._on_signal, sig)
         try:
             yield
         finally:
@@ -346,9 +419,13 @@ class Server:
         raise CannotStart()
 
     def _import_engine_libraries(self) -> None:
+        """vLLM, torch and transformers; then the engine.extra keys are checked against this
+        vLLM's engine arguments, before the model load (vLLM refused one 12 s into its start)."""
         with start_phase(self.notifier, "Importing vLLM, torch and transformers", "Imported"):
             from .engine.tokenizer import ChatTokenizer  # noqa: F401 - imports transformers
-            from .engine.vllm import VllmEngine  # noqa: F401 - imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+            from .engine.vllm import unknown_engine_arguments  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
+        if unknown := unknown_engine_arguments(self.config.engine.extra):
+            raise CannotStart(f"Cannot start the engine: {'; '.join(unknown)}")
 
     def _open_metrics(self) -> None:
         """The Prometheus endpoint, where ``stats.metrics_port`` is set: before the model load,
@@ -403,7 +480,8 @@ class Server:
 
     async def _start_engine(self, renderer: ChatTokenizer) -> ServedEngine:
         model = self.config.engine.model
-        with start_phase(self.notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}"):
+        starting = start_phase(self.notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}")
+        with starting, self._signals_cancel_the_start():
             engine = self.engine = await self._engine_starter(self.config, renderer.stop_token_ids)
         self._resources.push_async_callback(engine.shutdown)
         return engine
@@ -418,7 +496,7 @@ class Server:
             max_batch=config.engine.warmup_max_batch,
             timeout_s=config.engine.warmup_timeout,
         )
-        with start_phase(self.notifier, "Warming the engine up", "Warm-up phase over"):
+        with start_phase(self.notifier, "Warming the engine up", "Warm-up phase over", announce=False):
             await engine.warm_up(plan)
 
     async def _connect(
@@ -508,7 +586,15 @@ class Server:
         """The graceful part of the stop; the closing follows in ``serve``."""
         assert self.transport is not None and self.service is not None and self.engine is not None
         config = self.config
-        logger.info("Stopping")
+        if self._signal is None:
+            logger.info("Stopping")
+        else:  # the signal may be a Ctrl-C that did not mean to stop everything: how to go on
+            again = "Ctrl-C again" if self._signal == signal.SIGINT else f"a second {self._signal.name}"
+            logger.info(
+                "Stopping on {}; {} stops at once, leaving the requests not answered yet for the next start",
+                "Ctrl-C (SIGINT)" if self._signal == signal.SIGINT else self._signal.name,
+                again,
+            )
         self.notifier.stopping("Stopping: finishing running generations")
         if config.mqtt.share_group is not None:
             # The broker gives this member's share to the others from now on (a single worker

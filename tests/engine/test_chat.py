@@ -9,11 +9,13 @@ import contextlib
 import json
 import os
 import subprocess
+import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import pexpect
 import pytest
 
 from devtools.chat_terminal import PROMPT, REPLY, TOOL_CALL, USAGE, Chat, run_chat, tool_prompt
@@ -124,15 +126,23 @@ def test_ctrl_c_and_cancel_stop_a_long_reply(
         done.add(reply["requestId"])
     controls = messages(watch, "canceller", session, "control")
     assert [c["action"] for c in controls] == ["cancel", "cancel"]
-    # Still usable: Ctrl-C at the prompt does not quit, commands and turns go on.
+    # Still usable: one Ctrl-C at the prompt does not quit, commands and turns go on.
     chat.child.sendintr()
-    chat.expect(r"\[/quit or Ctrl-D to leave\]")
+    chat.expect(r"\[Ctrl-C again, /quit or Ctrl-D to leave\]")
     chat.send("/verbose on")
     chat.expect(r"\[stats after each reply: on\]")
     chat.child.expect_exact(PROMPT)
     chat.send("/cancel")
     chat.expect(r"\[nothing to cancel\]")
-    assert chat.quit() == 0
+    chat.child.expect_exact(PROMPT)
+    # Two in a row leave, as /quit does.
+    chat.child.sendintr()
+    chat.expect(r"\[Ctrl-C again, /quit or Ctrl-D to leave\]")
+    chat.child.sendintr()
+    chat.child.expect_exact("bye")
+    chat.child.expect(pexpect.EOF)
+    chat.child.close()
+    assert chat.child.exitstatus == 0 and "Traceback" not in chat.child.before
     watch.close()
 
 
@@ -143,7 +153,9 @@ def test_stats_command_prints_the_workers_stats(
     chats.append(chat)
     chat.send("/stats")
     line = chat.expect(r"\[worker shared \(\d+ s ago\): (Processed=\d+, Errors=\d+, [^\]]*)\]")[1]
-    assert "PrefixHit=" in line and "KV=" in line and "PromptTokens=" in line
+    assert "PrefixHitTotal=" in line and "KV=" in line and "PromptTokens=" in line, line
+    # The last interval's latencies, or that it had no requests (an idle worker's 0.00 s misled).
+    assert ("no requests in the window" in line) != ("AvgLatency=" in line), line
     chat.send("/help")
     chat.expect(r"/reset .*\n.*/cancel")
     assert chat.quit() == 0
@@ -193,12 +205,28 @@ def test_one_shot_usage_errors_exit_2(broker: Mosquitto, args: list[str], proble
     assert result.returncode == 2 and problem in result.stderr, result.stderr
 
 
-def test_one_shot_without_worker_or_broker_exits_3(broker: Mosquitto) -> None:
-    # Nobody serves the prefix "nobody" on this broker.
-    result = run_chat(broker.port, "--topic-prefix", "nobody", "--message", "hi", "--timeout", "2")
-    assert result.returncode == 3 and "no answer within 2 s (no worker online)" in result.stderr
-    result = run_chat(free_port(), "--message", "hi", "--timeout", "2")
-    assert result.returncode == 3 and "no connection to the broker" in result.stderr
+def test_one_shot_without_worker_or_broker_exits_3_in_seconds(broker: Mosquitto) -> None:
+    """Said within seconds, not after --timeout (120 s by default): no broker, naming where it
+    was looked for; no worker online, judged from the workers' retained status, and then the
+    message is not sent (nobody would answer it; a worker that starts later would)."""
+    watch = Client(broker.port, ["nobody/#"])
+    # Nobody serves the prefix "nobody" on this broker; one worker of it is known, offline.
+    watch.publish("nobody/_worker/gone/status", b"offline", retain=True)
+    started = time.monotonic()
+    result = run_chat(broker.port, "--topic-prefix", "nobody", "--message", "hi")
+    assert result.returncode == 3 and time.monotonic() - started < 30, result.stderr
+    assert f"no worker is online on 127.0.0.1:{broker.port} (offline: gone)" in result.stderr, result.stderr
+    assert "nobody/_worker/+/status" in result.stderr and "the message was not sent" in result.stderr
+    with pytest.raises(TimeoutError):
+        watch.wait_for(lambda m: m.topic.endswith("/request"), timeout=1)
+    watch.publish("nobody/_worker/gone/status", b"", retain=True)  # the retained status removed
+    watch.close()
+    port = free_port()
+    started = time.monotonic()
+    result = run_chat(port, "--message", "hi")
+    assert result.returncode == 3 and time.monotonic() - started < 30, result.stderr
+    assert f"no connection to the broker at 127.0.0.1:{port} (" in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
 
 
 def test_user_and_credentials_come_from_the_clients_own_settings(tmp_path: Path) -> None:
@@ -210,6 +238,8 @@ def test_user_and_credentials_come_from_the_clients_own_settings(tmp_path: Path)
     own = Mosquitto(tmp_path, f"password_file {passwords}\n", keep_root=True)  # root reads the file
     own.start()
     watch = Client(own.port, ["chat/+/+/request"])
+    # A worker that says it is online (none answers): the client sends only then.
+    watch.publish("chat/_worker/pretend/status", b"online", retain=True)
     base = {k: v for k, v in os.environ.items() if not k.startswith(("CHAT_", "WORKER_"))}
 
     def namespace_of(env: dict[str, str], *args: str) -> str:

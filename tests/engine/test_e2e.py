@@ -251,10 +251,9 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
         r"\| INFO +\| vllm\.[\w.]+: Loading weights took ",  # from the engine's process
         r"\| INFO +\| worker\.system\.progress: Engine ready in \d+\.\d s$",
         # The shared worker warms up (--warmup on; auto is off on the CPU backend) before online.
-        r"worker\.system\.progress: Warming the engine up$",
+        r"worker\.engine\.vllm: Warming the engine up: (\d+) steps, batch 1 to 4, at most 300 s \(warmup_timeout\)$",
         r"worker\.engine\.vllm: Warm-up done in \d+\.\d s: (\d+) of \1 steps, \d+ requests \(default sampling at "
         r"batch 1 to 4; ",
-        r"\| INFO +\| worker\.system\.progress: Warm-up phase over in \d+\.\d s$",
         r"worker\.transport\.mqtt: MQTT connected to 127\.0\.0\.1:\d+ \(session \w+\)$",
         r"worker\.server: Listening on chat/\+/\+/request, chat/\+/\+/control via 127\.0\.0\.1:\d+$",  # SUBACKed
         r"worker\.server: Serving \S+ as shared via 127\.0\.0\.1:\d+ \(ready \d+\.\d s after start\)$",

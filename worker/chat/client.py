@@ -157,7 +157,8 @@ class ChatClient:
         self.stream_topic = self.topics.stream(address)
         self._workers = f"{settings.topic_prefix}/{WORKER_NAMESPACE}/"
         self._subscriptions = [(self.reply_topic, 1), (self.stream_topic, 0)]
-        self._subscriptions += [(f"{self._workers}+/status", 1), (f"{self._workers}+/stats", 1)]
+        self.status_filter = f"{self._workers}+/status"  # every worker's retained online/offline
+        self._subscriptions += [(self.status_filter, 1), (f"{self._workers}+/stats", 1)]
         self.events: queue.SimpleQueue[Event] = queue.SimpleQueue()
         self.latest_stats: dict[str, StatsReport] = {}
         self.workers_online: dict[str, bool] = {}
@@ -285,6 +286,39 @@ class ChatClient:
         the message, or the results of the session's pending tool calls ((toolCallId, content)
         pairs); ``tools`` replaces the session's tools, ``tool_choice`` is for this request.
         ValueError when a value is not one the contract allows."""
+        request = self.request(
+            message,
+            tool_results=tool_results,
+            tools=tools,
+            tool_choice=tool_choice,
+            max_tokens=max_tokens,
+            temperature=temperature,
+            system_prompt=system_prompt,
+            stream=stream,
+            include_reasoning=include_reasoning,
+        )
+        self.publish(request)
+        assert request.request_id is not None
+        return request.request_id
+
+    def publish(self, request: ChatRequest) -> None:
+        self._client.publish(self.topics.request(self.address), request.to_json(), qos=1)
+
+    def request(
+        self,
+        message: str | None = None,
+        *,
+        tool_results: Sequence[tuple[str, str]] | None = None,
+        tools: Sequence[dict[str, Any]] | None = None,
+        tool_choice: str | dict[str, Any] | None = None,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
+        system_prompt: str | None = None,
+        stream: bool = True,
+        include_reasoning: bool = False,
+    ) -> ChatRequest:
+        """A request with a fresh requestId, not sent (see send). ValueError when a value is not
+        one the contract allows."""
         request_id = f"c-{uuid.uuid4().hex[:20]}"
         fields: dict[str, Any] = {"requestId": request_id, "stream": stream}
         if message is not None:
@@ -303,12 +337,10 @@ class ChatClient:
             if value is not None:
                 fields[key] = value
         try:
-            request = ChatRequest.model_validate(fields)
+            return ChatRequest.model_validate(fields)
         except ValidationError as exc:
             problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
             raise ValueError(problems) from None
-        self._client.publish(self.topics.request(self.address), request.to_json(), qos=1)
-        return request_id
 
     def cancel(self, request_id: str) -> None:
         control = ControlRequest.model_validate({"action": "cancel", "requestId": request_id})

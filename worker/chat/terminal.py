@@ -2,7 +2,7 @@
 
 One loop on the main thread over the client's event queue, fed by paho's thread (replies,
 deltas, connection changes), a thread reading typed lines, and the SIGINT handler (Ctrl-C
-cancels the running reply)."""
+cancels the running reply; at the prompt, a second Ctrl-C in a row leaves)."""
 
 from __future__ import annotations
 
@@ -148,6 +148,7 @@ class Terminal:
         self.at_prompt = False  # the cursor is right after the prompt
         self.failing = False  # a connection failure was reported and no connection came since
         self.started = False  # the prompt is shown once the banner is out
+        self.leaving = False  # Ctrl-C at the prompt, and no line since: a second one leaves
 
     # -- output -------------------------------------------------------------------------
 
@@ -230,6 +231,7 @@ class Terminal:
     def handle(self, event: Event) -> None:
         pending = self.pending
         if isinstance(event, InputLine):
+            self.leaving = False
             self.line_start, self.at_prompt = True, False  # the terminal echoed the line and its newline
             self.on_line(event.text)
         elif isinstance(event, InputEnd):
@@ -408,7 +410,13 @@ class Terminal:
         if pending is None and self.asking:
             self.stop_answering()
         elif pending is None:
-            self.note("/quit or Ctrl-D to leave")
+            # At the prompt, as in node's REPL: the first Ctrl-C may be a reflex (a reply just
+            # ended), the second in a row means it.
+            if self.leaving:
+                self.handle(InputEnd())
+                return
+            self.leaving = True
+            self.note("Ctrl-C again, /quit or Ctrl-D to leave")
         elif pending.request_id is None or pending.cancelling:
             self.pending = None
             self.note("stopped waiting")

@@ -7,13 +7,15 @@ both for free. Errors name the key and where its value came from.
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import os
+import re
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, get_args, get_origin
+from typing import Any, NoReturn, get_args, get_origin
 
 from pydantic import ValidationError
 
@@ -53,8 +55,34 @@ def _kind(annotation: Any) -> str:
     return "scalar"
 
 
+def did_you_mean(word: str, candidates: Iterable[str], quote: str = "'") -> str:
+    """The ": did you mean 'x'?" of a mistyped ``word``: its closest candidate, or "" when none
+    is close (difflib's ratio of at least 0.6: one or two letters off in a word of five)."""
+    close = difflib.get_close_matches(word, list(candidates), n=1, cutoff=0.6)
+    return f": did you mean {quote}{close[0]}{quote}?" if close else ""
+
+
+class SuggestingParser(argparse.ArgumentParser):
+    """An ArgumentParser whose "unrecognized arguments" error names the closest flag of each
+    (Python 3.14's ``suggest_on_error`` covers choices only). For the worker and its clients."""
+
+    def error(self, message: str) -> NoReturn:
+        prefix = "unrecognized arguments: "
+        if message.startswith(prefix):
+            flags = [option for option in self._option_string_actions if option.startswith("--")]
+            hints = []
+            for token in message[len(prefix) :].split():
+                if token.startswith("--"):
+                    hint = did_you_mean(token.split("=", 1)[0], flags, quote="")
+                    if hint:
+                        hints.append(f"{token.split('=', 1)[0]}{hint}")
+            if hints:
+                message += " (" + "; ".join(hints) + ")"
+        super().error(message)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="python -m worker",
         description="MQTT chat inference worker on vLLM. Every option can also be set in the TOML "
         "file given by --config and by the environment variable WORKER_<FLAG>.",
@@ -144,13 +172,14 @@ def load_config(
                 origin[(section, key)] = f"from {flag}"
     unknown_env = sorted(name for name in environ if name.startswith("WORKER_") and name not in known_env)
     if unknown_env:
-        raise ConfigError(f"unknown environment variable {unknown_env[0]} (no such option)")
+        hint = did_you_mean(unknown_env[0], known_env, quote="")
+        raise ConfigError(f"unknown environment variable {unknown_env[0]} (no such option){hint}")
 
     try:
         config = WorkerConfig.model_validate(merged)
     except ValidationError as exc:
         raise ConfigError(describe(exc, origin)) from None
-    _check_usable(config)
+    _check_usable(config, environ)
     return config, args
 
 
@@ -184,24 +213,98 @@ def describe(exc: ValidationError, origin: Mapping[tuple[str, ...], str]) -> str
         where = f" ({problem.source})" if problem.source else ""
         if problem.unknown:
             kind = "section" if "." not in name else "key"
-            lines.append(f"unknown {kind} '{name}'{where}")
+            lines.append(f"unknown {kind} '{name}'{where}{suggest_key(name)}")
         else:
             lines.append(f"invalid '{name}'{where}: {problem.message}")
     return "; ".join(lines)
 
 
-def _check_usable(config: WorkerConfig) -> None:
+def suggest_key(name: str) -> str:
+    """The "did you mean" of an unknown section ("mqttt") or key ("engine.modle"): a close
+    name in the same section, or the same key in the one section that has it ("engine.host":
+    'mqtt.host')."""
+    known = sections()
+    if "." not in name:
+        return did_you_mean(name, known)
+    section, key = name.split(".", 1)
+    elsewhere = [f"{other}.{key}" for other, fields in known.items() if key in fields]
+    if len(elsewhere) == 1:
+        return f": did you mean '{elsewhere[0]}'?"
+    if section in known:
+        return did_you_mean(name, [f"{section}.{other}" for other in known[section]])
+    return did_you_mean(name, [f"{other}.{field}" for other, fields in known.items() for field in fields])
+
+
+def _check_usable(config: WorkerConfig, environ: Mapping[str, str]) -> None:
     """Problems no single field can see: missing model, unreadable password or TLS files."""
     if not config.engine.model:
         raise ConfigError("no model: set --model, WORKER_MODEL or [engine] model")
     model = config.engine.model
-    if model.startswith((".", "/", "~")) and not Path(model).expanduser().exists():
-        raise ConfigError(f"engine.model: {model} does not exist")
     if Path(model).expanduser().exists():
         problem = model_dir_problem(Path(model).expanduser(), weights=config.engine.extra.get("load_format") != "dummy")
         if problem:
             raise ConfigError(f"engine.model: {model} {problem}")
+    elif not is_hub_id(model):
+        raise ConfigError(model_not_found(model, f"{Path(model).expanduser().absolute()} does not exist"))
+    elif hub_offline(environ) and cached_hub_model(model, environ) is None:
+        raise ConfigError(
+            model_not_found(
+                model,
+                f"there is no directory {Path(model).absolute()}, the Hugging Face cache ({hub_cache(environ)}) "
+                "does not have it, and downloads from the hub are off (HF_HUB_OFFLINE)",
+                hub=True,
+            )
+        )
     check_connection_files(config.mqtt)
+
+
+# A Hugging Face hub id: "name" or "org/name", as the hub spells them (letters, digits, "-",
+# "_", "."; at most 96 each). Anything else that is not on disk can only be a mistyped path.
+_HUB_ID = re.compile(r"(?:[A-Za-z0-9][\w.-]{0,95}/)?[A-Za-z0-9][\w.-]{0,95}", re.ASCII)
+
+
+def is_hub_id(model: str) -> bool:
+    return bool(_HUB_ID.fullmatch(model)) and ".." not in model and "--" not in model
+
+
+def hub_offline(environ: Mapping[str, str]) -> bool:
+    """Downloads are off (huggingface_hub's HF_HUB_OFFLINE, or transformers' TRANSFORMERS_OFFLINE)."""
+    value = environ.get("HF_HUB_OFFLINE") or environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.strip().upper() in ("1", "ON", "YES", "TRUE")
+
+
+def hub_cache(environ: Mapping[str, str]) -> Path:
+    """Where huggingface_hub keeps downloaded models (its own order of variables)."""
+    for name in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if environ.get(name):
+            return Path(environ[name]).expanduser()
+    if environ.get("HF_HOME"):
+        return Path(environ["HF_HOME"]).expanduser() / "hub"
+    base = Path(environ["XDG_CACHE_HOME"]) if environ.get("XDG_CACHE_HOME") else Path.home() / ".cache"
+    return base.expanduser() / "huggingface" / "hub"
+
+
+def cached_hub_model(model: str, environ: Mapping[str, str]) -> Path | None:
+    """The downloaded copy of hub model ``model`` in the Hugging Face cache (a snapshot with
+    its config.json), or None."""
+    snapshots = hub_cache(environ) / f"models--{model.replace('/', '--')}" / "snapshots"
+    if not snapshots.is_dir():
+        return None
+    return next((snapshot for snapshot in sorted(snapshots.iterdir()) if (snapshot / "config.json").is_file()), None)
+
+
+def model_not_found(model: str, why: str, *, hub: bool = False) -> str:
+    """What the worker looked for, and what a user can do instead, for a --model it cannot
+    find; ``hub``: ``model`` is a hub id (a download is one of the ways)."""
+    ways = [
+        "give --model a model directory on this machine (config.json, a tokenizer and weights, "
+        "as the Hugging Face hub has them)",
+        "prepare the demo model, SmolLM2-135M-Instruct, without the hub: python -m worker.prepare_model smollm2 "
+        "(it prints the directory to give --model)",
+    ]
+    if hub:
+        ways.append(f"download it where the hub can be reached: hf download {model} --local-dir DIR, then --model DIR")
+    return f"engine.model: cannot find the model {model}: {why}. Either\n" + " or\n".join(f"  - {w}" for w in ways)
 
 
 def check_connection_files(mqtt: MqttConfig, section: str = "mqtt.") -> None:

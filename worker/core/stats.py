@@ -119,14 +119,15 @@ class StatsCollector:
             completion_tokens_total=self.completion_tokens,
             cached_tokens_total=self.cached_tokens,
             requests=len(lat),
-            avg_latency_ms=round(sum(lat) / len(lat), 1) if lat else 0.0,
-            p50_latency_ms=round(percentile(lat, 50), 1),
-            p95_latency_ms=round(percentile(lat, 95), 1),
-            avg_ttft_ms=round(sum(ttft) / len(ttft), 1) if ttft else 0.0,
-            p95_ttft_ms=round(percentile(ttft, 95), 1),
-            avg_queue_ms=round(sum(interval.queues_ms) / len(interval.queues_ms), 1) if lat else 0.0,
+            # No replies in the interval: no latencies (None), not latencies of 0.
+            avg_latency_ms=round(sum(lat) / len(lat), 1) if lat else None,
+            p50_latency_ms=round(percentile(lat, 50), 1) if lat else None,
+            p95_latency_ms=round(percentile(lat, 95), 1) if lat else None,
+            avg_ttft_ms=round(sum(ttft) / len(ttft), 1) if ttft else None,
+            p95_ttft_ms=round(percentile(ttft, 95), 1) if ttft else None,
+            avg_queue_ms=round(sum(interval.queues_ms) / len(interval.queues_ms), 1) if lat else None,
             gen_tokens_per_s=round(interval.completion_tokens / elapsed, 1),
-            prefix_cache_hit_rate=round(hits / queries, 4) if queries > 0 else 0.0,
+            prefix_cache_hit_rate=round(hits / queries, 4) if queries > 0 else None,
             prefix_cache_hit_rate_total=(
                 round(engine.prefix_cache_hits / engine.prefix_cache_queries, 4)
                 if engine.prefix_cache_queries > 0
@@ -136,7 +137,7 @@ class StatsCollector:
             gpu_hit_tokens=gpu_hit,
             host_hit_tokens=host_hit,
             computed_prompt_tokens=computed,
-            avg_recomputed_tokens_per_turn=round(interval.recomputed_tokens / len(lat), 1) if lat else 0.0,
+            avg_recomputed_tokens_per_turn=round(interval.recomputed_tokens / len(lat), 1) if lat else None,
             kv_offload_gib=engine.kv_offload_gib,
             running=engine.running,
             waiting=engine.waiting,

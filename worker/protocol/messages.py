@@ -484,24 +484,25 @@ class StatsReport(BaseModel):
     prompt_tokens_total: int
     completion_tokens_total: int
     cached_tokens_total: int
-    # over the last interval
+    # over the last interval; the averages and percentiles are None (left out of the JSON)
+    # when it had no replies: no requests in the window, where 0 would read as a measurement
     requests: int
-    avg_latency_ms: float
-    p50_latency_ms: float
-    p95_latency_ms: float
-    avg_ttft_ms: float
-    p95_ttft_ms: float
-    avg_queue_ms: float
+    avg_latency_ms: float | None = None
+    p50_latency_ms: float | None = None
+    p95_latency_ms: float | None = None
+    avg_ttft_ms: float | None = None
+    p95_ttft_ms: float | None = None
+    avg_queue_ms: float | None = None
     gen_tokens_per_s: float
     # from the engine's scheduler
-    prefix_cache_hit_rate: float  # over the interval, 0..1
+    prefix_cache_hit_rate: float | None = None  # over the interval, 0..1; None: no prompt looked up
     prefix_cache_hit_rate_total: float  # since start, 0..1
     kv_cache_usage: float  # 0..1
     # where the prompt tokens' KV came from over the interval (the engine's prefill counters):
     gpu_hit_tokens: int  # found in the GPU's prefix cache
     host_hit_tokens: int  # loaded back from the host-memory tier (kv_offload_gib)
     computed_prompt_tokens: int  # computed (prefilled)
-    avg_recomputed_tokens_per_turn: float  # a reply's prompt tokens not found cached, averaged
+    avg_recomputed_tokens_per_turn: float | None = None  # a reply's prompt tokens not found cached, averaged
     kv_offload_gib: float  # size of the host-memory tier; 0: off
     running: int
     waiting: int
@@ -511,16 +512,28 @@ class StatsReport(BaseModel):
     pending: int
 
     def to_json(self) -> bytes:
-        return self.model_dump_json(by_alias=True).encode()
+        return self.model_dump_json(by_alias=True, exclude_none=True).encode()
 
     def log_line(self) -> str:
+        if self.avg_latency_ms is None or self.p95_latency_ms is None or self.avg_ttft_ms is None:
+            replies = "no requests in the window"
+        else:
+            replies = (
+                f"AvgLatency={self.avg_latency_ms / 1000:.2f}s, P95={self.p95_latency_ms / 1000:.2f}s, "
+                f"TTFT={self.avg_ttft_ms / 1000:.3f}s, Gen={self.gen_tokens_per_s:.1f} tok/s"
+            )
+        prefix = "" if self.prefix_cache_hit_rate is None else f"PrefixHit={self.prefix_cache_hit_rate * 100:.1f}%, "
+        # "GPU hit" only beside a host-memory tier (GPUs only): elsewhere the one cache's hits.
+        if self.kv_offload_gib > 0:
+            sources = f"(GPU hit/host hit/computed)={self.gpu_hit_tokens}/{self.host_hit_tokens}/"
+        else:
+            sources = f"(cache hit/computed)={self.gpu_hit_tokens}/"
+        recomputed = self.avg_recomputed_tokens_per_turn
         return (
-            f"Stats: Processed={self.processed}, Errors={self.errors}, "
-            f"AvgLatency={self.avg_latency_ms / 1000:.2f}s, P95={self.p95_latency_ms / 1000:.2f}s, "
-            f"TTFT={self.avg_ttft_ms / 1000:.3f}s, Gen={self.gen_tokens_per_s:.1f} tok/s, "
-            f"PrefixHit={self.prefix_cache_hit_rate * 100:.1f}%, KV={self.kv_cache_usage * 100:.1f}%, "
-            f"PromptTokens(GPU hit/host hit/computed)={self.gpu_hit_tokens}/{self.host_hit_tokens}/"
-            f"{self.computed_prompt_tokens}, RecomputedPerTurn={self.avg_recomputed_tokens_per_turn:.0f}, "
-            f"Running={self.running}, MaxRunning={self.max_running}, Waiting={self.waiting}, "
+            f"Stats: Processed={self.processed}, Errors={self.errors}, {replies}, "
+            f"{prefix}KV={self.kv_cache_usage * 100:.1f}%, "
+            f"PromptTokens{sources}{self.computed_prompt_tokens}, "
+            + ("" if recomputed is None else f"RecomputedPerTurn={recomputed:.0f}, ")
+            + f"Running={self.running}, MaxRunning={self.max_running}, Waiting={self.waiting}, "
             f"Sessions={self.sessions}, Pending={self.pending}"
         )

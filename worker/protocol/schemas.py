@@ -145,7 +145,9 @@ PAYLOADS: tuple[Payload, ...] = (
         False,
         "QoS 1, retained, every `stats_interval` seconds. Counters are cumulative since the worker "
         "started; latencies, `requests` and `genTokensPerS` cover the last interval; rates and "
-        "`kvCacheUsage` are fractions 0..1.",
+        "`kvCacheUsage` are fractions 0..1. An interval without replies (`requests` 0: no requests "
+        "in the window) has no latencies and no `avgRecomputedTokensPerTurn`, and one in which the "
+        "engine looked up no prompt has no `prefixCacheHitRate`: those fields are left out.",
     ),
 )
 

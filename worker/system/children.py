@@ -3,7 +3,7 @@
 vLLM runs its engine core (and, with its multiprocessing executor, the model workers) in
 child processes. When the worker is killed with SIGKILL they keep running, holding the GPU's
 memory (measured: EngineCore and its Worker still alive 40 s later); a restarted worker then
-finds no memory. Under systemd ``KillMode=control-group`` kills them; started any other way
+finds no memory. Under systemd ``KillMode=mixed`` kills them; started any other way
 (a shell, a container, a test) nothing would.
 
 So each of those processes asks the kernel for SIGKILL when its parent dies (Linux
@@ -15,14 +15,38 @@ The signal comes when the *thread* that started the child exits, not the process
 starts the engine core from the thread that creates its AsyncLLM (the worker's main thread,
 where the event loop runs: keep it there, never in ``asyncio.to_thread``), and the engine
 core starts its workers from its own main thread.
+
+The same hook puts each of those processes in a session of its own (``setsid``). Started from
+a shell, the worker and vLLM's processes were one process group, the terminal's foreground
+group: Ctrl-C sent SIGINT to every one of them at once. vLLM's engine core and workers take
+SIGINT as a request to exit (``run_engine_core`` and ``WorkerProc.worker_main`` install their
+own handlers; a signal mask blocked in the parent does not reach a spawned child, whose mask
+starts empty), so the engine died under the reply being generated, with some 60 lines of
+``EngineDeadError`` tracebacks. Out of the terminal's session only the worker gets Ctrl-C
+(and the hangup of a closed terminal), and it stops the engine in order, as for SIGTERM.
+Nothing else changes for them: they still die with their parent, and a stop of the whole
+group (``kill -- -PGID``) reaches the worker, which stops them.
+
+vLLM applies its logging config (so builds the handler) only in ``run_engine_core``, after the
+engine core has imported vLLM and torch: seconds in which it would still take a Ctrl-C, and
+die of it with a ``KeyboardInterrupt`` traceback. So the processes multiprocessing spawns
+from the worker start with SIGINT ignored (``spawn_ignoring_sigint``: an ignored signal stays
+ignored across ``exec``, and Python leaves it so), until the hook has taken the process out
+of the terminal's session; vLLM's own handler comes after. The engine core's workers start
+in the engine core's session already.
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import multiprocessing
 import os
+import shlex
 import signal
 import sys
+import tempfile
+from pathlib import Path
 
 from loguru import logger
 
@@ -32,9 +56,40 @@ PARENT_ENV = "MQTT_WORKER_PARENT_PID"
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 
-def expect_children() -> None:
-    """In the worker, before vLLM starts anything: the engine's processes die with this one."""
+# Files this process wrote for its children (vLLM's logging config, the spawn script): removed
+# at the end of the run, also by a forced exit (os._exit skips every finally).
+_files: list[Path] = []
+
+
+def remove_at_exit(path: Path | None) -> None:
+    if path is not None:
+        _files.append(path)
+
+
+def remove_files() -> None:
+    while _files:
+        _files.pop().unlink(missing_ok=True)
+
+
+def expect_children() -> Path | None:
+    """In the worker, before vLLM starts anything: the engine's processes die with this one
+    and never take the terminal's Ctrl-C. Returns the file to delete at exit, if any."""
     os.environ[PARENT_ENV] = str(os.getpid())
+    return spawn_ignoring_sigint()
+
+
+def spawn_ignoring_sigint() -> Path | None:
+    """Have multiprocessing start its spawned children (vLLM's engine core) through a shell
+    script that ignores SIGINT and execs this interpreter: multiprocessing's documented
+    ``set_executable``, the same command line after it. None where there is no /bin/sh."""
+    if not Path("/bin/sh").exists():
+        return None
+    fd, name = tempfile.mkstemp(prefix="worker-spawn-", suffix=".sh")
+    with os.fdopen(fd, "w") as fh:
+        fh.write(f"#!/bin/sh\ntrap '' INT\nexec {shlex.quote(sys.executable)} \"$@\"\n")
+    os.chmod(name, 0o700)
+    multiprocessing.set_executable(name)
+    return Path(name)
 
 
 def set_parent_death_signal(sig: int) -> bool:
@@ -63,3 +118,12 @@ def die_with_parent() -> None:
         logger.error("Parent process {} is gone: exiting", expected)
         os._exit(1)
     os.environ[PARENT_ENV] = str(os.getpid())
+    leave_the_terminal()
+
+
+def leave_the_terminal() -> None:
+    """A session of this process's own: the terminal's Ctrl-C (SIGINT to its foreground process
+    group) and hangup no longer reach it. Fails only for a process that leads its group already
+    (not one that multiprocessing spawned): it is left where it is."""
+    with contextlib.suppress(OSError):
+        os.setsid()

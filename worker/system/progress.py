@@ -16,6 +16,7 @@ so it can neither outlive the phase nor hold the process.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import threading
 import time
@@ -30,14 +31,25 @@ HEARTBEAT_EVERY = 15.0  # seconds between "still ..." lines while a phase runs
 
 @contextlib.contextmanager
 def start_phase(
-    notifier: Notifier, doing: str, done: str, *, detail: str = "", every: float = HEARTBEAT_EVERY
+    notifier: Notifier,
+    doing: str,
+    done: str,
+    *,
+    detail: str = "",
+    every: float = HEARTBEAT_EVERY,
+    announce: bool = True,
 ) -> Iterator[None]:
     """Log ``doing`` (e.g. "Starting the engine") as the block begins, "Still <doing>: 40 s"
     every ``every`` seconds while it runs, and "<done> in 52.3 s" when it returns (or that it
-    failed, when it raises; the caller reports the error). ``detail`` is added to the first
-    line only. Each line is also systemd's STATUS."""
+    failed, when it raises: the caller reports the error; or that it stopped, when a stop
+    signal cancelled it). ``detail`` is added to the first line only. Each line is also
+    systemd's STATUS. ``announce=False``: the first and the last line are systemd's STATUS
+    only, for a block that logs its own (the warm-up: whether it runs at all, and what it did,
+    is the engine's to say; "Warming the engine up" followed by "off" and "in 0.0 s" on the CPU
+    said nothing)."""
     started = time.monotonic()
-    logger.info("{}{}", doing, f": {detail}" if detail else "")
+    if announce:
+        logger.info("{}{}", doing, f": {detail}" if detail else "")
     notifier.status(f"{doing}{f': {detail}' if detail else ''}")
     stop = threading.Event()
 
@@ -51,6 +63,9 @@ def start_phase(
     thread.start()
     try:
         yield
+    except asyncio.CancelledError:  # a stop signal during the start (server.py)
+        logger.info("{}: stopped after {:.1f} s", doing, time.monotonic() - started)
+        raise
     except BaseException:
         logger.warning("{} failed after {:.1f} s", doing, time.monotonic() - started)
         raise
@@ -58,5 +73,6 @@ def start_phase(
         stop.set()
         thread.join()
     line = f"{done} in {time.monotonic() - started:.1f} s"
-    logger.info(line)
+    if announce:
+        logger.info(line)
     notifier.status(line)

@@ -8,11 +8,12 @@ import sys
 
 from loguru import logger
 
+from worker.config.loader import SuggestingParser
 from worker.web import STATIC_DIR, page_url, start
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(
+    parser = SuggestingParser(
         prog="python -m worker.web",
         description="Serve the browser chat page. The page talks to the broker itself, over MQTT over "
         "WebSockets, logged in with the user's own MQTT credentials (docs/frontend.md).",
@@ -51,6 +52,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         server.shutdown()
         server.server_close()
+    logger.info("Stopped")
     return 0
 
 
