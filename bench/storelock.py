@@ -1,10 +1,10 @@
 """Streams while the session database is locked: the gaps between a stream's deltas while
 another process holds SQLite's write lock.
 
-    python -m bench.storelock --out DIR [--rounds 5] [--hold 2] [--max-tokens 4000]
+    python -m bench.storelock --out DIR [--rounds 5] [--hold 2] [--max-tokens 500] [--model DIR]
 
-One worker process (the tiny model on the CPU engine, the tests' engine settings, the SQLite
-store in ``DIR/state``) and a real mosquitto. Each round:
+One worker process (the real small model on the CPU engine, the tests' engine settings, the
+SQLite store in ``DIR/state``) and a real mosquitto. Each round:
 
 1. session ``a<r>`` asks for a long streamed reply; the benchmark records when each of its
    stream deltas arrives;
@@ -18,6 +18,11 @@ Reported per round and over all rounds: the gaps between consecutive deltas of `
 p99, max), the largest gap while the lock was held, and when ``b<r>`` was answered. With the
 store on the event loop the lock wait stops every stream for as long as the store waits; with
 the store on its own thread the stream goes on at the stream interval (50 ms by default).
+
+The model is the real small one (``python -m worker.prepare_model smollm2``), at temperature 0
+on a prompt that it answers at length: its stream is steady text. The tiny random model's
+replies turn into runs of newlines, which the tokenizer's decoder holds back until the reply
+ends: its streams stall by themselves, lock or not.
 
 Results: DIR/storelock.json, and a summary on stdout.
 """
@@ -42,10 +47,14 @@ from devtools.worker_process import engine_args
 from worker.store.sqlite import DATABASE_NAME
 
 from .common import REPO, percentile
-from .harness import prepare_model
 from .runs import STOP_TIMEOUT, start_broker, start_worker
 
 USER = "bench"
+# SmolLM2-135M-Instruct goes on for thousands of tokens on this one (measured: 3000 of 3000).
+PROMPT = (
+    "Write a long, detailed essay on the history of the Roman Empire, from its founding to its fall, "
+    "with many sections."
+)
 # Another process holding the write lock: what an operator's ``sqlite3`` shell does with
 # BEGIN IMMEDIATE. It says "locked" once it holds the lock, and releases it after ARGV[2] s.
 LOCKER = """
@@ -115,7 +124,7 @@ def run_round(client: Client, database: Path, number: int, hold: float, max_toke
     streaming, waiting = f"a{number}", f"b{number}"
     client.publish(
         topic(streaming, "request"),
-        {"message": "tell me a very long story", "maxTokens": max_tokens, "stream": True, "requestId": streaming},
+        {"message": PROMPT, "maxTokens": max_tokens, "stream": True, "temperature": 0, "requestId": streaming},
     )
     first = client.wait_for(lambda m: m.topic in (topic(streaming, "stream"), topic(streaming, "reply")), 120)
     assert first.topic.endswith("/stream"), f"no stream: {first.payload!r}"
@@ -169,18 +178,21 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--mosquitto", default=shutil.which("mosquitto") or "/usr/sbin/mosquitto")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--hold", type=float, default=2.0, help="seconds the other process holds the lock")
-    parser.add_argument("--max-tokens", type=int, default=4000, help="the streamed reply's length")
+    # 500 tokens: some 10 s of stream at the ~50 tokens/s of the CPU engine here.
+    parser.add_argument("--max-tokens", type=int, default=500, help="the streamed reply's length")
+    parser.add_argument("--model", type=Path, default=REPO / ".cache" / "models" / "smollm2-135m-instruct")
     parser.add_argument("--label", default="", help="what this run measures (e.g. before, after)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
-    model = prepare_model(None, args.out)
+    model = args.model
+    if not (model / "config.json").exists():
+        parser.error(f"no model in {model}: prepare it with python -m worker.prepare_model smollm2")
     state = args.out / "state"
     shutil.rmtree(state, ignore_errors=True)
     (args.out / "broker").mkdir(exist_ok=True)
     broker = start_broker(args.mosquitto, args.out / "broker")
     worker_args = [*engine_args(model), "--state-dir", str(state), "--stats-interval", "0"]
-    # The tiny model's whole context (4096 positions): a stream of some 8 s on this machine's CPU.
-    worker_args += ["--max-model-len", "4096", "--max-tokens-limit", str(args.max_tokens)]
+    worker_args += ["--max-tokens-limit", str(args.max_tokens)]
     worker = start_worker(worker_args, broker.port, args.out / "worker.log")
     client = Client(broker.port, [f"chat/{USER}/#"])
     rounds: list[dict[str, Any]] = []
@@ -212,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
             "cpus": len(os.sched_getaffinity(0)),
             "hold_s": args.hold,
             "max_tokens": args.max_tokens,
+            "model": str(model),
             "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         },
         "gaps": summary(pooled),
