@@ -1,7 +1,8 @@
 """Fakes of the worker's ports, for the tests and the benchmarks: engines, a renderer, an
-in-memory transport, and a Service on them (``Harness``). Where no real part can show a
-behaviour: an engine that fails at a chosen request, a transport whose every publish is taken
-at once, an engine that costs nothing under load.
+in-memory transport, a slow store, and a Service on them (``Harness``). Where no real part can
+show a behaviour: an engine that fails at a chosen request, a transport whose every publish is
+taken at once, an engine that costs nothing under load, a store whose calls wait as long as a
+test needs (a real lock wait lasts the busy timeout, and is bench/storelock.py's to measure).
 
 ``FakeEngine`` (the tests) records every request and generates one token every 10 ms, so that
 cancels, concurrency and scripted deltas can be observed; ``ZeroCostEngine`` (bench/scale.py's
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from typing import Any
@@ -21,7 +23,8 @@ from worker.core.history import Tools
 from worker.core.service import Service
 from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate, ToolSupport
 from worker.protocol.messages import log_ref
-from worker.session import ChatMessage
+from worker.session import ChatMessage, SessionHistory
+from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore
 from worker.transport.port import InboundMessage
 
@@ -154,6 +157,50 @@ class MemoryTransport:
 
     def replies(self, session: str) -> list[dict[str, Any]]:
         return [p for t, p in self.published if t.endswith(f"/{session}/reply")]
+
+
+class SlowStore(MemoryStore):
+    """The memory store, whose calls for the sessions in ``slow`` hold their thread for
+    ``seconds`` first (``time.sleep``: a store waiting for a lock another process holds).
+    Records each call (``calls``: method and session, as it starts) and the threads they ran
+    on."""
+
+    def __init__(self, seconds: float = 1.0) -> None:
+        super().__init__()
+        self.seconds = seconds
+        self.slow: set[str] = set()
+        self.calls: list[tuple[str, str]] = []
+        self.threads: set[int] = set()
+
+    def _enter(self, method: str, session: str) -> None:
+        self.calls.append((method, session))
+        self.threads.add(threading.get_ident())
+        if session in self.slow:
+            time.sleep(self.seconds)
+
+    def load(self, session: str) -> SessionHistory | None:
+        self._enter("load", session)
+        return super().load(session)
+
+    def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
+        self._enter("save", session)
+        return super().save(session, history, key, payload)
+
+    def reset(self, session: str) -> None:
+        self._enter("reset", session)
+        super().reset(session)
+
+    def count_delivery(self, session: str, key: str) -> int:
+        self._enter("count_delivery", session)
+        return super().count_delivery(session, key)
+
+    def uncount_delivery(self, session: str, key: str) -> None:
+        self._enter("uncount_delivery", session)
+        super().uncount_delivery(session, key)
+
+    def expire(self, idle_seconds: float) -> list[str]:
+        self._enter("expire", "")
+        return super().expire(idle_seconds)
 
 
 class Harness:

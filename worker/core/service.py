@@ -1,9 +1,12 @@
 """The service: MQTT messages in, engine generations, replies and stats out.
 
-One asyncio loop owns all state. Each request becomes a task that waits for its session's
-lock (asyncio locks are FIFO, so a session's turns run in arrival order) and then streams
-from the engine; tasks of different sessions run at once, and the engine batches them
-continuously.
+One asyncio loop owns all state. Messages are dispatched one at a time, in the order they
+arrived; each accepted request becomes a task that waits for its session's lock (asyncio
+locks are FIFO, and the tasks ask for it in dispatch order, so a session's turns run in
+arrival order) and then streams from the engine; tasks of different sessions run at once,
+and the engine batches them continuously. The session store's calls run on a thread of their
+own (SessionCache): a dispatch or a turn that waits for the store holds itself and the
+messages behind it, never the event loop and its streams.
 
 The delivery invariant (docs/reliability.md) lives here, in ``_acknowledge``, the one place
 that acknowledges: a message is acknowledged after its answer (reply or error) was taken by
@@ -72,9 +75,12 @@ class InFlight:
     def __init__(self, limit: int) -> None:
         self.limit = limit  # limits.max_pending_requests
         self.tasks: set[asyncio.Task[None]] = set()
+        # The message being dispatched (0 or 1): out of the inbox, waiting for the session
+        # store, not yet a task or an answer.
+        self.dispatching = 0
 
     def room(self) -> int:
-        return self.limit - len(self.tasks)
+        return self.limit - len(self.tasks) - self.dispatching
 
 
 class Service:
@@ -103,6 +109,9 @@ class Service:
         self.in_flight = in_flight if in_flight is not None else InFlight(config.limits.max_pending_requests)
         self._stop_requested = stop_requested
         self._draining = False
+        # Held while a message is dispatched: the drain waits for the one whose store calls
+        # are under way, so that a turn it starts is among those the drain waits for.
+        self._dispatching = asyncio.Lock()
         self._failures: dict[str, int] = {}  # intake entry -> failed dispatches
         self.turns = TurnRunner(
             engine=engine,
@@ -127,20 +136,24 @@ class Service:
     async def consume(self) -> None:
         while True:
             message = await self.transport.inbox.get()
-            if self._draining:
-                # Left unacknowledged: the broker delivers it again after the restart.
-                logger.info("Stopping: a message left unacknowledged for the next start")
-                continue
-            try:
-                self.dispatch(message)
-            except StoreUnavailable as exc:  # from the intake only: its entry is tried again
-                self._after_failure(message, exc)
-            except Exception as exc:  # one bad message must not stop the worker
-                logger.exception("Unexpected error handling a message")
-                self._after_failure(message, exc)
-            else:
-                if self._failures and message.entry is not None:
-                    self._failures.pop(message.entry, None)
+            async with self._dispatching:
+                if self._draining:
+                    # Left unacknowledged: the broker delivers it again after the restart.
+                    logger.info("Stopping: a message left unacknowledged for the next start")
+                    continue
+                self.in_flight.dispatching = 1
+                try:
+                    await self.dispatch(message)
+                except StoreUnavailable as exc:  # from the intake only: its entry is tried again
+                    self._after_failure(message, exc)
+                except Exception as exc:  # one bad message must not stop the worker
+                    logger.exception("Unexpected error handling a message")
+                    self._after_failure(message, exc)
+                else:
+                    if self._failures and message.entry is not None:
+                        self._failures.pop(message.entry, None)
+                finally:
+                    self.in_flight.dispatching = 0
 
     def _after_failure(self, message: InboundMessage, exc: Exception) -> None:
         """A message whose handling raised unexpectedly. From the Redis intake, with tries
@@ -181,9 +194,13 @@ class Service:
         if ttl <= 0:
             return
         while True:
-            expired = self.sessions.expire(ttl)
-            if expired:
-                logger.info("Expired {} session(s) idle for over {:.0f}s", expired, ttl)
+            try:
+                expired = await self.sessions.aexpire(ttl)
+            except StoreError:
+                pass  # logged by the store; tried again at the next check
+            else:
+                if expired:
+                    logger.info("Expired {} session(s) idle for over {:.0f}s", expired, ttl)
             await asyncio.sleep(min(ttl / 10, 600))
 
     def publish_stats(self) -> None:
@@ -198,6 +215,8 @@ class Service:
         # Not an unsubscribe: that would empty the broker's persistent session, and requests
         # sent while the worker is down would be lost instead of queued for its restart.
         self._draining = True
+        async with self._dispatching:
+            pass  # the message being dispatched has its turn (a task waited for below), or its answer
         if self._tasks:
             logger.info("Draining {} pending request(s) for up to {:.0f}s", len(self._tasks), timeout)
             _, still_running = await asyncio.wait(set(self._tasks), timeout=timeout)
@@ -209,7 +228,11 @@ class Service:
 
     # -- dispatch -----------------------------------------------------------------------
 
-    def dispatch(self, message: InboundMessage) -> None:
+    async def dispatch(self, message: InboundMessage) -> None:
+        """Handle one message: answer it, or start its turn. It waits only for the session
+        store (its reads and the delivery count, on the store's thread); the next message is
+        dispatched once this one is, so that requests take their places in their sessions'
+        queues, and in the pending count, in the order they arrived."""
         try:
             address, kind = self.topics.parse(message.topic)
         except InvalidTopic as exc:
@@ -226,7 +249,7 @@ class Service:
         if kind is Inbound.CONTROL:
             self._dispatch_control(message, address)
         else:
-            self._dispatch_request(message, address)
+            await self._dispatch_request(message, address)
 
     def _runtime_for(self, address: SessionAddress) -> SessionRuntime:
         return self._runtime.setdefault(str(address), SessionRuntime())
@@ -247,14 +270,28 @@ class Service:
             if exc is not None and not isinstance(exc, EngineDead):
                 logger.opt(exception=exc).error("Request task failed")
 
-    def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
+    async def _dispatch_request(self, message: InboundMessage, address: SessionAddress) -> None:
+        runtime = self._runtime_for(address)
+        # Counted as waiting while the store is read: the session's runtime (its queue and
+        # lock) stays the one every message of the session finds.
+        runtime.waiting += 1
+        queued = False
+        try:
+            queued = await self._take_request(message, address, runtime)
+        finally:
+            if not queued:
+                runtime.waiting -= 1
+                self._forget_if_idle(address, runtime)  # else every refused session would stay
+
+    async def _take_request(self, message: InboundMessage, address: SessionAddress, runtime: SessionRuntime) -> bool:
+        """Answer the request (from the store, or with a refusal), join it to the copy in
+        progress, or queue its turn: True when its turn was queued."""
         request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
         target = self._reply_target(message, address)
         name = str(address)
-        runtime = self._runtime_for(address)
         key = request_key(message.topic, message.payload, request_id, message.mid if message.qos else 0)
         try:
-            history = self.sessions.get(name)
+            history = await self.sessions.aget(name)
         except SessionUnreadable:
             # Its turn reads it again, in order after a reset queued before it (which mends
             # it), and answers session_unreadable if it is still damaged then.
@@ -263,8 +300,7 @@ class Service:
             if message.entry is not None and isinstance(exc, StoreUnavailable):
                 raise  # the intake's entry is tried again for a while (_after_failure)
             self._answer_error(message, address, target, request_id or key, store_refusal(exc))
-            self._forget_if_idle(address, runtime)
-            return
+            return False
         if request_id is None and not message.dup and (key in history.answered or key in runtime.messages):
             # Not a redelivery (no DUP flag), yet its hash key is taken: the same text again
             # with a packet id the broker used before (ids wrap, or a broker session was lost).
@@ -281,26 +317,27 @@ class Service:
             else:
                 logger.info("Request {} of {} already answered: publishing the stored reply", log_ref(key), address)
                 self._answer([message], target, stored)
-            return
+            return False
         if key in runtime.messages:
             logger.info("Request {} of {} is a redelivery of one in progress", log_ref(key), address)
             runtime.messages[key].append(message)
-            return
+            return False
         try:
             self._check_rate(address)
             request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
             self._admit(request, runtime)
-            deliveries = self.sessions.store.count_delivery(name, key)
+            deliveries = await self._count_delivery(name, key)
         except (RequestError, StoreError) as exc:
             if message.entry is not None and isinstance(exc, StoreUnavailable):
                 raise
             refusal = store_refusal(exc) if isinstance(exc, StoreError) else exc
             self._answer_error(message, address, target, key, refusal)
-            self._forget_if_idle(address, runtime)  # else every refused session would stay
-            return
+            return False
+        poison = None
         if deliveries > self.config.limits.max_deliveries:
             # Delivered again and again without an answer: it crashed the worker (or its
-            # engine) each time. A final error ends the loop.
+            # engine) each time. A final error ends the loop, stored as its answer in the
+            # session's turn (its lock): with the session's own commits in order.
             logger.error(
                 "Request {} of {} is poison ({} deliveries without an answer)", log_ref(key), address, deliveries - 1
             )
@@ -308,15 +345,20 @@ class Service:
                 ErrorCode.ENGINE_ERROR,
                 f"the request was tried {deliveries - 1} times and never completed; it is not tried again",
             )
-            self._answer_error(message, address, target, key, poison, store=True)
-            self._forget_if_idle(address, runtime)
-            return
         runtime.messages[key] = [message]
-        runtime.waiting += 1
         deadline = self._deadline(message)
-        self._spawn(
-            self._run_turn(PendingTurn(message, address, target, key, request, runtime, deadline)), request=True
-        )
+        turn = PendingTurn(message, address, target, key, request, runtime, deadline)
+        self._spawn(self._run_turn(turn, poison), request=True)
+        return True
+
+    async def _count_delivery(self, name: str, key: str) -> int:
+        try:
+            return await self.sessions.acount_delivery(name, key)
+        except asyncio.CancelledError:
+            # Stopped while counting (the count runs to its end on the store's thread): a
+            # stop is not the request's fault.
+            await self._uncount_delivery(name, key)
+            raise
 
     def _deadline(self, message: InboundMessage) -> float | None:
         """When the request's turn must have started: its MQTT Message Expiry, and
@@ -408,7 +450,7 @@ class Service:
             async with runtime.lock:
                 runtime.waiting -= 1
                 try:
-                    self.sessions.reset(str(address))
+                    await self.sessions.areset(str(address))
                 except StoreError as exc:
                     payload = self._error_payload(address, request_id, store_refusal(exc))
                 else:
@@ -420,16 +462,20 @@ class Service:
 
     # -- one turn -----------------------------------------------------------------------
 
-    async def _run_turn(self, turn: PendingTurn) -> None:
+    async def _run_turn(self, turn: PendingTurn, poison: RequestError | None = None) -> None:
         """Generate, commit the answered turn with its answer (one transaction), publish the
-        answer, and acknowledge the request only once the broker has the answer."""
+        answer, and acknowledge the request only once the broker has the answer. ``poison``:
+        a request delivered too often gets this final error instead, stored as its answer."""
         message, address, target, key, runtime = turn.message, turn.address, turn.target, turn.key, turn.runtime
         name = str(address)
         settled = False  # the delivery has its outcome: an answer committed, or a refusal
         try:
             async with runtime.lock:
                 runtime.waiting -= 1
-                payload = await self._answer_turn(turn, name)
+                if poison is None:
+                    payload = await self._answer_turn(turn, name)
+                else:
+                    payload = await self._final_error(turn, name, poison)
                 settled = True
             await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
         except asyncio.CancelledError:
@@ -437,7 +483,7 @@ class Service:
             # stored but not confirmed). Left unacknowledged, the broker redelivers it after
             # the restart; a stop is not the request's fault, so it does not count as a try.
             if not settled:
-                self._uncount_delivery(name, key)
+                await self._uncount_delivery(name, key)
             raise
         except EngineDead:
             raise  # left unacknowledged and counted: the request may be what killed the engine
@@ -457,14 +503,14 @@ class Service:
         with the session left as it was."""
         address, key = turn.address, turn.key
         try:
-            history = self.sessions.get(name)
+            history = await self.sessions.aget(name)
             answer = await self.turns.run(turn, history.draft())
             if answer.state is None:  # cancelled: no turn, nothing to commit
-                self._uncount_delivery(name, key)
+                await self._uncount_delivery(name, key)
                 return answer.payload
-            first = self.sessions.save(name, answer.state, key, answer.payload)
+            first = await self.sessions.asave(name, answer.state, key, answer.payload)
         except RequestError as exc:
-            self._uncount_delivery(name, key)  # answered: not a try that failed
+            await self._uncount_delivery(name, key)  # answered: not a try that failed
             return self._error_payload(address, key, exc)
         except StoreError as exc:
             # Nothing committed, so nothing is published as answered: the turn would be
@@ -475,10 +521,22 @@ class Service:
             return first
         return answer.payload
 
-    def _uncount_delivery(self, name: str, key: str) -> None:
+    async def _final_error(self, turn: PendingTurn, name: str, error: RequestError) -> bytes:
+        """The final error of a poison request, stored as its answer: a redelivery gets it
+        again. A store error is logged by the store: answered all the same, and a redelivery
+        decides again."""
+        payload = self._error_payload(turn.address, turn.key, error)
+        try:
+            history = await self.sessions.aget(name)
+            first = await self.sessions.asave(name, history.draft(), turn.key, payload)
+        except StoreError:
+            return payload
+        return first if first is not None else payload
+
+    async def _uncount_delivery(self, name: str, key: str) -> None:
         # A store error is logged by the store; the count only matters if the request comes back.
         with contextlib.suppress(StoreError):
-            self.sessions.store.uncount_delivery(name, key)
+            await self.sessions.auncount_delivery(name, key)
 
     # -- replies ------------------------------------------------------------------------
 
@@ -548,18 +606,9 @@ class Service:
         target: ReplyTarget,
         key: str | None,
         exc: RequestError,
-        *,
-        store: bool = False,
     ) -> None:
-        """Answer a request with an error at once (nothing generated). With store, the error
-        is its final answer: a redelivery gets it again."""
-        payload = self._error_payload(address, key, exc)
-        if store and key is not None:
-            name = str(address)
-            # A store error is logged by the store: answered all the same, a redelivery decides again.
-            with contextlib.suppress(StoreError):
-                self.sessions.save(name, self.sessions.get(name).draft(), key, payload)
-        self._answer([message], target, payload)
+        """Answer a request with an error at once (nothing generated, nothing stored)."""
+        self._answer([message], target, self._error_payload(address, key, exc))
 
     def _forget_if_idle(self, address: SessionAddress, runtime: SessionRuntime) -> None:
         idle = not runtime.messages and not runtime.running and not runtime.lock.locked() and runtime.waiting == 0

@@ -1,6 +1,8 @@
 """The session store in this process's memory (history.store = "memory").
 
-For tests and throwaway runs: the sessions are gone when the worker exits."""
+For tests and throwaway runs: the sessions are gone when the worker exits. Called like every
+store, on the store's thread (core/sessions.py), though nothing here waits: the tests run the
+service's one path."""
 
 from __future__ import annotations
 
@@ -30,7 +32,11 @@ class MemoryStore:
     def reset(self, session: str) -> None:
         entry = self._sessions.get(session)
         if entry:
-            entry[0].reset()  # the same object the cache holds: already reset, kept for clarity
+            # A reset copy: the object stored may be the one the cache holds, which the cache
+            # resets itself, on the event loop (this runs on the store's thread).
+            history = entry[0].draft()
+            history.reset()
+            self._sessions[session] = (history, entry[1])
 
     def count_delivery(self, session: str, key: str) -> int:
         count = self._deliveries[(session, key)] = self._deliveries.get((session, key), 0) + 1

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import functools
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -34,10 +35,11 @@ from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
 from .port import StoreUnavailable, decode_history, encode_state
 
 DATABASE_NAME = "sessions.sqlite3"
-# How long one statement waits for another connection's lock, and how often it is tried: the
-# store runs on the event loop, so a wait holds every session's streaming. 1 s x 3 tries
-# rides out a backup's or a shell's short transaction; a lock held longer gets
-# store_unavailable answers until it is released.
+# How long one statement waits for another connection's lock, and how often it is tried. The
+# service calls the store on a thread of its own (core/sessions.py), so a wait holds the
+# requests that need the store (their dispatch, their commit), not the event loop: streams go
+# on (bench/storelock.py). 1 s x 3 tries rides out a backup's or a shell's short transaction;
+# a lock held longer gets store_unavailable answers until it is released.
 BUSY_TIMEOUT = 1.0
 BUSY_TRIES = 3
 # At start a lock is waited for longer (nothing is being served yet), then the start fails
@@ -71,20 +73,22 @@ T = TypeVar("T")
 
 
 def _guarded(method: Callable[..., T]) -> Callable[..., T]:
-    """SqliteStore methods: a lock is retried (BUSY_TRIES, each waiting BUSY_TIMEOUT), and
-    every SQLite error ends as StoreUnavailable."""
+    """SqliteStore methods: one at a time on the connection (whichever thread calls), a lock
+    is retried (BUSY_TRIES, each waiting BUSY_TIMEOUT), and every SQLite error ends as
+    StoreUnavailable."""
 
     @functools.wraps(method)
     def guarded(self: SqliteStore, *args: Any, **kwargs: Any) -> T:
-        for attempt in range(1, BUSY_TRIES + 1):
-            try:
-                return method(self, *args, **kwargs)
-            except sqlite3.Error as exc:
-                if is_busy(exc) and attempt < BUSY_TRIES:
-                    logger.warning("Session database is locked by another connection; retrying ({})", attempt)
-                    continue
-                logger.error("Session database error in {}: {}", method.__name__, exc)
-                raise StoreUnavailable(f"the session store failed: {exc}") from exc
+        with self._in_use:
+            for attempt in range(1, BUSY_TRIES + 1):
+                try:
+                    return method(self, *args, **kwargs)
+                except sqlite3.Error as exc:
+                    if is_busy(exc) and attempt < BUSY_TRIES:
+                        logger.warning("Session database is locked by another connection; retrying ({})", attempt)
+                        continue
+                    logger.error("Session database error in {}: {}", method.__name__, exc)
+                    raise StoreUnavailable(f"the session store failed: {exc}") from exc
         raise AssertionError("unreachable")
 
     return guarded
@@ -116,10 +120,17 @@ CREATE TABLE IF NOT EXISTS deliveries (
 
 
 class SqliteStore:
+    """The HistoryStore contract (port.py) on one SQLite connection. The service calls it from
+    one thread (core/sessions.py), which the connection allows (check_same_thread=False: it
+    is opened on another); a call from elsewhere (a test reading what was stored, the close
+    at the end) waits for the one under way, so a transaction is never interleaved with
+    another call and the connection is not closed under a running statement."""
+
     shared = False
 
     def __init__(self, state_dir: Path, *, open_locked_timeout: float = OPEN_LOCKED_TIMEOUT) -> None:
         self.path = state_dir / DATABASE_NAME
+        self._in_use = threading.RLock()
         try:
             state_dir.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -266,7 +277,8 @@ class SqliteStore:
         return _Transaction(self._db)
 
     def close(self) -> None:
-        self._db.close()
+        with self._in_use:
+            self._db.close()
 
 
 class _Transaction:

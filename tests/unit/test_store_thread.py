@@ -1,0 +1,155 @@
+"""The session store runs off the event loop: a store call that waits (SQLite waiting for
+another connection's lock, Redis across a network) holds the requests that need the store,
+never the other sessions' streams; the store is called on one thread, in order, and the
+session's order, redeliveries, the drain and the delivery counts hold while it waits.
+
+The store that waits is devtools' SlowStore (a real lock wait is the busy timeout, up to
+3 s; bench/storelock.py measures it against a real SQLite database locked by another
+process: docs/performance.md)."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import threading
+import time
+from typing import Any
+
+from devtools.fakes import Harness, MemoryTransport, SlowStore, WordRenderer, mentions
+
+BLOCK_S = 1.0  # each slow store call; a stream stalled by one would show a gap this long
+
+
+class TimedTransport(MemoryTransport):
+    """Records when each message was published."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.times: list[tuple[float, str]] = []
+
+    def publish(self, topic: str, payload: bytes, **kwargs: Any) -> asyncio.Future[None]:
+        self.times.append((time.monotonic(), topic))
+        return super().publish(topic, payload, **kwargs)
+
+
+def harness(store: SlowStore, **kwargs: Any) -> Harness:
+    h = Harness(store=store, generation={"stream_interval_ms": 0}, **kwargs)
+    h.transport = h.service.transport = h.service.turns.publisher = TimedTransport()  # type: ignore[assignment]
+    return h
+
+
+def request(request_id: str, max_tokens: int = 4, **fields: Any) -> dict[str, Any]:
+    return {"message": f"question {request_id}", "requestId": request_id, "maxTokens": max_tokens, **fields}
+
+
+def test_a_waiting_store_holds_no_other_session_s_stream() -> None:
+    """Session b's store calls wait 1 s each (its history is read, its delivery counted, its
+    turn committed: some 3 s in all) while session a streams a reply of 300 tokens, 10 ms
+    apart: a's stream goes on. With the store on the event loop, it stopped for each call."""
+
+    async def scenario() -> None:
+        store = SlowStore(BLOCK_S)
+        h = harness(store)
+        transport = h.transport
+        assert isinstance(transport, TimedTransport)
+        h.transport.deliver("chat/u/a/request", request("a", 300, stream=True))
+        await h.run_until(lambda: any(t.endswith("/a/stream") for _, t in transport.times))
+        store.slow.add("u/b")
+        sent = time.monotonic()
+        h.transport.deliver("chat/u/b/request", request("b"))
+        await h.run_until(lambda: h.transport.replies("a") and h.transport.replies("b"), timeout=30)
+        (answer_b,) = h.transport.replies("b")
+        assert "reply" in answer_b
+        answered_b = next(at for at, topic in transport.times if topic.endswith("/b/reply"))
+        # The store did wait (three calls of b: the test would show nothing otherwise) ...
+        assert answered_b - sent >= 2.5 * BLOCK_S
+        assert [call for call in store.calls if call[1] == "u/b"][:3] == [
+            ("load", "u/b"),
+            ("count_delivery", "u/b"),
+            ("save", "u/b"),
+        ]
+        # ... while a's deltas kept coming, every one of its 300 tokens as it was generated.
+        deltas = [at for at, topic in transport.times if topic.endswith("/a/stream")]
+        assert len(deltas) == 300 and deltas[-1] > sent + 2 * BLOCK_S
+        gaps = [later - earlier for earlier, later in itertools.pairwise(deltas)]
+        assert max(gaps) < BLOCK_S / 2, f"a's stream stopped for {max(gaps):.2f} s"
+
+    asyncio.run(scenario())
+
+
+def test_the_store_is_called_on_one_thread_of_its_own() -> None:
+    """Every call the service makes (read, count, commit, uncount, reset, expiry) runs on one
+    thread, never the event loop's."""
+
+    async def scenario() -> None:
+        store = SlowStore()
+        h = harness(store, history={"session_ttl": 3600})
+        expiry = asyncio.ensure_future(h.service.expire_sessions_forever())
+        h.transport.deliver("chat/u/s/request", request("r1"))
+        h.transport.deliver("chat/u/s/request", request("queued", 500))
+        h.transport.deliver("chat/u/s/control", {"action": "cancel", "requestId": "queued"})  # uncounted
+        h.transport.deliver("chat/u/s/control", {"action": "reset"})
+        await h.run_until(lambda: len(h.transport.acked) == 4)
+        expiry.cancel()
+        methods = {method for method, _ in store.calls}
+        assert {"load", "count_delivery", "save", "uncount_delivery", "reset", "expire"} <= methods, methods
+        assert len(store.threads) == 1 and threading.get_ident() not in store.threads
+
+    asyncio.run(scenario())
+
+
+def test_while_the_store_waits_a_session_keeps_its_order_and_its_redeliveries() -> None:
+    """Messages of one session that arrive while its first read waits: a redelivery of the
+    first joins it (generated once, both copies acknowledged), the turns run in the order the
+    messages arrived, the reset between them lands where it was sent, and a cancel finds the
+    request it names."""
+
+    async def scenario() -> None:
+        store = SlowStore(0.2)
+        store.slow.add("u/s")
+        h = harness(store)
+        first = h.transport.deliver("chat/u/s/request", request("r1"))
+        h.transport.deliver("chat/u/s/request", request("r1"), mid=first, dup=True)
+        h.transport.deliver("chat/u/s/request", request("r2"))
+        h.transport.deliver("chat/u/s/request", request("gone", 500))
+        h.transport.deliver("chat/u/s/control", {"action": "cancel", "requestId": "gone"})
+        h.transport.deliver("chat/u/s/control", {"action": "reset"})
+        h.transport.deliver("chat/u/s/request", request("r3"))
+        await h.run_until(lambda: len(h.transport.replies("s")) == 5, timeout=30)
+        await h.run_until(lambda: not h.service._tasks and not h.service._runtime)
+        r1, r2, gone, reset, r3 = h.transport.replies("s")
+        assert [r1["requestId"], r2["requestId"], gone["requestId"], r3["requestId"]] == ["r1", "r2", "gone", "r3"]
+        assert gone["finishReason"] == "cancelled" and reset["action"] == "reset"
+        assert len([rid for rid in h.engine.started if mentions(rid, "r1")]) == 1  # generated once
+        assert h.transport.acked.count(first) == 2  # the redelivered copy too
+        prompts = [r1["usage"]["promptTokens"], r2["usage"]["promptTokens"], r3["usage"]["promptTokens"]]
+        alone = len(WordRenderer().render([{"role": "user", "content": "question r3"}], add_generation_prompt=True))
+        assert prompts[1] > prompts[0] and prompts[2] == alone  # r2 saw r1; r3 came after the reset
+        assert h.service.pending == 0 and h.service.in_flight.room() == h.service.in_flight.limit
+
+    asyncio.run(scenario())
+
+
+def test_a_stop_while_the_store_waits_drains_the_request_it_was_dispatching() -> None:
+    """The drain waits for the message whose dispatch is waiting for the store: its turn is
+    started and stopped with the others (left unacknowledged for the restart, its delivery not
+    counted against it), not left running after the drain."""
+
+    async def scenario() -> None:
+        store = SlowStore(0.5)
+        store.slow.add("u/s")
+        h = harness(store)
+        h.transport.deliver("chat/u/s/request", request("r1", 500))
+        consumer = asyncio.ensure_future(h.service.consume())
+        try:
+            while not store.calls:  # its dispatch is reading the session
+                await asyncio.sleep(0.01)
+            await h.service.drain(0)
+            assert not h.service._tasks and not h.service._runtime
+        finally:
+            consumer.cancel()
+        assert h.transport.acked == [] and h.transport.replies("s") == []
+        store.slow.clear()
+        assert store.count_delivery("u/s", "r1") == 1  # the stop did not count as a try
+
+    asyncio.run(scenario())
