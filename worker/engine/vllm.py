@@ -442,19 +442,22 @@ def tool_support(choice: str, renderer: Any, model: str) -> ToolSupport:
     """The model's tool calling: ``choice`` is engine.tool_parser (auto: the parser the chat
     template's call format matches). ValueError for a parser vLLM does not have."""
     renders, guessed = renderer.tool_support()
-    if choice == "none":
-        return ToolSupport(None, f"tool calling is off for this worker (tool_parser none; model {model})")
-    if not renders:
-        return ToolSupport(
-            None, f"the model {model} cannot call tools: its chat template does not render tools or tool results"
-        )
     name = guessed if choice == "auto" else choice
-    if name is None:
-        return ToolSupport(
-            None,
+    reason = None
+    if choice == "none":
+        reason = f"tool calling is off for this worker (tool_parser none; model {model})"
+    elif not renders:
+        reason = f"the model {model} cannot call tools: its chat template does not render tools or tool results"
+    elif name is None:
+        reason = (
             f"the chat template of {model} renders tools, but in no call format this worker recognises; "
-            f"name its vLLM tool parser with tool_parser (--tool-parser)",
+            "name its vLLM tool parser with tool_parser (--tool-parser)"
         )
+    if reason is not None:
+        # Said at start, so that an operator knows before a client's request is refused.
+        logger.info("Tool calling: off ({})", reason)
+        return ToolSupport(None, reason)
+    assert name is not None
     parser = VllmToolParser(name, renderer.hf_tokenizer)
     logger.info(
         "Tool calling: the {} parser ({}){}",
