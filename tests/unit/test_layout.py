@@ -272,3 +272,10 @@ def test_no_package_imports_one_that_depends_on_it() -> None:
             visit(name, [name])
     assert not circles, circles
     assert "worker.core" not in graph["worker.store"] | graph["worker.engine"]
+
+
+def test_test_files_have_unique_names_across_the_tiers() -> None:
+    """pytest imports test modules by their basename (the tiers have no __init__.py): two
+    files of one name stop the whole run at collection."""
+    names = [path.name for path in (REPO / "tests").rglob("test_*.py")]
+    assert sorted(name for name in set(names) if names.count(name) > 1) == []
