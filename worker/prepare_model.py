@@ -79,7 +79,8 @@ CHAT_TEMPLATE = "chat_template.jinja"
 # message. SmolLM2's tokenizer has no tool tokens, so the markup is plain text of several
 # tokens each; the parser and the worker find it in the text all the same.
 SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-_QWEN25_TOOLS_TEMPLATE = r"""{%- if tools %}
+TOOLS_CHAT_TEMPLATE = (
+    r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] }}
@@ -99,7 +100,7 @@ _QWEN25_TOOLS_TEMPLATE = r"""{%- if tools %}
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
     {%- else %}
-        {{- '@DEFAULT_SYSTEM_TURN@' }}
+        {{- '<|im_start|>system\n@DEFAULT_SYSTEM@<|im_end|>\n' }}
     {%- endif %}
 {%- endif %}
 {%- for message in messages %}
@@ -135,25 +136,10 @@ _QWEN25_TOOLS_TEMPLATE = r"""{%- if tools %}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n@THINK@' }}
+    {{- '<|im_start|>assistant\n' }}
 {%- endif %}
 """
-
-
-def qwen25_tools_template(default_system: str | None, *, think: bool = False) -> str:
-    """Qwen2.5-Instruct's tools chat template with ``default_system`` as the system message
-    of a conversation that has none (None: no system message then); ``think`` opens <think>
-    in the generation prompt (like QwQ). The test models' template is this one too
-    (devtools/tinymodel.py)."""
-    turn = f"<|im_start|>system\\n{default_system}<|im_end|>\\n" if default_system else ""
-    return (
-        _QWEN25_TOOLS_TEMPLATE.replace("@DEFAULT_SYSTEM_TURN@", turn)
-        .replace("@DEFAULT_SYSTEM@", default_system or "")
-        .replace("@THINK@", "<think>\\n" if think else "")
-    )
-
-
-TOOLS_CHAT_TEMPLATE = qwen25_tools_template(SMOLLM2_DEFAULT_SYSTEM)
+).replace("@DEFAULT_SYSTEM@", SMOLLM2_DEFAULT_SYSTEM)
 
 
 @dataclass(frozen=True)
