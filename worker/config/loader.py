@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, NoReturn, get_args, get_origin
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from .. import __version__
 from .models import (
@@ -42,15 +42,20 @@ class ConfigError(Exception):
 
 
 def _kind(annotation: Any) -> str:
-    """'bool', 'list', 'dict' or 'scalar': how a flag or environment value is parsed."""
+    """'bool', 'list', 'objects', 'dict' or 'scalar': how a flag or environment value is
+    parsed. 'objects' is a list of tables ([[tools.mqtt]]): each flag value is one JSON object,
+    a variable is a JSON array; 'dict' (a table, or a section's sub-table) is JSON."""
     candidates = [annotation, *get_args(annotation)]
     for candidate in candidates:
         origin = get_origin(candidate) or candidate
         if origin is bool:
             return "bool"
         if origin is list:
+            items = get_args(candidate)
+            if items and isinstance(items[0], type) and issubclass(items[0], BaseModel):
+                return "objects"
             return "list"
-        if origin is dict:
+        if origin is dict or (isinstance(origin, type) and issubclass(origin, BaseModel)):
             return "dict"
     return "scalar"
 
@@ -103,13 +108,13 @@ def build_parser() -> argparse.ArgumentParser:
             kind = _kind(info.annotation)
             if kind == "bool":
                 group.add_argument(flag, dest=dest, action=argparse.BooleanOptionalAction, default=None, help=help_text)
-            elif kind == "list":
+            elif kind in ("list", "objects"):
                 group.add_argument(
                     flag,
                     dest=dest,
                     action="append",
                     default=None,
-                    metavar="VALUE",
+                    metavar="JSON" if kind == "objects" else "VALUE",
                     help=help_text + "; repeat the flag for several",
                 )
             else:
@@ -123,7 +128,7 @@ def _set(tree: dict[str, Any], section: str, key: str, value: Any) -> None:
 
 
 def _parse_env_value(kind: str, raw: str, source: str) -> Any:
-    if kind in ("list", "dict"):
+    if kind in ("list", "dict", "objects"):
         try:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
@@ -168,6 +173,8 @@ def load_config(
             if cli_value is not None:
                 if kind == "dict":
                     cli_value = _parse_env_value(kind, cli_value, flag)
+                elif kind == "objects":
+                    cli_value = [_parse_env_value(kind, item, flag) for item in cli_value]
                 _set(merged, section, key, cli_value)
                 origin[(section, key)] = f"from {flag}"
     unknown_env = sorted(name for name in environ if name.startswith("WORKER_") and name not in known_env)
@@ -364,7 +371,7 @@ def _toml_value(value: Any) -> str:
     if isinstance(value, (int, float)):
         return repr(value)
     if isinstance(value, dict):
-        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items()) + "}"
+        return "{" + ", ".join(f"{k} = {_toml_value(v)}" for k, v in value.items() if v is not None) + "}"
     if isinstance(value, list):
         return "[" + ", ".join(_toml_value(v) for v in value) + "]"
     return json.dumps(str(value))

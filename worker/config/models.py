@@ -543,6 +543,176 @@ class LimitsConfig(Section):
     )
 
 
+NAME_OF_TOOL = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+
+
+def _json_object(value: Any, what: str) -> Any:
+    """A JSON Schema given as JSON text (a TOML string) or as a table: the table."""
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except ValueError as exc:
+            raise ValueError(f"{what} is not valid JSON: {exc}") from None
+    if value is not None and not isinstance(value, dict):
+        raise ValueError(f"{what} must be a JSON object (a JSON Schema)")
+    return value
+
+
+class MqttToolConfig(Section):
+    """One device tool: a named MQTT 5 request/response endpoint (``[[tools.mqtt]]``)."""
+
+    name: str = Field(description="The tool's name as the model sees it (^[A-Za-z0-9_-]{1,64}$).")
+    description: str | None = Field(None, description="What the tool does, for the model.")
+    parameters: dict[str, Any] | None = Field(
+        None, description="JSON Schema of the arguments: JSON text or a TOML table. None: no arguments."
+    )
+    topic: str = Field(description="Where the call's arguments are published (QoS 1); the device answers there.")
+    timeout: float = Field(5.0, gt=0, le=3600, description="Seconds to wait for the device's response.")
+    users: list[str] = Field(description='User namespaces that may use it; ["*"]: all. No default.')
+    confirm: bool = Field(False, description="The client must approve each call before the worker runs it.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_OF_TOOL.match(value):
+            raise ValueError(f"tool name {value[:80]!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
+        return value
+
+    @field_validator("parameters", mode="before")
+    @classmethod
+    def _parameters(cls, value: Any) -> Any:
+        return _json_object(value, "parameters")
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str) -> str:
+        if not value or any(c in value for c in "+#\x00") or value.startswith("$"):
+            raise ValueError(f"topic {value[:120]!r} must be a plain topic name (no wildcards, no leading $)")
+        return value
+
+    @field_validator("users")
+    @classmethod
+    def _users(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError('users must name at least one user namespace, or be ["*"] for all')
+        return value
+
+
+class McpServerConfig(Section):
+    """One MCP server whose tools the worker may offer (``[[tools.mcp]]``)."""
+
+    name: str = Field(description="Its tools are offered as <name>_<tool> (e.g. calc_add).")
+    command: list[str] | None = Field(None, description="A stdio server: the command line that starts it.")
+    url: str | None = Field(None, description="A streamable HTTP server: its URL (http://host:port/mcp).")
+    env: dict[str, str] = Field({}, description="Extra environment variables of a stdio server.")
+    allow: list[str] = Field(description='The server\'s tools that may be offered; ["*"]: all of them.')
+    users: list[str] = Field(description='User namespaces that may use its tools; ["*"]: all. No default.')
+    timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one call may take.")
+    confirm: bool = Field(False, description="The client must approve each call of its tools first.")
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not re.match(r"^[A-Za-z0-9-]{1,32}$", value):
+            raise ValueError(f"MCP server name {value[:80]!r} must match ^[A-Za-z0-9-]{{1,32}}$")
+        return value
+
+    @field_validator("users")
+    @classmethod
+    def _users(cls, value: list[str]) -> list[str]:
+        if not value:
+            raise ValueError('users must name at least one user namespace, or be ["*"] for all')
+        return value
+
+    @model_validator(mode="after")
+    def _one_transport(self) -> McpServerConfig:
+        if (self.command is None) == (self.url is None):
+            raise ValueError(f"MCP server {self.name!r} needs exactly one of command (stdio) and url (HTTP)")
+        if self.command is not None and not self.command:
+            raise ValueError(f"MCP server {self.name!r}: command is empty")
+        return self
+
+
+class McpMqttConfig(Section):
+    """MCP servers discovered on the broker (EMQX's MCP over MQTT; ``[tools.mcp_mqtt]``)."""
+
+    server_filter: str | None = Field(
+        None,
+        description="Server names to discover (an MQTT topic filter over the server name, e.g. "
+        "'devices/#'). None: no discovery.",
+    )
+    allow: list[str] = Field(["*"], description='Tools of discovered servers that may be offered; ["*"]: all.')
+    users: list[str] = Field([], description='User namespaces that may use them; ["*"]: all. Required with a filter.')
+    timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one call may take.")
+    confirm: bool = Field(False, description="The client must approve each call first.")
+    topic_root: str = Field(
+        "$mcp",
+        description="The first level of the MCP topics ($mcp-server/..., $mcp-rpc/...): '$mcp' as the "
+        "specification says; another where the broker does not carry $ topics.",
+    )
+
+    @model_validator(mode="after")
+    def _users_with_filter(self) -> McpMqttConfig:
+        if self.server_filter is not None and not self.users:
+            raise ValueError('tools.mcp_mqtt.users must be set with server_filter (["*"] for all namespaces)')
+        return self
+
+
+class ToolsConfig(Section):
+    mqtt: list[MqttToolConfig] = opt(
+        [],
+        "Device tools: MQTT request/response endpoints the worker calls for the model ([[tools.mqtt]] "
+        "tables; see docs/tools.md). As a flag or variable: one JSON object per tool.",
+        flag="--tools-mqtt",
+    )
+    mcp: list[McpServerConfig] = opt(
+        [],
+        "MCP servers whose tools the worker offers ([[tools.mcp]] tables; see docs/tools.md). As a flag "
+        "or variable: one JSON object per server.",
+        flag="--tools-mcp",
+    )
+    mcp_mqtt: McpMqttConfig = opt(
+        McpMqttConfig(),
+        "MCP servers discovered on the broker ([tools.mcp_mqtt]; see docs/tools.md). As a flag or "
+        "variable: a JSON object.",
+        flag="--tools-mcp-mqtt",
+    )
+    max_tool_rounds: int = opt(
+        8,
+        "Rounds of worker tool calls in one request; the last round is generated without tools.",
+        flag="--max-tool-rounds",
+        ge=1,
+        le=64,
+    )
+    max_calls_per_round: int = opt(
+        8, "Worker tool calls one round may make; more get an error result.", flag="--max-calls-per-round", ge=1
+    )
+    max_tool_time: float = opt(
+        60.0,
+        "Seconds all worker tool calls of one request may take together; past it, calls get an error result "
+        "and the model answers without tools.",
+        flag="--max-tool-time",
+        gt=0,
+    )
+    max_tool_result_tokens: int = opt(
+        1024,
+        "Longest worker tool result given to the model, in tokens; a longer one is cut, and the cut is "
+        "noted to the model.",
+        flag="--max-tool-result-tokens",
+        ge=16,
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> ToolsConfig:
+        names = [tool.name for tool in self.mqtt]
+        servers = [server.name for server in self.mcp]
+        for kind, seen in (("tools.mqtt tool", names), ("tools.mcp server", servers)):
+            duplicates = sorted({n for n in seen if seen.count(n) > 1})
+            if duplicates:
+                raise ValueError(f"two {kind}s are named {duplicates[0]!r}")
+        return self
+
+
 class StatsConfig(Section):
     interval: float = opt(
         30.0, "Seconds between stats log lines and stats messages; 0 disables.", flag="--stats-interval", ge=0
@@ -591,6 +761,7 @@ class WorkerConfig(Section):
     limits: LimitsConfig = LimitsConfig()
     stats: StatsConfig = StatsConfig()
     logging: LoggingConfig = LoggingConfig()
+    tools: ToolsConfig = ToolsConfig()
 
     @property
     def effective_worker_id(self) -> str:

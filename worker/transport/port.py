@@ -12,6 +12,7 @@ request only once its answer was taken (docs/reliability.md).
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -89,3 +90,54 @@ def log_publish_failure(done: asyncio.Future[None], what: str) -> None:
             logger.warning("Could not publish {}: {}", what, future.exception())
 
     done.add_done_callback(report)
+
+
+# -- messages beyond requests: device tools and MCP over MQTT -----------------------------
+
+
+@dataclass(frozen=True)
+class OutboundProperties:
+    """MQTT 5 properties of a message the worker sends to a device or an MCP server."""
+
+    response_topic: str | None = None
+    correlation_data: bytes | None = None
+    message_expiry: int | None = None  # seconds (MQTT 5 Message Expiry Interval)
+    user_properties: tuple[tuple[str, str], ...] = ()
+    content_type: str | None = None
+
+
+@dataclass(frozen=True)
+class Delivery:
+    """A message on a topic the worker watches (a device's response, an MCP server's presence
+    or JSON-RPC message): not a chat request, never acknowledged by the service."""
+
+    topic: str
+    payload: bytes
+    retain: bool
+    correlation_data: bytes | None = None
+    response_topic: str | None = None
+    user_properties: tuple[tuple[str, str], ...] = ()
+
+
+class Messaging(Protocol):
+    """Publish-and-watch for the worker's own tools (worker/tools/): the MQTT adapter
+    implements it on the worker's one broker connection."""
+
+    def send(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        properties: OutboundProperties | None = None,
+    ) -> asyncio.Future[None]:
+        """Like Publisher.publish, with MQTT 5 properties."""
+
+    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
+        """Subscribe to ``topic_filter`` (again after every reconnect) and hand each message on
+        it to ``handler``, on the event loop. Returns once the broker granted the subscription;
+        raises PublishFailed (refused or not sent) otherwise."""
+
+    def unwatch(self, topic_filter: str) -> None:
+        """Stop watching ``topic_filter`` (unsubscribe)."""

@@ -1,0 +1,96 @@
+"""The worker's tools put together: the providers the config names, which tools a namespace
+may use, and calls that always end in a result.
+
+Names: a device tool is offered under its configured name, an MCP server's tool as
+``<server>_<tool>``. Two providers offering the same name: the first configured wins (device
+tools, then [[tools.mcp]] in order, then servers discovered over MQTT), and the clash is
+logged once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+from loguru import logger
+
+from .port import CallContext, ToolOutcome, ToolProvider, WorkerTool
+
+# How much longer than a tool's own timeout the toolbox waits for a provider that should
+# have answered by then: a provider bug must not hang a turn.
+GUARD_SECONDS = 5.0
+
+
+class WorkerToolbox:
+    def __init__(self, providers: Sequence[ToolProvider]) -> None:
+        self.providers = list(providers)
+        self._clashes: set[str] = set()
+        self._listeners: list[Callable[[], None]] = []
+        for provider in self.providers:
+            provider.on_change(self._changed)
+
+    def __bool__(self) -> bool:
+        return bool(self.providers)
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+    async def start(self) -> None:
+        """Start every provider at once; one that fails is logged, never fatal (an MCP server
+        that is down is retried by its provider)."""
+        results = await asyncio.gather(*(p.start() for p in self.providers), return_exceptions=True)
+        for provider, result in zip(self.providers, results, strict=True):
+            if isinstance(result, BaseException):
+                logger.opt(exception=result).error("Tools of {} could not start", provider.name)
+        names = sorted(self._by_name())
+        if self.providers:
+            logger.info("Worker tools: {} ({})", len(names), ", ".join(names)[:400] or "none yet")
+
+    async def close(self) -> None:
+        for provider in reversed(self.providers):
+            with contextlib.suppress(Exception):
+                await provider.close()
+
+    def _by_name(self) -> dict[str, tuple[WorkerTool, ToolProvider]]:
+        out: dict[str, tuple[WorkerTool, ToolProvider]] = {}
+        for provider in self.providers:
+            for tool in provider.tools():
+                if tool.name in out:
+                    if tool.name not in self._clashes:
+                        self._clashes.add(tool.name)
+                        logger.warning(
+                            "Two tools are named {}: {}'s is offered, {}'s is not",
+                            tool.name,
+                            out[tool.name][1].name,
+                            provider.name,
+                        )
+                    continue
+                out[tool.name] = (tool, provider)
+        return out
+
+    def available(self, user: str) -> dict[str, WorkerTool]:
+        return {name: tool for name, (tool, _) in self._by_name().items() if tool.allows(user)}
+
+    def known(self, name: str) -> WorkerTool | None:
+        found = self._by_name().get(name)
+        return found[0] if found else None
+
+    async def call(self, name: str, arguments: Mapping[str, Any], context: CallContext) -> ToolOutcome:
+        found = self._by_name().get(name)
+        if found is None:
+            return ToolOutcome(f"Error: the tool {name} is not available now.", "unavailable")
+        tool, provider = found
+        try:
+            return await asyncio.wait_for(provider.call(name, arguments, context), tool.timeout + GUARD_SECONDS)
+        except TimeoutError:
+            logger.error("Tool {} of {} did not end within its timeout", name, provider.name)
+            return ToolOutcome(f"Error: the tool {name} did not answer within {tool.timeout:g} s.", "timeout")
+        except Exception:  # a provider's bug: the turn goes on with an error result
+            logger.exception("Tool {} of {} failed", name, provider.name)
+            return ToolOutcome(f"Error: the tool {name} failed.", "error")
