@@ -517,6 +517,7 @@ class Server:
             raise CannotStart(f"Cannot join the group in Redis: {exc}") from exc
         self.intake = parts.intake
         parts.connect(self._resources)
+        await parts.start_tools(self._resources)
         return parts.service
 
     def _attach_metrics(self, service: Service, engine: ServedEngine) -> None:

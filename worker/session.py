@@ -29,6 +29,14 @@ ANSWERED_KEYS_PER_SESSION = 256
 # What the model is told for a call that was never run: the user sent a new message instead
 # of the call's result. Every call then has a result, so no template sees a call without one.
 NOT_RUN_RESULT = "The call was not run: the user sent a new message instead."
+# What the model is told for a worker tool's call the user did not approve.
+DECLINED_RESULT = "The user declined this call; it was not run."
+# What the model is told for a worker call that may have been sent before the worker stopped:
+# it is never sent again (at most once, docs/reliability.md), and its result was lost.
+UNKNOWN_RESULT = (
+    "Error: the outcome of this call is unknown: the worker stopped while waiting for its result, "
+    "and the call is not sent again."
+)
 
 
 @dataclass(frozen=True)
@@ -133,6 +141,9 @@ class SessionHistory:
     # request key -> the reply payload it got; a redelivery is answered from here. None: a
     # tombstone (answered before a reset, which deleted the text).
     answered: OrderedDict[str, bytes | None] = field(default_factory=OrderedDict)
+    # The worker's own tools the session chose (workerTools): names, or ["*"] for all its
+    # namespace may use. Resolved against the toolbox at each turn.
+    worker_tools: list[str] = field(default_factory=list)
 
     @property
     def open_turn(self) -> Turn | None:
@@ -161,7 +172,9 @@ class SessionHistory:
         turns = list(self.turns)
         if turns and self.open_turn is not None:
             turns[-1] = turns[-1].copy()
-        return SessionHistory(self.system_prompt, turns, list(self.tools), self.answered.copy())
+        return SessionHistory(
+            self.system_prompt, turns, list(self.tools), self.answered.copy(), list(self.worker_tools)
+        )
 
     def remember_answer(self, key: str, reply_payload: bytes) -> None:
         self.answered[key] = reply_payload
@@ -174,6 +187,28 @@ class SessionHistory:
         an old redelivery is still recognised and never generates again."""
         self.turns.clear()
         self.tools.clear()
+        self.worker_tools.clear()
         self.system_prompt = None
         for key in self.answered:
             self.answered[key] = None
+
+
+@dataclass
+class WorkerCallRecord:
+    """How one of the worker's own calls ended (kept with the request's progress and listed in
+    its reply)."""
+
+    outcome: str  # ok, error, timeout, unavailable, declined, unknown, skipped
+    duration_ms: float
+    round: int
+
+
+@dataclass
+class Progress:
+    """A request's tool loop so far, stored before each worker call is sent and after each
+    result: a redelivered request (the worker crashed mid-loop) goes on from here instead of
+    generating and calling again. ``turn`` is the turn the request works on, its rounds so
+    far included; ``calls`` how its worker calls ended."""
+
+    turn: Turn
+    calls: dict[str, WorkerCallRecord] = field(default_factory=dict)

@@ -26,6 +26,7 @@ from .engine.port import Engine, ToolSupport
 from .intake.group import Intake
 from .protocol.topics import Topics
 from .store.port import HistoryStore
+from .tools.toolbox import WorkerToolbox, build_toolbox
 from .transport.mqtt import MqttSettings, MqttTransport
 
 
@@ -37,11 +38,13 @@ class Parts:
     transport: MqttTransport
     intake: Intake | None
     service: Service
+    toolbox: WorkerToolbox | None = None
 
     async def start(self, resources: contextlib.AsyncExitStack) -> None:
-        """``join_group``, then ``connect``."""
+        """``join_group``, ``connect``, then ``start_tools``."""
         await self.join_group(resources)
         self.connect(resources)
+        await self.start_tools(resources)
 
     async def join_group(self, resources: contextlib.AsyncExitStack) -> None:
         """In a group on the Redis store, the intake joins it, before the broker connection:
@@ -63,6 +66,15 @@ class Parts:
         undoes the start in reverse order, the transport before the intake."""
         self.transport.start()
         resources.push_async_callback(self.transport.close)
+
+    async def start_tools(self, resources: contextlib.AsyncExitStack) -> None:
+        """The worker's own tools, once the transport is started: device tools watch their
+        response topic, MCP servers are started and listed (a server that is down is retried
+        in the background, never a failed start). Closed before the transport."""
+        if self.toolbox is None:
+            return
+        resources.push_async_callback(self.toolbox.close)
+        await self.toolbox.start()
 
 
 def wire(
@@ -90,5 +102,13 @@ def wire(
     if config.history.store == "redis":
         instance = f"{worker_id}.{secrets.token_hex(4)}"  # one per start: a restart is a new member
         intake = Intake.for_group(config, transport, topics, instance, stop_requested, in_flight.room)
-    service = Service(config, engine, renderer, intake or transport, stop_requested, store, in_flight, tools)
-    return Parts(transport, intake, service)
+    toolbox = build_toolbox(
+        config.tools,
+        transport,
+        topics.tool_responses(worker_id, secrets.token_hex(4)),
+        f"{worker_id}-{secrets.token_hex(4)}",
+    )
+    service = Service(
+        config, engine, renderer, intake or transport, stop_requested, store, in_flight, tools, toolbox=toolbox
+    )
+    return Parts(transport, intake, service, toolbox)

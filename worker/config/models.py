@@ -636,18 +636,17 @@ class McpServerConfig(Section):
 class McpMqttConfig(Section):
     """MCP servers discovered on the broker (EMQX's MCP over MQTT; ``[tools.mcp_mqtt]``)."""
 
-    server_filter: str | None = Field(
+    server_filter: str | None = opt(
         None,
-        description="Server names to discover (an MQTT topic filter over the server name, e.g. "
-        "'devices/#'). None: no discovery.",
+        "Server names to discover (an MQTT topic filter over the server name, e.g. 'devices/#'). None: no discovery.",
     )
-    allow: list[str] = Field(["*"], description='Tools of discovered servers that may be offered; ["*"]: all.')
-    users: list[str] = Field([], description='User namespaces that may use them; ["*"]: all. Required with a filter.')
-    timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one call may take.")
-    confirm: bool = Field(False, description="The client must approve each call first.")
-    topic_root: str = Field(
+    allow: list[str] = opt(["*"], 'Tools of discovered servers that may be offered; ["*"]: all.')
+    users: list[str] = opt([], 'User namespaces that may use them; ["*"]: all. Required with a filter.')
+    timeout: float = opt(30.0, "Seconds one call may take.", gt=0, le=3600)
+    confirm: bool = opt(False, "The client must approve each call first.")
+    topic_root: str = opt(
         "$mcp",
-        description="The first level of the MCP topics ($mcp-server/..., $mcp-rpc/...): '$mcp' as the "
+        "The first level of the MCP topics ($mcp-server/..., $mcp-rpc/...): '$mcp' as the "
         "specification says; another where the broker does not carry $ topics.",
     )
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import EllipsisType
 from typing import Any, Protocol
 
 from ..protocol.messages import ErrorCode, RequestError
@@ -69,10 +70,16 @@ class _PromptRenderings:
     the prompt without them (the system prompt, the tools and the current turn are not
     counted). One full render per request; trimming re-renders only when it drops turns."""
 
-    def __init__(self, renderer: PromptRenderer, history: SessionHistory, current: Sequence[ChatMessage]) -> None:
+    def __init__(
+        self,
+        renderer: PromptRenderer,
+        history: SessionHistory,
+        current: Sequence[ChatMessage],
+        tools: list[dict[str, Any]] | EllipsisType | None = ...,
+    ) -> None:
         self.renderer, self.history = renderer, history
         self.current = list(current)
-        self.tools = history.tool_forms()
+        self.tools = history.tool_forms() if tools is ... else tools
         self._bare = self._render(history.messages(turns=[]))
         self.update()
 
@@ -106,16 +113,20 @@ def build_prompt(
     max_tokens: int,
     max_model_len: int,
     prefill: Sequence[int] = (),
+    tools: list[dict[str, Any]] | EllipsisType | None = ...,
 ) -> Prompt:
     """The token ids of history + the current turn's messages (``history.turns`` holds the
     closed turns only), then ``prefill``: the start of the reply, written for the model (a
     forced call's opening), whose tokens count towards the context. A str is a new user
-    message.
+    message. ``tools``: the tools the template shows (default: the session's own; the tool
+    loop adds the worker's).
 
     Once a history limit is exceeded, the oldest turns are dropped until both are at most half
     their limit; then more, if prompt + max_tokens would not fit the context. Raises
     RequestError(too_long) when even the bare message cannot fit."""
-    prompt = _PromptRenderings(renderer, history, [user_message(current)] if isinstance(current, str) else current)
+    prompt = _PromptRenderings(
+        renderer, history, [user_message(current)] if isinstance(current, str) else current, tools
+    )
     trims: list[Trim] = []
     turns = history.turns
     if len(turns) > limits.max_turns or prompt.history_tokens > limits.max_history_tokens:

@@ -47,6 +47,7 @@ from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, top
 from ..session import SessionHistory
 from ..store.memory import MemoryStore
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
+from ..tools.port import Toolbox
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .history import HistoryLimits, PromptRenderer
 from .ratelimit import RateLimiter
@@ -94,6 +95,8 @@ class Service:
         store: HistoryStore | None = None,
         in_flight: InFlight | None = None,
         tools: ToolSupport | None = None,
+        *,
+        toolbox: Toolbox | None = None,
     ) -> None:
         self.config = config
         self.engine = engine
@@ -125,6 +128,9 @@ class Service:
             engine_died=stop_requested,
             tools=tools,
             max_tool_result_bytes=config.limits.max_tool_result_bytes,
+            toolbox=toolbox,
+            tools_config=config.tools,
+            journal=self.sessions,
         )
 
     @property

@@ -18,8 +18,8 @@ from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
-from ..session import SessionHistory
-from ..store.port import HistoryStore
+from ..session import Progress, SessionHistory
+from ..store.port import HistoryStore, decode_progress, encode_progress
 
 T = TypeVar("T")
 
@@ -150,6 +150,17 @@ class SessionCache:
 
     async def auncount_delivery(self, name: str, key: str) -> None:
         await self._call(self.store.uncount_delivery, name, key)
+
+    # -- tool-loop progress (never actuate twice: docs/reliability.md) ----------------------
+
+    async def asave_progress(self, name: str, key: str, progress: Progress) -> None:
+        """Store a request's tool-loop progress; StoreError when it cannot be stored (then no
+        call may be sent)."""
+        await self._call(self.store.save_progress, name, key, encode_progress(progress))
+
+    async def aload_progress(self, name: str, key: str) -> Progress | None:
+        text = await self._call(self.store.load_progress, name, key)
+        return None if text is None else decode_progress(name, text)
 
     def __len__(self) -> int:
         return len(self._sessions)

@@ -35,6 +35,8 @@ class StatsObserver(Protocol):
 
     def invalid_topic(self) -> None: ...
 
+    def tool_call(self, tool: str, outcome: str, seconds: float) -> None: ...
+
 
 @dataclass
 class _Interval:
@@ -62,6 +64,7 @@ class StatsCollector:
         self._last_prefix = (0, 0)  # engine (queries, hits) at the last report
         self._last_sources = (0, 0, 0)  # engine (computed, GPU hit, host hit) prompt tokens at the last report
         self.observers: list[StatsObserver] = []
+        self.tool_calls: Counter[str] = Counter()  # the worker's own calls, by outcome
 
     def record_reply(
         self, usage: Usage, latency: Latency, *, cancelled: bool = False, finish_reason: str | None = None
@@ -85,6 +88,12 @@ class StatsCollector:
         self.errors_by_code[code] += 1
         for observer in self.observers:
             observer.error(code)
+
+    def record_tool_call(self, tool: str, outcome: str, seconds: float) -> None:
+        """One of the worker's own tool calls ended (outcome: ok, error, timeout, ...)."""
+        self.tool_calls[outcome] += 1
+        for observer in self.observers:
+            observer.tool_call(tool, outcome, seconds)
 
     def record_invalid_topic(self) -> None:
         self.invalid_topics += 1
@@ -144,4 +153,5 @@ class StatsCollector:
             max_running=engine.max_running,
             sessions=sessions,
             pending=pending,
+            tool_calls=dict(self.tool_calls) or None,
         )

@@ -13,7 +13,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,7 +28,7 @@ from ..protocol.messages import (
     ToolResult,
     ToolSpecIn,
 )
-from ..session import NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, tool_message
+from ..session import DECLINED_RESULT, NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, calls_of, tool_message
 from .history import partial_tag_suffix
 
 
@@ -51,11 +51,19 @@ class ToolPlan:
     forced: tuple[ToolSpec, ...] = ()  # required / named: the reply is one call to one of these
 
 
-def plan_tools(request: ChatRequest, tools: Sequence[ToolSpec]) -> ToolPlan:
+def plan_tools(
+    request: ChatRequest, tools: Sequence[ToolSpec], *, round_in_request: int = 0, final: bool = False
+) -> ToolPlan:
     """The request's toolChoice over the session's tools; RequestError for a choice that
     names an undeclared tool or forces a call with no tools, or for responseFormat together
-    with tools the model may call (vLLM silently drops the calls then: vllm-project/vllm#39929)."""
+    with tools the model may call (vLLM silently drops the calls then: vllm-project/vllm#39929).
+    A forced choice applies to the request's first generation only (``round_in_request`` 0):
+    the rounds after the worker's calls are ``auto``; the ``final`` one is ``none``."""
     choice = request.tool_choice
+    if final:
+        choice = "none"
+    elif round_in_request > 0 and choice != "none":
+        choice = "auto"
     if choice is None:
         choice = "auto" if tools else "none"
     if isinstance(choice, NamedToolChoice):
@@ -85,10 +93,15 @@ def plan_tools(request: ChatRequest, tools: Sequence[ToolSpec]) -> ToolPlan:
     return plan
 
 
-def apply_results(turn: Turn, results: Sequence[ToolResult], max_bytes: int) -> None:
-    """Add the client's results of the turn's pending calls, in the calls' order. Refused
-    (RequestError, nothing changed) when nothing is pending, an id is not pending, a pending
-    call has no result, or a result is larger than max_bytes."""
+def apply_results(
+    turn: Turn, results: Sequence[ToolResult], max_bytes: int, confirmable: Collection[str] = ()
+) -> list[ToolCall]:
+    """Add the client's answers to the turn's pending calls, in the calls' order: a client
+    tool's result (``content``), or for a worker tool that asked for confirmation (its name in
+    ``confirmable``) the approval: declined calls get a result saying so; the approved ones are
+    returned, still pending, for the worker to run. Refused (RequestError, nothing changed)
+    when nothing is pending, an id is not pending, a pending call has no answer, an answer is
+    of the wrong kind, or a result is larger than max_bytes."""
     pending = turn.pending_calls()
     if not pending:
         raise RequestError(ErrorCode.INVALID_REQUEST, "toolResults sent, but the session has no pending tool calls")
@@ -106,15 +119,48 @@ def apply_results(turn: Turn, results: Sequence[ToolResult], max_bytes: int) -> 
         raise RequestError(
             ErrorCode.INVALID_REQUEST, f"toolResults has no result for the pending call(s) {', '.join(missing)[:400]}"
         )
-    for result in results:
-        size = len(result.content.encode())
+    for call in pending:
+        result = given[call.id]
+        if call.name in confirmable and result.approved is None:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"toolCallId {call.id!r} is a worker tool's call that needs confirmation: answer it with "
+                "'approved': true or false, not with 'content'",
+            )
+        if call.name not in confirmable and result.content is None:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"toolCallId {call.id!r} is a call of the client's tool {call.name!r}: answer it with its 'content'",
+            )
+        size = len((result.content or "").encode())
         if size > max_bytes:
             raise RequestError(
                 ErrorCode.TOO_LARGE,
-                f"the result of toolCallId {result.tool_call_id[:140]!r} is {size} bytes; the limit is {max_bytes}",
+                f"the result of toolCallId {call.id[:140]!r} is {size} bytes; the limit is {max_bytes}",
             )
+    approved: list[ToolCall] = []
     for call in pending:
-        turn.messages.append(tool_message(call.id, call.name, given[call.id].content))
+        result = given[call.id]
+        if result.approved:
+            approved.append(call)
+        elif result.approved is False:
+            turn.messages.append(tool_message(call.id, call.name, DECLINED_RESULT))
+        else:
+            turn.messages.append(tool_message(call.id, call.name, result.content or ""))
+    return approved
+
+
+def order_results(turn: Turn) -> None:
+    """Put the tool messages after the turn's last assistant message in its calls' order (the
+    worker's parallel calls end in any order; the template shows results as the calls were made)."""
+    last = max((i for i, m in enumerate(turn.messages) if m.get("role") == "assistant"), default=-1)
+    if last < 0:
+        return
+    order = {call.id: index for index, call in enumerate(calls_of(turn.messages[last]))}
+    tail = turn.messages[last + 1 :]
+    if all(m.get("role") == "tool" for m in tail):
+        tail.sort(key=lambda m: order.get(str(m.get("tool_call_id")), len(order)))
+        turn.messages[last + 1 :] = tail
 
 
 def close_unanswered(turn: Turn) -> None:

@@ -14,10 +14,11 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 from loguru import logger
 
-from ..config.models import GenerationConfig
+from ..config.models import GenerationConfig, ToolsConfig
 from ..engine.port import (
     Engine,
     EngineDead,
@@ -38,14 +39,30 @@ from ..protocol.messages import (
     JsonSchemaFormat,
     Latency,
     RequestError,
+    RoundOut,
     StreamDelta,
     ToolCallOut,
+    ToolEvent,
     Usage,
+    WorkerCallOut,
     log_ref,
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
-from ..session import THINK_CLOSE, SessionHistory, ToolCall, Turn, assistant_message
+from ..session import (
+    THINK_CLOSE,
+    UNKNOWN_RESULT,
+    Progress,
+    SessionHistory,
+    ToolCall,
+    ToolSpec,
+    Turn,
+    WorkerCallRecord,
+    assistant_message,
+    calls_of,
+    tool_message,
+)
+from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool
 from ..transport.port import InboundMessage, Publisher
 from .history import (
     HistoryLimits,
@@ -64,6 +81,7 @@ from .tools import (
     close_unanswered,
     escape_raw_controls,
     forced_call_schema,
+    order_results,
     plan_tools,
     rounds_in,
     specs_from_request,
@@ -104,6 +122,105 @@ class Outcome:
     reasoning_tokens: int | None = None  # completion tokens spent reasoning (a model that thinks)
     tool_calls: tuple[ToolCall, ...] = ()  # calls for the client to run (finish_reason tool_calls)
     tool_parse_error: str | None = None  # call markup that was not a valid call
+    confirm_ids: set[str] = field(default_factory=set)  # of tool_calls: worker calls to approve
+    worker_calls: list[WorkerCallOut] = field(default_factory=list)  # the worker's own calls
+    rounds: list[RoundOut] = field(default_factory=list)  # the generations, when the worker called tools
+
+
+# A worker call's result as the reply lists it (the model got all of it, up to max_tool_result_tokens).
+WORKER_RESULT_CHARS = 1000
+
+
+class ProgressJournal(Protocol):
+    """Where a request's tool-loop progress is kept (core/sessions.py SessionCache)."""
+
+    async def asave_progress(self, name: str, key: str, progress: Progress) -> None: ...
+
+    async def aload_progress(self, name: str, key: str) -> Progress | None: ...
+
+
+@dataclass
+class _Loop:
+    """One request's tool loop: the turn it works on, the worker tools offered, and what its
+    generations and calls have added up to."""
+
+    turn: PendingTurn
+    history: SessionHistory
+    worker: dict[str, WorkerTool]
+    max_tool_time: float
+    current: Turn = field(default_factory=lambda: Turn(""))
+    progress: Progress = field(default_factory=lambda: Progress(Turn("")))
+    stream: _DeltaStream | None = None
+    rounds: int = 0  # rounds of worker calls run in this request
+    generations: int = 0
+    tool_seconds: float = 0.0
+    outcomes: list[Outcome] = field(default_factory=list)
+    round_outs: list[RoundOut] = field(default_factory=list)
+
+    def tool_time_left(self) -> float:
+        return self.max_tool_time - self.tool_seconds
+
+    def add(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+        self.round_outs.append(
+            RoundOut(
+                prompt_tokens=outcome.prompt_tokens,
+                cached_tokens=outcome.cached_tokens,
+                completion_tokens=outcome.completion_tokens,
+                ms=ms_between(outcome.submitted, time.monotonic()),
+                tool_ms=0.0,
+            )
+        )
+
+    def reply_outcome(self, last: Outcome) -> Outcome:
+        """The request's outcome: the last generation's text and calls; the first one's times;
+        the tokens of all of them; the worker's calls."""
+        first = self.outcomes[0] if self.outcomes else last
+        out = Outcome(
+            submitted=first.submitted,
+            first_token=next((o.first_token for o in self.outcomes if o.first_token is not None), last.first_token),
+            text=last.text,
+            finish_reason=last.finish_reason,
+            prompt_tokens=sum(o.prompt_tokens for o in self.outcomes) or last.prompt_tokens,
+            completion_tokens=sum(o.completion_tokens for o in self.outcomes) or last.completion_tokens,
+            cached_tokens=sum(o.cached_tokens for o in self.outcomes) or last.cached_tokens,
+            reasoning=last.reasoning,
+            reasoning_tokens=last.reasoning_tokens,
+            tool_calls=last.tool_calls,
+            tool_parse_error=last.tool_parse_error,
+            confirm_ids=last.confirm_ids,
+            worker_calls=self.worker_calls(),
+        )
+        if out.worker_calls:
+            out.rounds = self.round_outs
+        return out
+
+    def worker_calls(self) -> list[WorkerCallOut]:
+        records = self.progress.calls
+        if not records:
+            return []
+        calls = {c.id: c for m in self.current.messages for c in calls_of(m)}
+        results = {
+            m.get("tool_call_id"): str(m.get("content") or "") for m in self.current.messages if m.get("role") == "tool"
+        }
+        out = []
+        for call_id, record in records.items():
+            call = calls.get(call_id)
+            if call is None:
+                continue
+            result = results.get(call_id, "")
+            out.append(
+                WorkerCallOut(
+                    id=call_id,
+                    name=call.name,
+                    arguments=json.dumps(call.arguments, ensure_ascii=False),
+                    result=result if len(result) <= WORKER_RESULT_CHARS else result[:WORKER_RESULT_CHARS] + "…",
+                    outcome=record.outcome,
+                    duration_ms=record.duration_ms,
+                    round=record.round,
+                )
+            )
+        return out
 
 
 @dataclass
@@ -197,6 +314,13 @@ class _DeltaStream:
             self._publisher.publish(self._topic, payload, qos=0)
             self._seq += 1
 
+    def event(self, event: ToolEvent) -> None:
+        """A worker call started or ended: published at once (after the text before it)."""
+        self.flush()
+        payload = StreamDelta(request_id=self._request_id, seq=self._seq, delta="", tool_event=event).to_json()
+        self._publisher.publish(self._topic, payload, qos=0)
+        self._seq += 1
+
     def _delta(self, seq: int, text: str) -> bytes:
         if self._reasoning:
             return StreamDelta(request_id=self._request_id, seq=seq, delta="", reasoning=text).to_json()
@@ -218,6 +342,9 @@ class TurnRunner:
         engine_died: Callable[[int], None],
         tools: ToolSupport | None = None,
         max_tool_result_bytes: int = 65536,
+        toolbox: Toolbox | None = None,
+        tools_config: ToolsConfig | None = None,
+        journal: ProgressJournal | None = None,
     ) -> None:
         self.engine = engine
         self.renderer = renderer
@@ -231,13 +358,16 @@ class TurnRunner:
         self._ids = itertools.count(1)
         self.tools = tools or ToolSupport()
         self.max_tool_result_bytes = max_tool_result_bytes
+        self.toolbox = toolbox
+        self.tools_config = tools_config or ToolsConfig()
+        self.journal = journal
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
-        """Generate the turn's reply on ``history``, a draft of the session (its system
-        prompt, tools, trimming and the new turn or tool round go there); the reply and the
-        draft to commit. RequestError: refused; the caller drops the draft."""
+        """Answer the request on ``history``, a draft of the session (its system prompt, tools,
+        trimming and the new turn or tool round go there): generate, and while the model calls
+        the worker's own tools, run them and generate again (the tool loop, docs/tools.md).
+        The reply and the draft to commit. RequestError: refused; the caller drops the draft."""
         address, request = turn.address, turn.request
-        generation = self.generation
         if turn.deadline is not None and time.monotonic() > turn.deadline:
             waited = time.monotonic() - turn.message.received_at
             raise RequestError(ErrorCode.EXPIRED, f"the request expired after waiting {waited:.1f}s for its turn")
@@ -249,9 +379,267 @@ class TurnRunner:
             if request.tools and self.tools.unsupported is not None:
                 raise RequestError(ErrorCode.INVALID_REQUEST, self.tools.unsupported)
             history.tools = specs_from_request(request.tools)
-        plan = plan_tools(request, history.tools)
-        current = self._current_turn(turn, history)
-        prefill_text, structured = "", structured_output(request)
+        if request.worker_tools is not None:
+            history.worker_tools = self._choose_worker_tools(request.worker_tools, address.user)
+        worker = self._offered_worker_tools(history, address.user)
+        loop = _Loop(turn, history, worker, self.tools_config.max_tool_time)
+        progress = await self._load_progress(turn)
+        current, to_run = self._current_turn(turn, history, worker, progress)
+        loop.current = current
+        loop.progress = Progress(current, progress.calls if progress else {})
+        loop.stream = _DeltaStream(self, turn) if request.stream else None
+        if to_run:
+            await self._run_calls(loop, to_run, rounds_in(current) - 1)
+        if not to_run and progress is None and request.tool_results is not None:
+            await self._save_progress(loop)  # declines and client results: replayed as given
+        while True:
+            waiting = self._awaiting_client(loop)
+            if waiting:  # a redelivery that had come this far: the same calls go to the client
+                return self._ask_client(loop, waiting, Outcome(submitted=time.monotonic()))
+            final = loop.rounds >= self.tools_config.max_tool_rounds or loop.tool_time_left() <= 0
+            outcome = await self._generate(loop, final=final)
+            loop.add(outcome)
+            if outcome.finish_reason == "cancelled":
+                return self._cancelled(loop, outcome)
+            calls = outcome.tool_calls
+            current.messages.append(assistant_message(outcome.text, calls))
+            if not calls:
+                history.turns.append(current)
+                return TurnAnswer(self.reply(turn, loop.reply_outcome(outcome)), history)
+            runnable = [c for c in calls if c.name in worker and not worker[c.name].confirm]
+            if runnable:
+                await self._save_progress(loop)  # before any call is sent: never sent twice
+                await self._run_calls(loop, runnable, rounds_in(current) - 1)
+            loop.rounds += 1
+            waiting = self._awaiting_client(loop)
+            if waiting:
+                return self._ask_client(loop, waiting, outcome)
+
+    def _choose_worker_tools(self, names: list[str], user: str) -> list[str]:
+        """The session's workerTools as asked: ["*"], or names this namespace may use (a name
+        that is not configured or not allowed is refused the same way: a user learns nothing
+        of the tools of other namespaces)."""
+        if not names or names == ["*"]:
+            return list(names)
+        if self.toolbox is None:
+            raise RequestError(ErrorCode.INVALID_REQUEST, "workerTools: this worker has no tools of its own")
+        allowed = self.toolbox.available(user)
+        for name in names:
+            if name not in allowed:
+                configured = self.toolbox.known(name) is not None
+                logger.info(
+                    "workerTools of {} refused: {} ({})",
+                    user,
+                    name,
+                    "not allowed for this namespace" if configured else "not configured",
+                )
+                raise RequestError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"workerTools: {name!r} is not a worker tool that this user namespace may use",
+                )
+        return list(names)
+
+    def _offered_worker_tools(self, history: SessionHistory, user: str) -> dict[str, WorkerTool]:
+        """The worker tools the model is offered in this session now: those it chose that its
+        namespace may use and that are available (an MCP server's tools come and go). A client
+        tool with a worker tool's name is refused: the call could not be told apart."""
+        if not history.worker_tools or self.toolbox is None:
+            return {}
+        allowed = self.toolbox.available(user)
+        if history.worker_tools == ["*"]:
+            offered = allowed
+        else:
+            offered = {name: allowed[name] for name in history.worker_tools if name in allowed}
+        clash = sorted({tool.name for tool in history.tools} & set(offered))
+        if clash:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the client tool {clash[0]!r} has the name of a worker tool of this session; rename it, "
+                "or leave that worker tool out of workerTools",
+            )
+        return offered
+
+    async def _load_progress(self, turn: PendingTurn) -> Progress | None:
+        if self.journal is None:
+            return None
+        progress = await self.journal.aload_progress(str(turn.address), turn.key)
+        if progress is not None:
+            logger.info(
+                "Request {} of {}: going on from its stored tool-loop progress", log_ref(turn.key), turn.address
+            )
+        return progress
+
+    async def _save_progress(self, loop: _Loop) -> None:
+        if self.journal is not None:
+            await self.journal.asave_progress(str(loop.turn.address), loop.turn.key, loop.progress)
+
+    def _current_turn(
+        self, turn: PendingTurn, history: SessionHistory, worker: dict[str, WorkerTool], progress: Progress | None
+    ) -> tuple[Turn, list[ToolCall]]:
+        """The turn this request adds to, taken out of ``history.turns`` (which keeps the
+        closed turns while the prompt is built), and the worker calls to run before the next
+        generation (calls the client approved).
+
+        - A new message: a new turn (any calls left open get a result saying they were not run).
+        - toolResults: the open turn with the client's results and declines added.
+        - A redelivery with stored progress: the turn as far as it had come; its worker calls
+          that may have been sent and have no result get one saying the outcome is unknown:
+          they are never sent again."""
+        request, open_turn = turn.request, history.open_turn
+        if progress is not None:
+            if request.tool_results is not None and open_turn is not None and open_turn.key == progress.turn.key:
+                history.turns.pop()
+            elif request.message is not None and open_turn is not None:
+                close_unanswered(open_turn)
+            current = progress.turn.copy()
+            approvals = {r.tool_call_id for r in request.tool_results or () if r.approved}
+            client_tools = {tool.name for tool in history.tools}
+            for call in current.pending_calls():
+                confirm = call.name in worker and worker[call.name].confirm
+                if call.name not in client_tools and (not confirm or call.id in approvals):
+                    current.messages.append(tool_message(call.id, call.name, UNKNOWN_RESULT))
+                    progress.calls[call.id] = WorkerCallRecord("unknown", 0.0, rounds_in(current) - 1)
+                    self.stats.record_tool_call(call.name, "unknown", 0.0)
+                    logger.warning(
+                        "Request {} of {}: call {} to {} may have been sent before the worker stopped; "
+                        "not sent again (its outcome is unknown)",
+                        log_ref(turn.key),
+                        turn.address,
+                        call.id,
+                        call.name,
+                    )
+            order_results(current)
+            return current, []
+        if request.tool_results is not None:
+            if open_turn is None:
+                raise RequestError(
+                    ErrorCode.INVALID_REQUEST, "toolResults sent, but the session has no pending tool calls"
+                )
+            client_tools = {tool.name for tool in history.tools}
+            confirmable = {c.name for c in open_turn.pending_calls() if c.name not in client_tools}
+            approved = apply_results(open_turn, request.tool_results, self.max_tool_result_bytes, confirmable)
+            return history.turns.pop(), approved
+        if open_turn is not None:
+            close_unanswered(open_turn)
+        assert request.message is not None
+        return Turn(turn.key, [user_message(request.message)]), []
+
+    def _awaiting_client(self, loop: _Loop) -> list[ToolCall]:
+        """The turn's pending calls that wait for the client: its own tools' calls, and worker
+        calls that need its confirmation ([]: none; the loop goes on)."""
+        return loop.current.pending_calls()
+
+    def _ask_client(self, loop: _Loop, calls: list[ToolCall], outcome: Outcome) -> TurnAnswer:
+        """End the request with calls for the client (finishReason tool_calls): the session
+        keeps the open turn, and the next toolResults goes on from there."""
+        confirm = {c.id for c in calls if c.name in loop.worker and loop.worker[c.name].confirm}
+        outcome.tool_calls, outcome.finish_reason = tuple(calls), TOOL_CALLS
+        outcome.confirm_ids = confirm
+        loop.history.turns.append(loop.current)
+        if loop.stream is not None:
+            loop.stream.announce(wire_calls(outcome.tool_calls, confirm))
+        return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), loop.history)
+
+    def _cancelled(self, loop: _Loop, outcome: Outcome) -> TurnAnswer:
+        """A cancel: nothing changes, unless the worker ran calls in this request; then the
+        turn is kept as far as it came (what the devices did stays in the history), closed with
+        the text generated so far."""
+        if not loop.progress.calls:
+            return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), None)
+        loop.current.messages.append(assistant_message(outcome.text))
+        loop.history.turns.append(loop.current)
+        return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), loop.history)
+
+    async def _run_calls(self, loop: _Loop, calls: list[ToolCall], round_: int) -> None:
+        """Run one round's worker calls at once; each result joins the turn (as a ``tool``
+        message) and is stored before the loop goes on. Calls over max_calls_per_round, or past
+        the request's tool time, are not sent: their result says why."""
+        limit = self.tools_config.max_calls_per_round
+        started = time.monotonic()
+        await asyncio.gather(
+            *(self._run_call(loop, call, round_, skip=index >= limit) for index, call in enumerate(calls))
+        )
+        loop.tool_seconds += time.monotonic() - started
+        order_results(loop.current)
+
+    async def _run_call(self, loop: _Loop, call: ToolCall, round_: int, *, skip: bool) -> None:
+        assert self.toolbox is not None or skip or call.name not in loop.worker
+        turn = loop.turn
+        budget = loop.tool_time_left()
+        started = time.monotonic()
+        if loop.stream is not None:
+            loop.stream.event(ToolEvent(event="start", tool_call_id=call.id, name=call.name, round=round_))
+        if skip:
+            result = ToolOutcome(
+                f"Error: not run: the model made more than {self.tools_config.max_calls_per_round} calls in one round.",
+                "skipped",
+            )
+        elif budget <= 0:
+            result = ToolOutcome("Error: not run: the request's time for tool calls is used up.", "skipped")
+        elif self.toolbox is None:
+            result = ToolOutcome(f"Error: the tool {call.name} is not available now.", "unavailable")
+        else:
+            context = CallContext(request_id=turn.key, tool_call_id=call.id, session=str(turn.address))
+            try:
+                result = await asyncio.wait_for(self.toolbox.call(call.name, call.arguments, context), budget)
+            except TimeoutError:
+                result = ToolOutcome("Error: the request's time for tool calls ran out during this call.", "timeout")
+        seconds = time.monotonic() - started
+        content = self._cut_result(result.content)
+        loop.current.messages.append(tool_message(call.id, call.name, content))
+        loop.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
+        self.stats.record_tool_call(call.name, result.outcome, seconds)
+        logger.info(
+            "Request {} of {}: worker call {} ({}) {} in {:.0f} ms",
+            log_ref(turn.key),
+            turn.address,
+            call.name,
+            call.id,
+            result.outcome,
+            seconds * 1000,
+        )
+        logger.debug("Worker call {} result: {!r}", call.id, content[:2000])
+        await self._save_progress(loop)
+        if loop.stream is not None:
+            loop.stream.event(
+                ToolEvent(
+                    event="end",
+                    tool_call_id=call.id,
+                    name=call.name,
+                    round=round_,
+                    duration_ms=round(seconds * 1000, 1),
+                    outcome=result.outcome,
+                )
+            )
+
+    def _cut_result(self, content: str) -> str:
+        """A worker tool's result as the model gets it: control tokens are defused by the
+        template renderer like any text; here it is cut to max_tool_result_tokens, and the cut
+        is said."""
+        limit = self.tools_config.max_tool_result_tokens
+        if len(content.encode()) <= limit:  # a token covers at least one byte
+            return content
+        total = self.renderer.count_text(content)
+        if total <= limit:
+            return content
+        low, high = 0, min(len(content), limit * 32)  # the longest start of at most limit tokens
+        while low < high:
+            middle = (low + high + 1) // 2
+            if self.renderer.count_text(content[:middle]) <= limit:
+                low = middle
+            else:
+                high = middle - 1
+        return f"{content[:low]}\n[The result was cut: it had {total} tokens; the first {limit} are shown.]"
+
+    async def _generate(self, loop: _Loop, *, final: bool) -> Outcome:
+        """One generation of the loop: the prompt (history, the turn so far), the engine's
+        stream, and the calls the reply makes, checked."""
+        turn, history, current = loop.turn, loop.history, loop.current
+        address, request = turn.address, turn.request
+        generation = self.generation
+        specs = [*history.tools, *(tool.spec() for tool in loop.worker.values())]
+        plan = plan_tools(request, specs, round_in_request=loop.generations, final=final)
+        prefill_text, structured = "", structured_output(request) if loop.generations == 0 else None
         parser = self.tools.parser
         if plan.offered and parser is None:
             raise RequestError(ErrorCode.INVALID_REQUEST, self.tools.unsupported or "tool calling is not available")
@@ -270,7 +658,7 @@ class TurnRunner:
             prefill_text = (f"{THINK_CLOSE}\n\n" if self.renderer.opens_reasoning else "") + parser.format.open
             structured = StructuredOutput(json_schema=forced_call_schema(plan.forced, parser.format))
         max_tokens = request.max_tokens or generation.max_tokens
-        tools = history.tool_forms()
+        tools = [spec.template_form() for spec in specs] or None
         await self.renderer.prepare([*history.messages(), *current.messages], tools)
         prompt = build_prompt(
             self.renderer,
@@ -280,6 +668,7 @@ class TurnRunner:
             max_tokens=max_tokens,
             max_model_len=self.engine.info.max_model_len,
             prefill=self.renderer.encode(prefill_text) if prefill_text else (),
+            tools=tools,
         )
         for trim in prompt.trims:
             logger.info(
@@ -301,10 +690,14 @@ class TurnRunner:
             # Cancelled while queued, or while its prompt was prepared (an await): checked here,
             # since from here on to the engine nothing awaits, and _stream marks it running,
             # where a cancel aborts it. No turn: the session stays as it was.
-            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
-        logger.debug("Request {} of {}: {!r}", turn.key, address, request.message or request.tool_results)
-        stream = _DeltaStream(self, turn) if request.stream else None
+            return Outcome(submitted=time.monotonic(), finish_reason="cancelled")
+        if loop.generations == 0:
+            logger.debug("Request {} of {}: {!r}", turn.key, address, request.message or request.tool_results)
+        loop.generations += 1
+        stream = loop.stream
         hold = MarkupHold(parser.format) if plan.offered and parser is not None and parser.format else None
+        if parser is not None and parser.format is not None and final and specs:
+            hold = MarkupHold(parser.format)  # calls the last round may not make are not streamed either
         outcome = await self._stream(
             turn,
             # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
@@ -328,46 +721,38 @@ class TurnRunner:
         outcome.text = answer
         logger.debug("Reply {} of {}: {!r}", turn.key, address, answer)
         if outcome.finish_reason == "cancelled":
-            return TurnAnswer(self.reply(turn, outcome), None)  # no turn: the session stays as it was
+            return outcome
         if plan.offered:
-            assert parser is not None
-            self._take_calls(turn, plan, outcome, history, round_=rounds_in(current))
-        current.messages.append(assistant_message(outcome.text, outcome.tool_calls))
-        history.turns.append(current)
-        if stream and outcome.tool_calls:
-            stream.announce(wire_calls(outcome.tool_calls))
-        return TurnAnswer(self.reply(turn, outcome), history)
+            self._take_calls(turn, plan, outcome, specs, round_=rounds_in(current))
+        elif final and specs and parser is not None and loop.generations > 1:
+            self._drop_late_calls(turn, outcome, specs)
+        return outcome
 
-    def _current_turn(self, turn: PendingTurn, history: SessionHistory) -> Turn:
-        """The turn this request adds to, taken out of ``history.turns`` (which keeps the
-        closed turns while the prompt is built): the open turn with the client's results, or
-        a new turn for a new message (any calls left open get a result saying they were not
-        run)."""
-        request, open_turn = turn.request, history.open_turn
-        if request.tool_results is not None:
-            if open_turn is None:
-                raise RequestError(
-                    ErrorCode.INVALID_REQUEST, "toolResults sent, but the session has no pending tool calls"
-                )
-            apply_results(open_turn, request.tool_results, self.max_tool_result_bytes)
-            return history.turns.pop()
-        if open_turn is not None:
-            close_unanswered(open_turn)
-        assert request.message is not None
-        return Turn(turn.key, [user_message(request.message)])
-
-    def _take_calls(
-        self, turn: PendingTurn, plan: ToolPlan, outcome: Outcome, history: SessionHistory, *, round_: int
-    ) -> None:
-        """Parse the answer's calls with the model's parser and check them (core/tools.py):
-        valid calls end the reply with finishReason tool_calls; markup that is no valid call
-        leaves the text as it is, with the reason."""
+    def _drop_late_calls(self, turn: PendingTurn, outcome: Outcome, specs: list[ToolSpec]) -> None:
+        """The last round (max_tool_rounds, or the tool time used up) is generated with
+        toolChoice none; calls it writes anyway are not taken: the reply is the text before
+        them, and says why."""
         parser = self.tools.parser
         assert parser is not None
-        parsed = parser.parse(outcome.text, history.tools)
-        checked = check_calls(
-            outcome.text, parsed, history.tools, key=turn.key, round_=round_, validate_all=bool(plan.forced)
-        )
+        parsed = parser.parse(outcome.text, specs)
+        if parsed.calls or parsed.markup:
+            outcome.text = parsed.content.strip()
+            outcome.tool_parse_error = (
+                "the model called tools again after the last round this request may run "
+                f"(tools.max_tool_rounds = {self.tools_config.max_tool_rounds}, or the request's tool time was used up)"
+            )
+            logger.info("Request {} of {}: calls after the last tool round dropped", log_ref(turn.key), turn.address)
+
+    def _take_calls(
+        self, turn: PendingTurn, plan: ToolPlan, outcome: Outcome, specs: list[ToolSpec], *, round_: int
+    ) -> None:
+        """Parse the answer's calls with the model's parser and check them (core/tools.py):
+        valid calls end the generation with finishReason tool_calls; markup that is no valid
+        call leaves the text as it is, with the reason."""
+        parser = self.tools.parser
+        assert parser is not None
+        parsed = parser.parse(outcome.text, specs)
+        checked = check_calls(outcome.text, parsed, specs, key=turn.key, round_=round_, validate_all=bool(plan.forced))
         if checked.error is not None:
             logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
             outcome.tool_parse_error = checked.error
@@ -496,8 +881,10 @@ class TurnRunner:
             request_id=turn.key,
             reply=outcome.text,
             reasoning=outcome.reasoning,
-            tool_calls=wire_calls(outcome.tool_calls) or None,
+            tool_calls=wire_calls(outcome.tool_calls, outcome.confirm_ids) or None,
             tool_parse_error=outcome.tool_parse_error,
+            worker_calls=outcome.worker_calls or None,
+            rounds=outcome.rounds or None,
             finish_reason=outcome.finish_reason,
             usage=usage,
             latency=latency,
@@ -505,8 +892,12 @@ class TurnRunner:
         return reply.to_json()
 
 
-def wire_calls(calls: tuple[ToolCall, ...]) -> list[ToolCallOut]:
+def wire_calls(calls: tuple[ToolCall, ...], confirm: set[str] | frozenset[str] = frozenset()) -> list[ToolCallOut]:
     return [
-        ToolCallOut(id=c.id, function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)))
+        ToolCallOut(
+            id=c.id,
+            function=FunctionCall(name=c.name, arguments=json.dumps(c.arguments, ensure_ascii=False)),
+            needs_confirmation=True if c.id in confirm else None,
+        )
         for c in calls
     ]

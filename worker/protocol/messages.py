@@ -115,10 +115,13 @@ ToolChoice = Literal["auto", "none", "required"] | NamedToolChoice
 
 
 class ToolResult(InboundModel):
-    """The client's result of one of the session's pending tool calls."""
+    """The client's answer to one of the session's pending tool calls: its result (``content``,
+    for a client tool), or its approval (``approved``, for a worker tool with confirm = true,
+    which the client was asked to approve with ``needsConfirmation``)."""
 
     tool_call_id: str = Field(min_length=1, max_length=128)
-    content: str
+    content: str | None = None
+    approved: bool | None = None
 
 
 class ChatRequest(InboundModel):
@@ -152,6 +155,9 @@ class ChatRequest(InboundModel):
     tools: list[ToolSpecIn] | None = None
     tool_choice: ToolChoice | None = None
     tool_results: list[ToolResult] | None = None
+    # The worker's own tools this session may use (docs/tools.md): names, or ["*"] for every
+    # tool its user namespace may use; kept by the session like tools; [] clears.
+    worker_tools: list[str] | None = None
 
 
 class ControlRequest(InboundModel):
@@ -189,6 +195,42 @@ class ToolCallOut(WireModel):
     id: str
     type: Literal["function"] = "function"
     function: FunctionCall
+    # A worker tool with confirm = true: the worker runs it once the client answers with
+    # {"toolCallId": ..., "approved": true} (false: the model is told the user declined).
+    needs_confirmation: bool | None = None
+
+
+class WorkerCallOut(WireModel):
+    """A call the worker ran itself during the request, and how it ended."""
+
+    id: str
+    name: str
+    arguments: str  # the JSON text of an object
+    result: str  # as the model got it, cut to WORKER_RESULT_CHARS for the reply
+    outcome: str  # ok, error, timeout, unavailable, declined, unknown, skipped
+    duration_ms: float
+    round: int
+
+
+class RoundOut(WireModel):
+    """One generation of a request that ran tool rounds."""
+
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+    ms: float  # the generation's wall time
+    tool_ms: float  # the worker calls that followed it, in wall time (0: none)
+
+
+class ToolEvent(WireModel):
+    """A worker call starting or ending, on the stream topic."""
+
+    event: Literal["start", "end"]
+    tool_call_id: str
+    name: str
+    round: int
+    duration_ms: float | None = None  # end only
+    outcome: str | None = None  # end only
 
 
 class ChatReply(WireModel):
@@ -200,6 +242,9 @@ class ChatReply(WireModel):
     # Set when the model wrote tool-call markup that is not a valid call (malformed JSON, an
     # undeclared tool, arguments that are not an object): the reply is then its text as written.
     tool_parse_error: str | None = None
+    # The worker's own calls made while answering (docs/tools.md), and its generations.
+    worker_calls: list[WorkerCallOut] | None = None
+    rounds: list[RoundOut] | None = None
     finish_reason: str
     usage: Usage
     latency: Latency
@@ -229,6 +274,7 @@ class StreamDelta(WireModel):
     reasoning: str | None = None  # reasoning text, only with includeReasoning
     # The last event of a reply that calls tools announces them (the reply carries them too).
     tool_calls: list[ToolCallOut] | None = None
+    tool_event: ToolEvent | None = None  # a worker call started or ended (delta "")
 
 
 def _load_json(payload: bytes) -> Any:
@@ -294,7 +340,23 @@ def parse_chat_request(payload: bytes, session: str, max_payload_bytes: int) -> 
         check_tools(request.tools)
     if request.tool_results is not None:
         check_tool_results(request.tool_results)
+    if request.worker_tools is not None:
+        check_worker_tool_names(request.worker_tools)
     return request
+
+
+def check_worker_tool_names(names: list[str]) -> None:
+    """The shape of workerTools (which names are configured and allowed is the toolbox's to
+    say): tool names, or ["*"] alone."""
+    if len(names) > MAX_TOOLS:
+        raise RequestError(ErrorCode.INVALID_REQUEST, f"'workerTools' has {len(names)} names; the limit is {MAX_TOOLS}")
+    if "*" in names and names != ["*"]:
+        raise RequestError(ErrorCode.INVALID_REQUEST, "'workerTools' is [\"*\"] alone, or a list of tool names")
+    for name in names:
+        if name != "*" and not TOOL_NAME.fullmatch(name):
+            raise RequestError(ErrorCode.INVALID_REQUEST, f"'workerTools' has {name[:80]!r}, which is not a tool name")
+    if len(set(names)) != len(names):
+        raise RequestError(ErrorCode.INVALID_REQUEST, "'workerTools' names a tool twice")
 
 
 def check_tools(tools: list[ToolSpecIn]) -> None:
@@ -340,6 +402,12 @@ def check_tool_results(results: list[ToolResult]) -> None:
                 ErrorCode.INVALID_REQUEST, f"'toolResults' answers toolCallId {result.tool_call_id[:140]!r} twice"
             )
         seen.add(result.tool_call_id)
+        if (result.content is None) == (result.approved is None):
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the toolResults entry of {result.tool_call_id[:140]!r} carries exactly one of 'content' "
+                "(a client tool's result) and 'approved' (a worker tool's confirmation)",
+            )
 
 
 def _schema_shape(schema: Any) -> tuple[int, int]:
@@ -510,6 +578,9 @@ class StatsReport(BaseModel):
     # worker
     sessions: int
     pending: int
+    # The worker's own tool calls since start, by outcome (ok, error, timeout, unavailable, ...);
+    # left out when it made none.
+    tool_calls: dict[str, int] | None = None
 
     def to_json(self) -> bytes:
         return self.model_dump_json(by_alias=True, exclude_none=True).encode()

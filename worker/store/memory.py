@@ -19,6 +19,7 @@ class MemoryStore:
     def __init__(self) -> None:
         self._sessions: dict[str, tuple[SessionHistory, float]] = {}
         self._deliveries: dict[tuple[str, str], int] = {}
+        self._progress: dict[tuple[str, str], str] = {}
 
     def load(self, session: str) -> SessionHistory | None:
         entry = self._sessions.get(session)
@@ -27,9 +28,12 @@ class MemoryStore:
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
         self._sessions[session] = (history, time.time())
         self._deliveries.pop((session, key), None)
+        self._progress.pop((session, key), None)
         return None
 
     def reset(self, session: str) -> None:
+        for done in [k for k in self._progress if k[0] == session]:
+            del self._progress[done]
         entry = self._sessions.get(session)
         if entry:
             # A reset copy: the object stored may be the one the cache holds, which the cache
@@ -52,6 +56,12 @@ class MemoryStore:
         for name in names:
             del self._sessions[name]
         return names
+
+    def save_progress(self, session: str, key: str, progress: str) -> None:
+        self._progress[(session, key)] = progress
+
+    def load_progress(self, session: str, key: str) -> str | None:
+        return self._progress.get((session, key))
 
     def close(self) -> None:
         self._sessions.clear()

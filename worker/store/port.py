@@ -17,7 +17,7 @@ import json
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from ..session import SessionHistory, ToolSpec, Turn
+from ..session import Progress, SessionHistory, ToolSpec, Turn, WorkerCallRecord
 
 
 class StoreError(Exception):
@@ -61,12 +61,21 @@ class HistoryStore(Protocol):
     def expire(self, idle_seconds: float) -> list[str]:
         """Delete sessions idle for longer; their names."""
 
+    def save_progress(self, session: str, key: str, progress: str) -> None:
+        """A request's tool-loop progress (encode_progress), replacing the one before. ``save``
+        of the request's answer deletes it, as does ``reset``."""
+
+    def load_progress(self, session: str, key: str) -> str | None:
+        """The request's stored progress, if any."""
+
     def close(self) -> None: ...
 
 
 def encode_state(history: SessionHistory) -> str:
     turns = [{"key": t.key, "messages": t.messages} for t in history.turns]
     state: dict[str, Any] = {"systemPrompt": history.system_prompt, "turns": turns}
+    if history.worker_tools:
+        state["workerTools"] = history.worker_tools
     if history.tools:
         state["tools"] = [{k: v for k, v in vars(tool).items() if v is not None} for tool in history.tools]
     return json.dumps(state, ensure_ascii=False)
@@ -85,7 +94,7 @@ def _tool(data: dict[str, Any]) -> ToolSpec:
     return ToolSpec(str(data["name"]), data.get("description"), data.get("parameters"), data.get("strict"))
 
 
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec]]:
+def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
     """The system prompt, turns and tools of a stored state; SessionUnreadable when it is
     damaged. A state stored before tool calling (turns of user and assistant text) reads as
     turns of two messages."""
@@ -93,14 +102,38 @@ def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn
         data = json.loads(state)
         turns = [_turn(t) for t in data["turns"]]
         tools = [_tool(t) for t in data.get("tools") or []]
+        worker_tools = [str(name) for name in data.get("workerTools") or []]
         system_prompt = data["systemPrompt"]
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TypeError("systemPrompt is not a string")
     except (ValueError, KeyError, TypeError, AttributeError) as exc:
         raise SessionUnreadable(session, f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    return system_prompt, turns, tools
+    return system_prompt, turns, tools, worker_tools
 
 
 def decode_history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    system_prompt, turns, tools = parse_state(session, state)
-    return SessionHistory(system_prompt, turns, tools, OrderedDict(answers))
+    system_prompt, turns, tools, worker_tools = parse_state(session, state)
+    return SessionHistory(system_prompt, turns, tools, OrderedDict(answers), worker_tools)
+
+
+def encode_progress(progress: Progress) -> str:
+    calls = {
+        call_id: {"outcome": r.outcome, "durationMs": r.duration_ms, "round": r.round}
+        for call_id, r in progress.calls.items()
+    }
+    return json.dumps(
+        {"turnKey": progress.turn.key, "messages": progress.turn.messages, "calls": calls}, ensure_ascii=False
+    )
+
+
+def decode_progress(session: str, text: str | bytes) -> Progress:
+    try:
+        data = json.loads(text)
+        turn = _turn({"key": data["turnKey"], "messages": data["messages"]})
+        calls = {
+            str(call_id): WorkerCallRecord(str(r["outcome"]), float(r["durationMs"]), int(r["round"]))
+            for call_id, r in data["calls"].items()
+        }
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise SessionUnreadable(session, f"tool-loop progress: {type(exc).__name__}: {str(exc)[:200]}") from None
+    return Progress(turn, calls)

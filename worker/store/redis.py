@@ -116,7 +116,7 @@ class RedisStore:
             return None
         history = SessionHistory()
         if state is not None:
-            history.system_prompt, history.turns, history.tools = parse_state(session, state)
+            history.system_prompt, history.turns, history.tools, history.worker_tools = parse_state(session, state)
         answered: OrderedDict[str, bytes | None] = OrderedDict()
         for key in order:
             payload = answers.get(key)
@@ -136,11 +136,30 @@ class RedisStore:
             ANSWERED_KEYS_PER_SESSION,
         ]
         stored = self._save(keys=self._keys(session), args=args)
+        # Not in the script: a progress left behind is never read, since the answer is found first.
+        self._db.hdel(self._progress_key(session), key)
         return bytes(stored) if stored else None
 
     @_guarded
     def reset(self, session: str) -> None:
         self._reset(keys=self._keys(session)[:2])
+        self._db.delete(self._progress_key(session))
+
+    def _progress_key(self, session: str) -> str:
+        return f"{self._prefix}:{{{session}}}:progress"
+
+    @_guarded
+    def save_progress(self, session: str, key: str, progress: str) -> None:
+        pipe = self._db.pipeline(transaction=True)
+        pipe.hset(self._progress_key(session), key, progress)
+        if self._ttl_ms:
+            pipe.pexpire(self._progress_key(session), self._ttl_ms)
+        pipe.execute()
+
+    @_guarded
+    def load_progress(self, session: str, key: str) -> str | None:
+        value = self._db.hget(self._progress_key(session), key)
+        return _text(value) if value is not None else None
 
     @_guarded
     def count_delivery(self, session: str, key: str) -> int:

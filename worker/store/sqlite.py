@@ -94,8 +94,19 @@ def _guarded(method: Callable[..., T]) -> Callable[..., T]:
     return guarded
 
 
-SCHEMA_VERSION = 1
-_SCHEMA = """
+SCHEMA_VERSION = 2
+# A request's tool-loop progress (version 2; added to a version-1 database on open).
+_PROGRESS = """
+CREATE TABLE IF NOT EXISTS progress (
+    session TEXT NOT NULL,
+    key TEXT NOT NULL,
+    progress TEXT NOT NULL,         -- encode_progress: the turn so far, how its worker calls ended
+    updated REAL NOT NULL,
+    PRIMARY KEY (session, key)
+);
+"""
+_SCHEMA = (
+    """
 CREATE TABLE IF NOT EXISTS sessions (
     name TEXT PRIMARY KEY,
     state TEXT NOT NULL,            -- {"systemPrompt": ..., "turns": [{"key", "user", "assistant"}]}
@@ -117,6 +128,8 @@ CREATE TABLE IF NOT EXISTS deliveries (
     PRIMARY KEY (session, key)
 );
 """
+    + _PROGRESS
+)
 
 
 class SqliteStore:
@@ -161,7 +174,7 @@ class SqliteStore:
         try:
             # Read-only checks first: a database this worker must not use is left untouched.
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, SCHEMA_VERSION):
+            if version not in (0, 1, SCHEMA_VERSION):
                 # A newer worker's database: refuse to start rather than throw it away.
                 raise StoreUnavailable(
                     f"{self.path} has schema version {version}; this worker knows {SCHEMA_VERSION} (a newer worker's?)"
@@ -173,8 +186,8 @@ class SqliteStore:
                 db.execute("PRAGMA journal_mode=WAL")
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA secure_delete=ON")
-            if version != SCHEMA_VERSION:  # a new database: writing takes the lock, so only then
-                db.executescript(_SCHEMA)
+            if version != SCHEMA_VERSION:  # a new or older database: writing takes the lock, so only then
+                db.executescript(_SCHEMA if version == 0 else _PROGRESS)
                 db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
         except BaseException:
             db.close()
@@ -220,6 +233,7 @@ class SqliteStore:
                     (session, session, ANSWERED_KEYS_PER_SESSION),
                 )
             self._db.execute("DELETE FROM deliveries WHERE session = ? AND key = ?", (session, key))
+            self._db.execute("DELETE FROM progress WHERE session = ? AND key = ?", (session, key))
         return None
 
     @_guarded
@@ -227,6 +241,7 @@ class SqliteStore:
         with self._transaction():
             self._db.execute("DELETE FROM sessions WHERE name = ?", (session,))
             self._db.execute("UPDATE answers SET payload = NULL WHERE session = ?", (session,))
+            self._db.execute("DELETE FROM progress WHERE session = ?", (session,))
         self._purge_wal()
 
     @_guarded
@@ -264,9 +279,23 @@ class SqliteStore:
                 (cutoff,),
             )
             self._db.execute("DELETE FROM deliveries WHERE updated < ?", (cutoff,))
+            self._db.execute("DELETE FROM progress WHERE updated < ?", (cutoff,))
         if names:
             self._purge_wal()
         return names
+
+    @_guarded
+    def save_progress(self, session: str, key: str, progress: str) -> None:
+        self._db.execute(
+            "INSERT INTO progress (session, key, progress, updated) VALUES (?, ?, ?, ?) "
+            "ON CONFLICT (session, key) DO UPDATE SET progress = excluded.progress, updated = excluded.updated",
+            (session, key, progress, time.time()),
+        )
+
+    @_guarded
+    def load_progress(self, session: str, key: str) -> str | None:
+        row = self._db.execute("SELECT progress FROM progress WHERE session = ? AND key = ?", (session, key)).fetchone()
+        return str(row[0]) if row else None
 
     def _purge_wal(self) -> None:
         """Copy the WAL into the database and empty it: its older frames still hold what was

@@ -199,6 +199,20 @@ class WorkerMetrics:
         self.invalid_topics = Counter(
             f"{PREFIX}_invalid_topics", "Messages on topics the worker cannot parse (not answered).", registry=reg
         )
+        self.tool_calls = Counter(
+            f"{PREFIX}_tool_calls",
+            "The worker's own tool calls (device tools, MCP servers), by tool and outcome: ok, error, "
+            "timeout, unavailable, declined, unknown (the worker restarted while waiting), skipped (a limit).",
+            ["tool", "outcome"],
+            registry=reg,
+        )
+        self.tool_duration = Histogram(
+            f"{PREFIX}_tool_call_duration_seconds",
+            "The worker's own tool calls: from sending the call to its result.",
+            ["tool"],
+            buckets=QUEUE_BUCKETS,
+            registry=reg,
+        )
         self.live = LiveCollector()
         reg.register(self.live)
         ProcessCollector(registry=reg)  # process_* (memory, CPU, open files) of this process
@@ -225,6 +239,10 @@ class WorkerMetrics:
 
     def invalid_topic(self) -> None:
         self.invalid_topics.inc()
+
+    def tool_call(self, tool: str, outcome: str, seconds: float) -> None:
+        self.tool_calls.labels(tool, outcome).inc()
+        self.tool_duration.labels(tool).observe(seconds)
 
 
 class MetricsEndpoint:

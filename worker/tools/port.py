@@ -15,7 +15,10 @@ from typing import Any, Literal, Protocol
 
 from ..session import ToolSpec
 
-Outcome = Literal["ok", "error", "timeout", "unavailable"]
+# ok; error (the tool said so); timeout; unavailable (not reachable, not listed); and, set by
+# the core: declined (the user did not approve), unknown (maybe sent before the worker
+# stopped: not sent again), skipped (a limit: calls per round, tool time).
+Outcome = Literal["ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped"]
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,8 @@ from typing import Any
 
 from loguru import logger
 
+from ..config.models import ToolsConfig
+from ..transport.port import Messaging
 from .port import CallContext, ToolOutcome, ToolProvider, WorkerTool
 
 # How much longer than a tool's own timeout the toolbox waits for a provider that should
@@ -94,3 +96,24 @@ class WorkerToolbox:
         except Exception:  # a provider's bug: the turn goes on with an error result
             logger.exception("Tool {} of {} failed", name, provider.name)
             return ToolOutcome(f"Error: the tool {name} failed.", "error")
+
+
+def build_toolbox(
+    config: ToolsConfig, messaging: Messaging, response_topic: str, client_id: str
+) -> WorkerToolbox | None:
+    """The toolbox of the [tools] section, not started (None: no tools configured). Device tools
+    answer on ``response_topic``; ``client_id`` names the worker to MCP servers over MQTT."""
+    providers: list[ToolProvider] = []
+    if config.mqtt:
+        from .mqtt import DeviceTools
+
+        providers.append(DeviceTools(config.mqtt, messaging, response_topic))
+    if config.mcp:
+        from .mcp import McpServerTools
+
+        providers.extend(McpServerTools(server) for server in config.mcp)
+    if config.mcp_mqtt.server_filter is not None:
+        from .mcp_mqtt import McpOverMqtt
+
+        providers.append(McpOverMqtt(config.mcp_mqtt, messaging, client_id))
+    return WorkerToolbox(providers) if providers else None
