@@ -15,7 +15,7 @@ import asyncio
 import json
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from typing import Any
 
 from worker.config.models import WorkerConfig
@@ -26,6 +26,7 @@ from worker.protocol.messages import log_ref
 from worker.session import ChatMessage, SessionHistory
 from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore
+from worker.tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool
 from worker.transport.port import InboundMessage
 
 
@@ -75,6 +76,8 @@ class FakeEngine:
         self.started: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
+        # request id part -> the texts of its generations in turn (a tool loop generates again)
+        self.rounds: dict[str, list[str]] = {}
         self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
@@ -83,6 +86,10 @@ class FakeEngine:
         for text, exc in self.fail.items():
             if names(text, request):
                 raise exc
+        for text, texts in self.rounds.items():
+            if names(text, request) and texts:
+                whole = texts.pop(0)
+                self.script[text] = [whole[i : i + 7] for i in range(0, len(whole), 7)] or [""]
         for text, deltas in self.script.items():
             if names(text, request):
                 for i, delta in enumerate(deltas):
@@ -203,9 +210,40 @@ class SlowStore(MemoryStore):
         return super().expire(idle_seconds)
 
 
+class FakeToolbox:
+    """The worker's tools without devices: ``tools`` as configured; each call is recorded and
+    answered by ``answer`` (a function of name and arguments: its text, or a ToolOutcome),
+    after ``delay`` seconds."""
+
+    def __init__(self, *tools: WorkerTool, delay: float = 0.0) -> None:
+        self.tools = {tool.name: tool for tool in tools}
+        self.delay = delay
+        self.calls: list[tuple[str, dict[str, Any], CallContext]] = []
+        self.running = 0
+        self.most_running = 0
+        self.answer: Callable[[str, Mapping[str, Any]], str | ToolOutcome] = lambda name, args: f"{name} done"
+
+    def available(self, user: str) -> dict[str, WorkerTool]:
+        return {name: tool for name, tool in self.tools.items() if tool.allows(user)}
+
+    def known(self, name: str) -> WorkerTool | None:
+        return self.tools.get(name)
+
+    async def call(self, name: str, arguments: Mapping[str, Any], context: CallContext) -> ToolOutcome:
+        self.calls.append((name, dict(arguments), context))
+        self.running += 1
+        self.most_running = max(self.most_running, self.running)
+        try:
+            await asyncio.sleep(self.delay)
+        finally:
+            self.running -= 1
+        answer = self.answer(name, arguments)
+        return answer if isinstance(answer, ToolOutcome) else ToolOutcome(answer)
+
+
 class Harness:
     """A Service on the FakeEngine, a WordRenderer and a MemoryTransport; ``limits`` as keyword
-    arguments."""
+    arguments; ``toolbox`` and ``tools_section`` ([tools]) for the worker's own tools."""
 
     def __init__(
         self,
@@ -214,6 +252,8 @@ class Harness:
         store: HistoryStore | None = None,
         history: dict[str, Any] | None = None,
         tools: ToolSupport | None = None,
+        toolbox: Toolbox | None = None,
+        tools_section: dict[str, Any] | None = None,
         **limits: Any,
     ) -> None:
         config = WorkerConfig.model_validate(
@@ -223,13 +263,21 @@ class Harness:
                 "mqtt": {"worker_id": "t"},
                 "generation": generation or {},
                 "history": history or {},
+                "tools": tools_section or {},
             }
         )
         self.engine = FakeEngine()
         self.transport = MemoryTransport()
         self.stop_codes: list[int] = []
         self.service = Service(
-            config, self.engine, WordRenderer(), self.transport, self.stop_codes.append, store, tools=tools
+            config,
+            self.engine,
+            WordRenderer(),
+            self.transport,
+            self.stop_codes.append,
+            store,
+            tools=tools,
+            toolbox=toolbox,
         )
 
     async def run_until(self, condition: Any, timeout: float = 10) -> None:

@@ -199,19 +199,18 @@ class _Loop:
         records = self.progress.calls
         if not records:
             return []
-        calls = {c.id: c for m in self.current.messages for c in calls_of(m)}
         results = {
             m.get("tool_call_id"): str(m.get("content") or "") for m in self.current.messages if m.get("role") == "tool"
         }
         out = []
-        for call_id, record in records.items():
-            call = calls.get(call_id)
-            if call is None:
+        for call in (c for m in self.current.messages for c in calls_of(m)):  # in the calls' order
+            record = records.get(call.id)
+            if record is None:
                 continue
-            result = results.get(call_id, "")
+            result = results.get(call.id, "")
             out.append(
                 WorkerCallOut(
-                    id=call_id,
+                    id=call.id,
                     name=call.name,
                     arguments=json.dumps(call.arguments, ensure_ascii=False),
                     result=result if len(result) <= WORKER_RESULT_CHARS else result[:WORKER_RESULT_CHARS] + "…",
