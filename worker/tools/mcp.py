@@ -152,7 +152,7 @@ class McpServerTools:
             message = str(getattr(exc, "message", "") or exc) or type(exc).__name__
             logger.warning("MCP server {}: {} failed: {}", server, tool, message[:200])
             return ToolOutcome(f"Error: {message}", "error")
-        return _outcome(_dump(result))
+        return result_outcome(_dump(result))
 
     # -- the supervisor -------------------------------------------------------------------
 
@@ -319,7 +319,10 @@ def _dump(model: Any) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def _outcome(result: dict[str, Any]) -> ToolOutcome:
+def result_outcome(result: dict[str, Any]) -> ToolOutcome:
+    """A tools/call result (its wire JSON) as the model gets it: text items joined, other
+    content described briefly, structuredContent as JSON when there is no text; isError: an
+    error outcome. Also MCP over MQTT's (mcp_mqtt.py), which needs no SDK."""
     parts: list[str] = []
     texts = 0
     for item in result.get("content") or []:
