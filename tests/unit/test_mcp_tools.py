@@ -19,7 +19,7 @@ import pytest
 from devtools import REPO
 from devtools.net import free_port
 from worker.config.models import McpServerConfig
-from worker.tools.mcp import McpServerTools
+from worker.tools.mcp import McpSdkMissing, McpServerTools
 from worker.tools.port import CallContext, ToolOutcome
 
 CALC = [sys.executable, str(REPO / "devtools" / "calc_mcp.py")]
@@ -225,3 +225,9 @@ def test_streamable_http_round_trip_and_reconnect(http_server: Any) -> None:
             await tools.close()
 
     run(scenario)
+
+
+def test_without_the_sdk_a_configured_server_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "mcp", None)  # what an environment without the extra has: ImportError
+    with pytest.raises(McpSdkMissing, match=r"pip install 'mqtt-vllm-worker\[mcp\]'"):
+        McpServerTools(config())
