@@ -1,0 +1,386 @@
+"""One MCP server's tools as worker tools (``[[tools.mcp]]``): a stdio server the worker
+starts (``command``, ``env``) or a streamable HTTP server (``url``), through the official MCP
+SDK (the optional extra ``mcp``: ``pip install 'mqtt-vllm-worker[mcp]'``; the only module of
+the worker that imports it).
+
+The connection belongs to one supervisor task per server: the SDK's context managers (anyio
+task groups) must be entered and left in the same task, so nothing else enters them. The
+supervisor connects, lists the tools, lists them again when the server sends
+notifications/tools/list_changed, pings the server now and then, and, when the server dies
+(a stdio child that exits, an HTTP server that goes away), connects again after 1 s, doubling
+up to 30 s. Only changes of state are logged at INFO/WARNING (up, down), retries at DEBUG.
+
+Calls run from the turn's task on the supervisor's session: a server that is down answers
+"unavailable" at once (never a hung turn); the tools it offered last stay listed (the model
+gets that error result rather than a tool that comes and goes with every restart), a server
+never listed offers none.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import json
+import re
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from typing import Any
+
+from loguru import logger
+
+from ..config.models import McpServerConfig
+from .port import CallContext, ToolOutcome, WorkerTool
+
+INSTALL_HINT = "pip install 'mqtt-vllm-worker[mcp]'"
+
+# JSON-RPC error code of a connection that closed under a request (the SDK's CONNECTION_CLOSED).
+CONNECTION_CLOSED = -32000
+
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class McpSdkMissing(RuntimeError):
+    """[[tools.mcp]] is configured but the MCP SDK is not installed: the worker does not start
+    (a configured tool that silently never appears is worse than a clear refusal)."""
+
+
+def require_sdk() -> None:
+    try:
+        import mcp  # noqa: F401
+    except ImportError as exc:
+        raise McpSdkMissing(
+            f"[[tools.mcp]] is configured but the MCP SDK is not installed ({exc}): {INSTALL_HINT}"
+        ) from None
+
+
+class ServerLost(Exception):
+    """The supervisor's session ended: the server exited, closed the connection, or did not
+    answer a ping."""
+
+
+class McpServerTools:
+    """A ToolProvider for one ``[[tools.mcp]]`` server.
+
+    ``start_wait``: how long start() waits for the first listing (or the first failure);
+    ``backoff``: the first and the longest delay between connection attempts;
+    ``health_interval``: how often an idle connection is pinged (a dead stdio child is also
+    noticed at once by the next call)."""
+
+    def __init__(
+        self,
+        config: McpServerConfig,
+        *,
+        start_wait: float = 10.0,
+        backoff: tuple[float, float] = (1.0, 30.0),
+        health_interval: float = 10.0,
+    ) -> None:
+        require_sdk()
+        self.config = config
+        self.name = f"mcp:{config.name}"
+        self.start_wait = start_wait
+        self.backoff = backoff
+        self.health_interval = health_interval
+        self._prefix = f"{config.name}_"
+        self._tools: dict[str, tuple[WorkerTool, str]] = {}  # offered name -> (tool, the server's name)
+        self._listeners: list[Callable[[], None]] = []
+        self._session: Any = None  # the SDK's ClientSession while the server is up
+        self._supervisor: asyncio.Task[None] | None = None
+        self._attempted = asyncio.Event()  # the first connection attempt ended (listed or failed)
+        self._wake = asyncio.Event()  # the supervisor has something to do
+        self._relist = False
+        self._lost: str | None = None
+        self._stopping = False
+        self._up: bool | None = None  # None: no attempt ended yet
+
+    # -- ToolProvider -------------------------------------------------------------------
+
+    def tools(self) -> Sequence[WorkerTool]:
+        return [tool for tool, _ in self._tools.values()]
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        if self._supervisor is None:
+            self._supervisor = asyncio.create_task(self._supervise(), name=f"mcp-{self.config.name}")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._attempted.wait(), self.start_wait)
+        if not self._attempted.is_set():
+            logger.warning(
+                "MCP server {} has not answered within {:g} s; the worker starts without its tools for now",
+                self.config.name,
+                self.start_wait,
+            )
+
+    async def close(self) -> None:
+        """Stop the supervisor: it leaves the SDK's context managers itself (the stdio child
+        gets its stdin closed, then SIGTERM, then SIGKILL, as the SDK does it); cancelled only
+        if it does not end in time."""
+        self._stopping = True
+        self._wake.set()
+        task, self._supervisor = self._supervisor, None
+        if task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(task), 15.0)
+        except TimeoutError:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        except Exception:  # the supervisor never raises, but close must not either
+            logger.opt(exception=True).debug("MCP server {}: supervisor ended with an error", self.config.name)
+
+    async def call(self, tool: str, arguments: Mapping[str, Any], context: CallContext) -> ToolOutcome:
+        server = self.config.name
+        found = self._tools.get(tool)
+        if found is None:
+            return ToolOutcome(f"Error: the MCP server {server} offers no tool {tool}.", "unavailable")
+        session = self._session
+        if session is None:
+            return ToolOutcome(f"Error: the MCP server {server} is not available.", "unavailable")
+        try:
+            result = await asyncio.wait_for(session.call_tool(found[1], dict(arguments)), self.config.timeout)
+        except TimeoutError:
+            logger.warning("MCP server {}: {} did not answer within {:g} s", server, tool, self.config.timeout)
+            return ToolOutcome(
+                f"Error: the MCP server {server} did not answer within {self.config.timeout:g} s.", "timeout"
+            )
+        except Exception as exc:  # CancelledError is a BaseException: it goes through
+            if _connection_closed(exc):
+                self._set_lost("the connection closed during a call")
+                return ToolOutcome(f"Error: the MCP server {server} is not available.", "unavailable")
+            message = str(getattr(exc, "message", "") or exc) or type(exc).__name__
+            logger.warning("MCP server {}: {} failed: {}", server, tool, message[:200])
+            return ToolOutcome(f"Error: {message}", "error")
+        return result_outcome(_dump(result))
+
+    # -- the supervisor -------------------------------------------------------------------
+
+    async def _supervise(self) -> None:
+        delay = self.backoff[0]
+        while not self._stopping:
+            reason = "closed"
+            try:
+                await self._connect_once()
+            except Exception as exc:
+                reason = _reason(exc)
+            finally:
+                self._session = None
+            if self._stopping:
+                break
+            # A connection that came up starts the backoff anew; failed attempts double it.
+            wait = self.backoff[0] if self._up else delay
+            if self._up is not False:  # a change of state: logged once, not every retry
+                logger.warning(
+                    "MCP server {} is down ({}); retrying in the background, up to every {:g} s",
+                    self.config.name,
+                    reason,
+                    self.backoff[1],
+                )
+            else:
+                logger.debug("MCP server {}: still down ({}), next try in {:g} s", self.config.name, reason, wait)
+            self._up = False
+            self._attempted.set()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._stopped(), wait)
+            delay = min(wait * 2, self.backoff[1])
+
+    async def _stopped(self) -> None:
+        while not self._stopping:
+            self._wake.clear()
+            await self._wake.wait()
+
+    async def _connect_once(self) -> None:
+        from mcp import ClientSession
+
+        self._lost = None
+        self._relist = False
+        async with (
+            self._transport() as streams,
+            ClientSession(streams[0], streams[1], message_handler=self._on_message) as session,
+        ):
+            await asyncio.wait_for(session.initialize(), max(self.start_wait, 5.0))
+            await self._list(session)
+            self._session = session
+            if not self._up:
+                logger.info("MCP server {} is up: {} tools offered", self.config.name, len(self._tools))
+            self._up = True
+            self._attempted.set()
+            while not self._stopping:
+                try:
+                    await asyncio.wait_for(self._wake.wait(), self.health_interval)
+                except TimeoutError:
+                    try:
+                        await asyncio.wait_for(session.send_ping(), 10.0)
+                    except TimeoutError:
+                        raise ServerLost("no answer to a ping") from None
+                    continue
+                self._wake.clear()
+                if self._lost is not None:
+                    raise ServerLost(self._lost)
+                if self._relist:
+                    self._relist = False
+                    await self._list(session)
+            self._session = None  # no new call starts on a session that is closing
+
+    @contextlib.asynccontextmanager
+    async def _transport(self) -> AsyncIterator[Any]:
+        """The SDK's transport: (read stream, write stream), the SDK 1.x HTTP client's third
+        item (its session id getter) unused."""
+        config = self.config
+        if config.command is not None:
+            from mcp import StdioServerParameters, stdio_client
+
+            # The child gets the SDK's safe environment (PATH, HOME, USER, ...) and the config's env.
+            params = StdioServerParameters(command=config.command[0], args=config.command[1:], env=config.env or None)
+            async with stdio_client(params) as streams:
+                yield streams
+        else:
+            assert config.url is not None
+            try:
+                from mcp.client.streamable_http import streamable_http_client as http_client
+            except ImportError:  # SDK 1.x
+                from mcp.client.streamable_http import streamablehttp_client as http_client  # type: ignore[attr-defined,no-redef]
+            async with http_client(config.url) as streams:
+                yield streams
+
+    async def _list(self, session: Any) -> None:
+        listed: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            if cursor is None:
+                page = await asyncio.wait_for(session.list_tools(), 30.0)
+            else:
+                from mcp import types
+
+                params = types.PaginatedRequestParams(cursor=cursor)
+                page = await asyncio.wait_for(session.list_tools(params=params), 30.0)
+            data = _dump(page)
+            listed.extend(data.get("tools") or [])
+            cursor = data.get("nextCursor")
+            if not cursor:
+                break
+        self._offer(listed)
+
+    def _offer(self, listed: list[dict[str, Any]]) -> None:
+        config = self.config
+        offered: dict[str, tuple[WorkerTool, str]] = {}
+        for item in listed:
+            real = str(item.get("name", ""))
+            if not real or ("*" not in config.allow and real not in config.allow):
+                continue
+            name = self._prefix + _NOT_NAME.sub("_", real)
+            if len(name) > 64 or name in offered:
+                logger.warning("MCP server {}: tool {!r} is not offered (name too long or clashing)", config.name, real)
+                continue
+            schema = item.get("inputSchema")
+            offered[name] = (
+                WorkerTool(
+                    name=name,
+                    description=item.get("description"),
+                    parameters=schema if isinstance(schema, dict) else None,
+                    users=tuple(config.users),
+                    confirm=config.confirm,
+                    timeout=config.timeout,
+                    source=self.name,
+                ),
+                real,
+            )
+        changed = offered != self._tools
+        self._tools = offered
+        if changed:
+            logger.info("MCP server {} offers: {}", config.name, ", ".join(sorted(offered)) or "no tools")
+            for listener in self._listeners:
+                listener()
+
+    async def _on_message(self, message: Any) -> None:
+        """The SDK's message handler (in the session's task): a tools/list_changed makes the
+        supervisor list again; a transport error is only logged (the ping or the next call
+        finds out whether the connection is gone)."""
+        if isinstance(message, Exception):
+            logger.debug("MCP server {}: transport error: {}", self.config.name, _reason(message))
+            return
+        if getattr(message, "method", None) == "notifications/tools/list_changed" or (
+            getattr(getattr(message, "root", None), "method", None) == "notifications/tools/list_changed"
+        ):
+            self._relist = True
+            self._wake.set()
+
+    def _set_lost(self, why: str) -> None:
+        if self._lost is None:
+            self._lost = why
+        self._session = None
+        self._wake.set()
+
+
+def _dump(model: Any) -> dict[str, Any]:
+    """A SDK result as its wire JSON (camelCase in SDK 1.x and 2.x alike)."""
+    data = model.model_dump(by_alias=True, mode="json", exclude_none=True)
+    return data if isinstance(data, dict) else {}
+
+
+def result_outcome(result: dict[str, Any]) -> ToolOutcome:
+    """A tools/call result (its wire JSON) as the model gets it: text items joined, other
+    content described briefly, structuredContent as JSON when there is no text; isError: an
+    error outcome. Also MCP over MQTT's (mcp_mqtt.py), which needs no SDK."""
+    parts: list[str] = []
+    texts = 0
+    for item in result.get("content") or []:
+        kind = item.get("type")
+        if kind == "text":
+            parts.append(str(item.get("text", "")))
+            texts += 1
+        elif kind in ("image", "audio"):
+            parts.append(f"[{item.get('mimeType', kind)}, {_decoded_size(item.get('data', ''))} bytes]")
+        elif kind == "resource":
+            resource = item.get("resource") or {}
+            if "text" in resource:
+                parts.append(str(resource["text"]))
+                texts += 1
+            else:
+                size = _decoded_size(resource.get("blob", ""))
+                parts.append(
+                    f"[resource {resource.get('uri', '')}, {resource.get('mimeType', 'binary')}, {size} bytes]"
+                )
+        elif kind == "resource_link":
+            parts.append(f"[resource {item.get('uri', '')}]")
+        else:
+            parts.append(f"[{kind} content]")
+    if not texts and result.get("structuredContent") is not None:
+        parts.insert(0, json.dumps(result["structuredContent"], ensure_ascii=False))
+    text = "\n".join(parts)
+    if result.get("isError"):
+        return ToolOutcome(text or "Error: the tool failed.", "error")
+    return ToolOutcome(text)
+
+
+def _decoded_size(data: str) -> int:
+    try:
+        return len(base64.b64decode(data, validate=False))
+    except ValueError:
+        return len(data)
+
+
+def _leaves(exc: BaseException) -> list[BaseException]:
+    """The exceptions inside (nested) exception groups, as the SDK's task groups raise them."""
+    inner = getattr(exc, "exceptions", None)
+    if isinstance(inner, tuple) and inner:
+        return [leaf for each in inner for leaf in _leaves(each)]
+    return [exc]
+
+
+def _reason(exc: BaseException) -> str:
+    leaf = _leaves(exc)[0]
+    text = str(leaf) or type(leaf).__name__
+    return f"{type(leaf).__name__}: {text}"[:300]
+
+
+def _connection_closed(exc: BaseException) -> bool:
+    import anyio
+
+    for leaf in _leaves(exc):
+        if isinstance(leaf, anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream):
+            return True
+        if getattr(getattr(leaf, "error", None), "code", None) == CONNECTION_CLOSED:
+            return True
+    return False

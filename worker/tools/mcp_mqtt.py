@@ -1,0 +1,433 @@
+"""MCP servers discovered on the broker, as worker tools (``[tools.mcp_mqtt]``): EMQX's "MCP
+over MQTT" (https://docs.emqx.com/en/emqx/latest/emqx-ai/mcp-over-mqtt/specification.html),
+the client side, on the worker's one broker connection through the Messaging port only (no
+paho, no MCP SDK: the JSON-RPC messages are few and plain).
+
+What is implemented, with ``R`` the configured ``topic_root`` ("$mcp" as the specification
+has it), ``C`` the worker's mcp-client-id (the ``client_id`` given), ``S`` a server's
+server-id (its MQTT client id) and ``N`` its server-name (a hierarchical name, may hold "/"):
+
+- Discovery: watch ``R-server/presence/+/{server_filter}``. A retained
+  ``notifications/server/online`` there records instance S of server N; an empty payload
+  (the server's clean shutdown, or its will after a crash) removes it. As long as one instance
+  of N is online, N is online: the client initializes with one instance at a time.
+- Initialization: watch ``R-rpc/C/+/{server_filter}`` and ``R-server/capability/+/{server_filter}``
+  (before any initialize, as the specification requires), publish the ``initialize`` request on
+  the server's control topic ``R-server/S/N``; the server answers on the RPC topic
+  ``R-rpc/C/S/N``; then ``notifications/initialized`` and ``tools/list`` (every page) on it.
+- Calls: ``tools/call`` on ``R-rpc/C/S/N``, answered there; the result as for [[tools.mcp]]
+  (text joined, isError: an error result). A server's ``ping`` request is answered, any other
+  request refused (-32601: the worker offers no roots, sampling or elicitation).
+- Changes: ``notifications/tools/list_changed`` on ``R-server/capability/S/N`` lists again;
+  ``notifications/disconnected`` on the RPC topic, or the presence cleared, withdraws the
+  instance (another online instance of N is initialized, else N's tools are withdrawn).
+- Shutdown: ``notifications/disconnected`` on ``R-client/presence/C`` (the client presence
+  topic) when the provider closes.
+- Every PUBLISH carries the user properties ``MCP-COMPONENT-TYPE: mcp-client`` and
+  ``MCP-MQTT-CLIENT-ID: C`` (the specification's MUST; servers read the client id of an
+  initialize from the latter), QoS 1; a tools/call expires (MQTT 5 Message Expiry) with its
+  timeout, so a server never runs a call nobody waits for any more.
+
+Where it departs from the specification, because the connection is the worker's own and is
+shared with its chat traffic:
+
+- C is not a fresh MQTT client id per initialization, and the CONNECT carries no
+  ``MCP-COMPONENT-TYPE``/``MCP-META`` user properties and no will on ``R-client/presence/C``:
+  the worker's connection has one will (its status). A worker that dies leaves its sessions
+  on the servers until they notice (their pings go unanswered).
+- The Messaging port has no No Local subscription option: the worker's own messages on the
+  RPC topic come back to it, and are told apart by ``MCP-COMPONENT-TYPE: mcp-client``.
+
+Mosquitto (2.0.11, Debian's) carries the ``$mcp-...`` topics: a client may publish to them,
+retained messages are kept, and explicit subscriptions (``$mcp-server/presence/+/...``) get
+them; only filters starting with a wildcard (``#``, ``+/...``) do not match them, as MQTT
+requires of topics beginning with "$" (tests/broker/test_mcp_mqtt.py shows both).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import json
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from loguru import logger
+
+from ..config.models import McpMqttConfig
+from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed
+from .mcp import result_outcome
+from .port import CallContext, ToolOutcome, WorkerTool
+
+PROTOCOL_VERSION = "2025-06-18"  # the MCP revision the specification is written against
+INIT_TIMEOUT = 30.0  # the specification's recommended timeouts for initialize and tools/list
+LIST_TIMEOUT = 30.0
+
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
+
+
+class RpcError(Exception):
+    def __init__(self, code: int, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+class ServerGone(Exception):
+    """The instance a request was sent to went offline before it answered."""
+
+
+@dataclass
+class _Server:
+    """One server-name: its online instances, the one initialized, its tools."""
+
+    name: str
+    instances: list[str] = field(default_factory=list)  # server-ids, in the order they came online
+    active: str | None = None  # the instance initialized (or being initialized)
+    ready: bool = False
+    tools: dict[str, tuple[WorkerTool, str]] = field(default_factory=dict)  # offered -> (tool, the server's name)
+    task: asyncio.Task[None] | None = None  # initialize + list, or list again
+
+
+class McpOverMqtt:
+    """A ToolProvider for every MCP server on the broker whose server-name matches
+    ``config.server_filter``."""
+
+    def __init__(self, config: McpMqttConfig, messaging: Messaging, client_id: str) -> None:
+        if any(c in client_id for c in "/+#") or not client_id:
+            raise ValueError(f"the mcp-client-id {client_id!r} must be non-empty, without '/', '+' or '#'")
+        self.config = config
+        self.messaging = messaging
+        self.client_id = client_id
+        self.name = "mcp-mqtt"
+        root = config.topic_root
+        self._server_root = f"{root}-server"
+        self._rpc_root = f"{root}-rpc"
+        self._client_presence = f"{root}-client/presence/{client_id}"
+        flt = config.server_filter or "#"
+        self._filters = (
+            f"{self._server_root}/presence/+/{flt}",
+            f"{self._server_root}/capability/+/{flt}",
+            f"{self._rpc_root}/{client_id}/+/{flt}",
+        )
+        self._servers: dict[str, _Server] = {}
+        self._pending: dict[int, tuple[str, str, asyncio.Future[Any]]] = {}  # id -> (server, instance, answer)
+        self._ids = itertools.count(1)
+        self._listeners: list[Callable[[], None]] = []
+        self._watching: list[str] = []
+        self._closing = False
+
+    # -- ToolProvider -------------------------------------------------------------------
+
+    def tools(self) -> Sequence[WorkerTool]:
+        return [tool for server in self._servers.values() for tool, _ in server.tools.values()]
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        self._listeners.append(callback)
+
+    async def start(self) -> None:
+        """Watch the RPC and capability topics first, the presence topic last: a retained
+        presence starts an initialize, whose answer must find the RPC topic watched. A watch
+        the broker refuses is logged: no discovery, the worker still starts."""
+        if self.config.server_filter is None:
+            return
+        handlers = (self._on_presence, self._on_capability, self._on_rpc)
+        for topic_filter, handler in reversed(list(zip(self._filters, handlers, strict=True))):
+            try:
+                await self.messaging.watch(topic_filter, handler)
+            except PublishFailed as exc:
+                logger.error("MCP over MQTT: cannot watch {}: {}; no servers discovered there", topic_filter, exc)
+                return
+            self._watching.append(topic_filter)
+        logger.info("MCP over MQTT: discovering servers {} as {}", self.config.server_filter, self.client_id)
+
+    async def close(self) -> None:
+        self._closing = True
+        for topic_filter in self._watching:
+            with contextlib.suppress(Exception):
+                self.messaging.unwatch(topic_filter)
+        self._watching.clear()
+        for server in self._servers.values():
+            if server.task is not None:
+                server.task.cancel()
+        self._fail_pending(lambda _server, _instance: True)
+        if self._servers:
+            done = self._send(self._client_presence, {"jsonrpc": "2.0", "method": "notifications/disconnected"})
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(done, 5.0)
+
+    async def call(self, tool: str, arguments: Mapping[str, Any], context: CallContext) -> ToolOutcome:
+        for server in self._servers.values():
+            if tool in server.tools:
+                break
+        else:
+            return ToolOutcome(f"Error: no MCP server on the broker offers {tool} now.", "unavailable")
+        if not server.ready or server.active is None:
+            return ToolOutcome(f"Error: the MCP server {server.name} is not available.", "unavailable")
+        timeout = self.config.timeout
+        params = {"name": server.tools[tool][1], "arguments": dict(arguments)}
+        try:
+            result = await self._request(server, "tools/call", params, timeout, expiry=timeout)
+        except TimeoutError:
+            logger.warning("MCP over MQTT: {} of {} did not answer within {:g} s", tool, server.name, timeout)
+            return ToolOutcome(f"Error: the MCP server {server.name} did not answer within {timeout:g} s.", "timeout")
+        except (ServerGone, PublishFailed):
+            return ToolOutcome(f"Error: the MCP server {server.name} is not available.", "unavailable")
+        except RpcError as exc:
+            return ToolOutcome(f"Error: {exc.message}", "error")
+        return result_outcome(result if isinstance(result, dict) else {})
+
+    # -- messages -------------------------------------------------------------------------
+
+    def _on_presence(self, delivery: Delivery) -> None:
+        parts = delivery.topic.split("/", 3)
+        if len(parts) != 4:
+            return
+        instance, name = parts[2], parts[3]
+        server = self._servers.get(name)
+        if not delivery.payload:
+            if server is not None and instance in server.instances:
+                server.instances.remove(instance)
+                logger.info("MCP over MQTT: server {} ({}) went offline", name, instance)
+                if server.active == instance:
+                    self._drop_active(server)
+            return
+        try:
+            message = json.loads(delivery.payload)
+        except ValueError:
+            logger.warning("MCP over MQTT: unreadable presence of {} ({}) ignored", name, instance)
+            return
+        if not isinstance(message, dict) or message.get("method") != "notifications/server/online":
+            return
+        if server is None:
+            server = self._servers[name] = _Server(name)
+        if instance not in server.instances:
+            server.instances.append(instance)
+            logger.info("MCP over MQTT: server {} ({}) is online", name, instance)
+        if server.active is None and not self._closing:
+            self._activate(server, instance)
+
+    def _on_capability(self, delivery: Delivery) -> None:
+        parts = delivery.topic.split("/", 3)
+        if len(parts) != 4 or _from_client(delivery):
+            return
+        server = self._servers.get(parts[3])
+        if server is None or server.active != parts[2] or not server.ready:
+            return
+        with contextlib.suppress(ValueError):
+            if json.loads(delivery.payload).get("method") == "notifications/tools/list_changed":
+                self._spawn(server, self._relist(server))
+
+    def _on_rpc(self, delivery: Delivery) -> None:
+        parts = delivery.topic.split("/", 3)
+        if len(parts) != 4 or _from_client(delivery):
+            return  # our own requests, back from the broker (no No Local through the port)
+        instance, name = parts[2], parts[3]
+        try:
+            message = json.loads(delivery.payload)
+        except ValueError:
+            logger.warning("MCP over MQTT: unreadable message from {} ({}) ignored", name, instance)
+            return
+        if not isinstance(message, dict):
+            return
+        method = message.get("method")
+        server = self._servers.get(name)
+        if method is None:  # a response
+            request_id = message.get("id")
+            pending = self._pending.get(request_id) if isinstance(request_id, int) else None
+            if pending is None or pending[:2] != (name, instance) or pending[2].done():
+                return
+            error = message.get("error")
+            if isinstance(error, dict):
+                pending[2].set_exception(RpcError(int(error.get("code", -32603)), str(error.get("message", "error"))))
+            else:
+                pending[2].set_result(message.get("result"))
+        elif method == "notifications/disconnected":
+            if server is not None and server.active == instance:
+                logger.info("MCP over MQTT: server {} ({}) ended the session", name, instance)
+                with contextlib.suppress(ValueError):
+                    server.instances.remove(instance)
+                self._drop_active(server)
+        elif method == "notifications/tools/list_changed":
+            if server is not None and server.active == instance and server.ready:
+                self._spawn(server, self._relist(server))
+        elif "id" in message:  # a request of the server's
+            answer: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"]}
+            if method == "ping":
+                answer["result"] = {}
+            else:
+                answer["error"] = {"code": -32601, "message": f"the worker does not offer {str(method)[:80]}"}
+            self._send(delivery.topic, answer)
+
+    # -- sessions ---------------------------------------------------------------------
+
+    def _activate(self, server: _Server, instance: str) -> None:
+        server.active, server.ready = instance, False
+        self._spawn(server, self._initialize(server, instance))
+
+    def _drop_active(self, server: _Server) -> None:
+        """The active instance is gone: its requests end as unavailable; another online
+        instance takes over, or the server's tools are withdrawn."""
+        gone = server.active
+        server.active, server.ready = None, False
+        if server.task is not None:
+            server.task.cancel()
+            server.task = None
+        self._fail_pending(lambda name, instance: name == server.name and instance == gone)
+        if server.instances and not self._closing:
+            self._activate(server, server.instances[0])
+        elif server.tools:
+            server.tools = {}
+            logger.info("MCP over MQTT: tools of {} withdrawn", server.name)
+            self._changed()
+
+    def _spawn(self, server: _Server, work: Any) -> None:
+        if server.task is not None and not server.task.done():
+            server.task.cancel()
+        server.task = asyncio.create_task(work, name=f"mcp-mqtt-{server.name}")
+
+    async def _initialize(self, server: _Server, instance: str) -> None:
+        params = {
+            "protocolVersion": PROTOCOL_VERSION,
+            "capabilities": {},
+            "clientInfo": {"name": "mqtt-vllm-worker", "version": _version()},
+        }
+        try:
+            control = f"{self._server_root}/{instance}/{server.name}"
+            result = await self._request(server, "initialize", params, INIT_TIMEOUT, topic=control, instance=instance)
+            if not isinstance(result, dict) or not isinstance(result.get("capabilities"), dict):
+                raise RpcError(-32603, "an initialize result without capabilities")
+            initialized = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+            await self._send(self._rpc_topic(instance, server.name), initialized)
+            server.ready = True
+            await self._list(server)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            # The instance stays recorded: a new presence (the server restarting) tries again.
+            logger.warning("MCP over MQTT: cannot initialize {} ({}): {}", server.name, instance, exc)
+            if server.active == instance:
+                server.active, server.ready = None, False
+                with contextlib.suppress(ValueError):
+                    server.instances.remove(instance)
+                if server.tools:
+                    server.tools = {}
+                    self._changed()
+            return
+        logger.info("MCP over MQTT: {} ({}) initialized, {} tools offered", server.name, instance, len(server.tools))
+
+    async def _relist(self, server: _Server) -> None:
+        try:
+            await self._list(server)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            logger.warning("MCP over MQTT: cannot list the tools of {} again: {}", server.name, exc)
+
+    async def _list(self, server: _Server) -> None:
+        listed: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            page = await self._request(server, "tools/list", {"cursor": cursor} if cursor else {}, LIST_TIMEOUT)
+            if not isinstance(page, dict):
+                raise RpcError(-32603, "a tools/list result that is not an object")
+            listed.extend(item for item in page.get("tools") or [] if isinstance(item, dict))
+            cursor = page.get("nextCursor")
+            if not cursor:
+                break
+        self._offer(server, listed)
+
+    def _offer(self, server: _Server, listed: list[dict[str, Any]]) -> None:
+        config = self.config
+        prefix = _NOT_NAME.sub("_", server.name) + "_"
+        offered: dict[str, tuple[WorkerTool, str]] = {}
+        for item in listed:
+            real = str(item.get("name", ""))
+            if not real or ("*" not in config.allow and real not in config.allow):
+                continue
+            name = prefix + _NOT_NAME.sub("_", real)
+            if len(name) > 64 or name in offered:
+                logger.warning("MCP over MQTT: tool {!r} of {} not offered (too long or clashing)", real, server.name)
+                continue
+            schema = item.get("inputSchema")
+            offered[name] = (
+                WorkerTool(
+                    name=name,
+                    description=item.get("description") if isinstance(item.get("description"), str) else None,
+                    parameters=schema if isinstance(schema, dict) else None,
+                    users=tuple(config.users),
+                    confirm=config.confirm,
+                    timeout=config.timeout,
+                    source=f"mcp-mqtt:{server.name}",
+                ),
+                real,
+            )
+        if offered != server.tools:
+            server.tools = offered
+            logger.info("MCP over MQTT: {} offers: {}", server.name, ", ".join(sorted(offered)) or "no tools")
+            self._changed()
+
+    async def _request(
+        self,
+        server: _Server,
+        method: str,
+        params: dict[str, Any],
+        timeout: float,
+        *,
+        topic: str | None = None,
+        instance: str | None = None,
+        expiry: float | None = None,
+    ) -> Any:
+        instance = instance or server.active
+        if instance is None:
+            raise ServerGone(server.name)
+        request_id = next(self._ids)
+        answer: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        self._pending[request_id] = (server.name, instance, answer)
+        try:
+            message = {"jsonrpc": "2.0", "id": request_id, "method": method, "params": params}
+            sent = self._send(topic or self._rpc_topic(instance, server.name), message, expiry=expiry)
+
+            async def exchange() -> Any:
+                await sent
+                return await answer
+
+            return await asyncio.wait_for(exchange(), timeout)
+        finally:
+            self._pending.pop(request_id, None)
+            if not answer.done():
+                answer.cancel()
+
+    def _send(self, topic: str, message: dict[str, Any], *, expiry: float | None = None) -> asyncio.Future[None]:
+        properties = OutboundProperties(
+            message_expiry=math.ceil(expiry) if expiry else None,
+            user_properties=(("MCP-COMPONENT-TYPE", "mcp-client"), ("MCP-MQTT-CLIENT-ID", self.client_id)),
+            content_type="application/json",
+        )
+        return self.messaging.send(topic, json.dumps(message).encode(), qos=1, properties=properties)
+
+    def _rpc_topic(self, instance: str, name: str) -> str:
+        return f"{self._rpc_root}/{self.client_id}/{instance}/{name}"
+
+    def _fail_pending(self, which: Callable[[str, str], bool]) -> None:
+        for server_name, instance, answer in list(self._pending.values()):
+            if which(server_name, instance) and not answer.done():
+                answer.set_exception(ServerGone(server_name))
+
+    def _changed(self) -> None:
+        for listener in self._listeners:
+            listener()
+
+
+def _from_client(delivery: Delivery) -> bool:
+    return ("MCP-COMPONENT-TYPE", "mcp-client") in delivery.user_properties
+
+
+def _version() -> str:
+    from .. import __version__
+
+    return str(__version__)
