@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import importlib.util
 import json
 import os
 import re
@@ -263,6 +264,12 @@ def _check_usable(config: WorkerConfig, environ: Mapping[str, str]) -> None:
             )
         )
     check_connection_files(config.mqtt)
+    if config.tools.mcp and importlib.util.find_spec("mcp") is None:
+        servers = ", ".join(server.name for server in config.tools.mcp)
+        raise ConfigError(
+            f"tools.mcp names MCP servers ({servers}), but the MCP SDK is not installed: "
+            "pip install 'mqtt-vllm-worker[mcp]'"
+        )
 
 
 # A Hugging Face hub id: "name" or "org/name", as the hub spells them (letters, digits, "-",
