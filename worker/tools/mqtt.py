@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from ..protocol.messages import log_text
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed, PublishRefused
 from .port import CallContext, ToolOutcome, WorkerTool
 
@@ -44,6 +45,10 @@ def response_topic_for(topic_prefix: str, worker_id: str) -> str:
     even if its correlation data happened to match; the ACL grants the worker
     ``<prefix>/_tools/<worker_id>/#`` (docs/security.md)."""
     return f"{topic_prefix}/_tools/{worker_id}/{os.urandom(4).hex()}"
+
+
+class ToolsClosed(Exception):
+    """The provider closed while a call waited for its answer."""
 
 
 @dataclass
@@ -128,9 +133,11 @@ class DeviceTools:
         logger.info("Device tools: {} tool(s), answers on {}", len(self._tools), self.response_topic)
 
     async def close(self) -> None:
+        # Calls still waiting end with a result (not a CancelledError, which their callers
+        # would take for their own cancellation).
         for waiting in self._pending.values():
             if not waiting.done():
-                waiting.cancel()
+                waiting.set_exception(ToolsClosed())
         self._pending.clear()
         if self._watching:
             self._watching = False
@@ -144,6 +151,7 @@ class DeviceTools:
             return ToolOutcome(f"Error: the tool {tool} is not a device tool.", "unavailable")
         counts = self._counts[tool]
         counts.calls += 1
+        ref = log_text(context.tool_call_id)  # an id the client's requestId is part of: escaped
         if self._unavailable is not None:
             counts.errors += 1
             return ToolOutcome(f"Error: the device tool {tool} is unavailable: {self._unavailable}.", "unavailable")
@@ -163,46 +171,46 @@ class DeviceTools:
         loop = asyncio.get_running_loop()
         answer: asyncio.Future[Delivery] = loop.create_future()
         self._pending[correlation] = answer  # before the publish: an answer may come at once
-        deadline = loop.time() + config.timeout  # the timer starts at the publish
+        taken = False  # by the broker (its PUBACK)
+        logger.debug("Device tool {} call {} to {}: {}", tool, ref, topic, payload[:2000])
         try:
-            logger.debug("Device tool {} call {} to {}: {}", tool, context.tool_call_id, topic, payload[:2000])
-            try:
-                await asyncio.wait_for(
-                    self._messaging.send(topic, payload, qos=1, properties=properties), config.timeout
-                )
-            except PublishFailed as exc:
-                counts.errors += 1
-                logger.warning("Device tool {} call {}: not sent to {}: {}", tool, context.tool_call_id, topic, exc)
-                return ToolOutcome(
-                    f"Error: the device tool {tool} is unavailable (the call was not sent).", "unavailable"
-                )
-            except TimeoutError:
-                # Not taken by the broker in time (no connection): paho keeps it queued and may
-                # still send it after a reconnect; its expiry bounds how late it may act.
-                counts.timeouts += 1
-                logger.warning("Device tool {} call {}: the broker did not take it in time", tool, context.tool_call_id)
-                return ToolOutcome(
-                    f"Error: the device did not answer within {config.timeout:g} s (the call had not reached the "
-                    "broker; it may still reach the device).",
-                    "timeout",
-                )
-            try:
-                delivery = await asyncio.wait_for(answer, max(0.0, deadline - loop.time()))
-            except TimeoutError:
-                counts.timeouts += 1
-                logger.warning(
-                    "Device tool {} call {}: no answer within {:g} s", tool, context.tool_call_id, config.timeout
-                )
+            # One timer from the publish to the answer. asyncio.timeout, not wait_for: Python
+            # 3.11's wait_for swallows a cancellation that comes as the awaited future completes.
+            async with asyncio.timeout(config.timeout):
+                await self._messaging.send(topic, payload, qos=1, properties=properties)
+                taken = True
+                delivery = await answer
+        except PublishFailed as exc:
+            counts.errors += 1
+            logger.warning("Device tool {} call {}: not sent to {}: {}", tool, ref, topic, exc)
+            return ToolOutcome(f"Error: the device tool {tool} is unavailable (the call was not sent).", "unavailable")
+        except TimeoutError:
+            counts.timeouts += 1
+            if taken:
+                logger.warning("Device tool {} call {}: no answer within {:g} s", tool, ref, config.timeout)
                 return ToolOutcome(f"Error: the device did not answer within {config.timeout:g} s.", "timeout")
+            # Not taken by the broker in time (no connection): paho keeps it queued and may
+            # still send it after a reconnect; its expiry bounds how late it may act.
+            logger.warning("Device tool {} call {}: the broker did not take it in time", tool, ref)
+            return ToolOutcome(
+                f"Error: the device did not answer within {config.timeout:g} s (the call had not reached the "
+                "broker; it may still reach the device).",
+                "timeout",
+            )
+        except ToolsClosed:
+            counts.errors += 1
+            return ToolOutcome(
+                f"Error: the device tool {tool} was not answered: the worker is stopping.", "unavailable"
+            )
         finally:
             self._pending.pop(correlation, None)
         content = delivery.payload.decode("utf-8", errors="replace")
-        logger.debug("Device tool {} call {} answered: {}", tool, context.tool_call_id, content[:2000])
+        logger.debug("Device tool {} call {} answered: {}", tool, ref, content[:2000])
         if ("outcome", "error") in delivery.user_properties:
             counts.errors += 1
-            logger.info("Device tool {} call {}: the device reported an error", tool, context.tool_call_id)
+            logger.info("Device tool {} call {}: the device reported an error", tool, ref)
             return ToolOutcome(content, "error")
-        logger.info("Device tool {} call {} answered ({} bytes)", tool, context.tool_call_id, len(delivery.payload))
+        logger.info("Device tool {} call {} answered ({} bytes)", tool, ref, len(delivery.payload))
         return ToolOutcome(content, "ok")
 
     # -- the response topic (on the event loop) ---------------------------------------
