@@ -247,3 +247,23 @@ def test_a_device_topic_the_broker_refuses_is_unavailable(tmp_path: Path) -> Non
         asyncio.run(run())
     finally:
         acl_broker.stop()
+
+
+def test_answers_are_acknowledged_by_the_transport_at_once(broker: Mosquitto) -> None:
+    """With Receive Maximum 1 the broker sends the worker one unacknowledged QoS 1 message at a
+    time: an answer left unacknowledged (for the service, which never sees it) would hold back
+    every later answer, and the second call would time out."""
+    p = prefix()
+
+    async def run() -> None:
+        async with (
+            connected(broker.port, receive_maximum=1) as transport,
+            device_tools(transport, [tool("sensor", f"{p}/sensor/read", timeout=5)]) as tools,
+        ):
+            with devices_on(broker.port, prefix=p):
+                for n in range(3):
+                    outcome = await tools.call("sensor", {}, context(n))
+                    assert outcome.ok, (n, outcome)
+                assert transport.inbox.empty()
+
+    asyncio.run(run())

@@ -35,8 +35,10 @@ if TYPE_CHECKING:
     from ..protocol.topics import Topics
 
 ONLINE = b"online"
-UNWATCHED_KEPT = 64
 OFFLINE = b"offline"
+# Unwatched filters remembered, so that messages still on their way on them are dropped, not
+# taken for requests (late ones come soon, if at all: only the latest are worth keeping).
+UNWATCHED_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -781,7 +783,6 @@ class MqttTransport:
         if self._watches.pop(topic_filter, None) is None:
             return
         self._watch_list = tuple(self._watches.values())
-        # Bounded: only the latest are worth remembering (late messages come soon, if at all).
         self._unwatched = (*self._unwatched, topic_filter)[-UNWATCHED_KEPT:]
         self._client.unsubscribe(topic_filter)
 
