@@ -14,7 +14,7 @@ from .mosquitto import Mosquitto, password_file
 if TYPE_CHECKING:
     pass
 
-PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret"}
+PASSWORDS = {"worker": "worker-secret", "alice": "alice-secret", "bob": "bob-secret", "devices": "devices-secret"}
 
 
 def documented_acl() -> str:
@@ -26,11 +26,21 @@ def documented_acl() -> str:
     return match.group(1)
 
 
-def documented_acl_broker(tmp_path: Path, *, websockets: bool = False) -> Mosquitto:
-    """mosquitto with PASSWORDS and docs/security.md's ACL (and a WebSockets listener), started."""
+def documented_device_acl() -> str:
+    """The ```acl block of docs/security.md's "Device tools: broker ACL recipe" section."""
+    text = (REPO / "docs" / "security.md").read_text()
+    section = text.split("## Device tools: broker ACL recipe", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```acl\n(.*?)```", section, re.S)
+    assert match, "docs/security.md: no ```acl block in the device tools' ACL section"
+    return match.group(1)
+
+
+def documented_acl_broker(tmp_path: Path, *, websockets: bool = False, devices: bool = False) -> Mosquitto:
+    """mosquitto with PASSWORDS and docs/security.md's ACL (and a WebSockets listener), started.
+    ``devices``: with the device tools' recipe appended, as the document says to."""
     passwd = password_file(tmp_path / "passwd", PASSWORDS)
     acl = tmp_path / "acl"
-    acl.write_text(documented_acl())
+    acl.write_text(documented_acl() + ("\n" + documented_device_acl() if devices else ""))
     broker = Mosquitto(
         tmp_path,
         f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n",

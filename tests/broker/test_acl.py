@@ -1,10 +1,12 @@
 """Topic ACL (issue 5, point 3): mosquitto with passwords and the ACL of docs/security.md (read
 from the document, so that the recipe is what is tested), the in-process worker logging in as
 its own user, and users alice and bob. alice is answered and sees the worker online; bob can
-neither read alice's replies nor reach alice's session; anonymous clients are refused."""
+neither read alice's replies nor reach alice's session; anonymous clients are refused. With the
+device tools' block (issue 23): only the worker calls the devices and reads their answers."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import time
@@ -17,9 +19,14 @@ import pytest
 from paho.mqtt.enums import CallbackAPIVersion
 
 from devtools.acl import PASSWORDS, documented_acl_broker, logged_in_worker
+from devtools.devices import SimulatedDevices
 from devtools.fakes import mentions
 from devtools.mosquitto import Mosquitto
-from devtools.mqtt_client import Received
+from devtools.mqtt_client import Received, probe_settings
+from worker.config.models import MqttToolConfig
+from worker.tools.mqtt import DeviceTools, response_topic_for
+from worker.tools.port import CallContext
+from worker.transport.mqtt import MqttTransport
 
 PRESENCE = "chat/_worker/gpu-1/status"
 
@@ -134,3 +141,60 @@ def test_anonymous_and_wrong_passwords_are_refused(acl_broker: Mosquitto) -> Non
             assert not client.connected, username
         finally:
             client.close()
+
+
+def test_the_device_tools_recipe_lets_only_the_worker_call_devices_and_read_their_answers(tmp_path: Path) -> None:
+    """docs/security.md's device tools block, added to the topic ACL: the worker calls the lamp
+    and gets its answer; alice can neither switch the lamp nor read the worker's answers; the
+    worker's first block (replies) still holds beside its second."""
+    broker = documented_acl_broker(tmp_path, devices=True)
+    alice = UserClient(broker.port, "alice", PASSWORDS["alice"])
+    devices = SimulatedDevices(port=broker.port, login=("devices", PASSWORDS["devices"]))
+    devices.start()
+    seen_by_alice: list[Received] = []
+
+    async def run() -> None:
+        settings = probe_settings(
+            broker.port,
+            username="worker",
+            password=PASSWORDS["worker"],
+            subscriptions=("chat/+/+/request",),
+            status_topic=PRESENCE,
+        )
+        transport = MqttTransport(settings, asyncio.get_running_loop())
+        transport.start()
+        await asyncio.wait_for(transport.wait_connected(), 10)
+        tools = DeviceTools(
+            [MqttToolConfig(name="lamp_set", topic="devices/lamp/set", users=["*"], timeout=10)],
+            transport,
+            response_topic_for("chat", "gpu-1"),
+        )
+        try:
+            await tools.start()
+            # alice listens where the answers and the calls go (granted by mosquitto, delivered never)
+            for topic in ["chat/_tools/gpu-1/#", "chat/_tools/#", "devices/#"]:
+                alice.subscribe(topic)
+            assert alice.publish("devices/lamp/set", {"on": True}).is_failure  # not authorized
+            assert devices.calls == [] and not devices.lamp_on
+
+            outcome = await tools.call("lamp_set", {"on": True}, CallContext("r1", "c1", "alice/s1"))
+            assert outcome.ok and json.loads(outcome.content) == {"on": True}, outcome
+            assert [(c["topic"], c["toolCallId"]) for c in devices.calls] == [("devices/lamp/set", "c1")]
+
+            assert alice.subscribe("chat/alice/+/reply").value < 0x80
+            await transport.publish("chat/alice/s1/reply", b'{"requestId":"r1"}')
+            reply = alice.next(5)
+            assert reply is not None and reply.topic == "chat/alice/s1/reply"
+            await asyncio.sleep(0.5)  # anything misrouted would have arrived by now
+            seen_by_alice.extend(iter(lambda: alice.next(0.1), None))
+        finally:
+            await tools.close()
+            await transport.close(1)
+
+    try:
+        asyncio.run(run())
+    finally:
+        devices.stop()
+        alice.close()
+        broker.stop()
+    assert seen_by_alice == []

@@ -15,6 +15,7 @@ import socket
 import ssl
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
@@ -27,7 +28,7 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.reasoncodes import ReasonCode
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from .port import InboundMessage, PublishNotSent, PublishRefused
+from .port import Delivery, InboundMessage, OutboundProperties, PublishNotSent, PublishRefused
 
 if TYPE_CHECKING:
     from ..config.models import WorkerConfig
@@ -35,6 +36,9 @@ if TYPE_CHECKING:
 
 ONLINE = b"online"
 OFFLINE = b"offline"
+# Unwatched filters remembered, so that messages still on their way on them are dropped, not
+# taken for requests (late ones come soon, if at all: only the latest are worth keeping).
+UNWATCHED_KEPT = 64
 
 
 @dataclass(frozen=True)
@@ -103,6 +107,41 @@ def _publish_properties(correlation_data: bytes | None) -> Properties | None:
     props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
     props.CorrelationData = correlation_data
     return props
+
+
+def outbound_properties(properties: OutboundProperties | None) -> Properties | None:
+    """paho's PUBLISH properties for a message to a device or an MCP server (None: none set)."""
+    if properties is None:
+        return None
+    props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+    if properties.response_topic is not None:
+        props.ResponseTopic = properties.response_topic
+    if properties.correlation_data is not None:
+        props.CorrelationData = properties.correlation_data
+    if properties.message_expiry is not None:
+        props.MessageExpiryInterval = properties.message_expiry
+    if properties.user_properties:
+        props.UserProperty = list(properties.user_properties)
+    if properties.content_type is not None:
+        props.ContentType = properties.content_type
+    return props if props.pack() != b"\x00" else None  # type: ignore[no-untyped-call]
+
+
+def _matchable(topic_filter: str) -> str:
+    """The filter a shared subscription ($share/<group>/<filter>) matches topics with."""
+    if topic_filter.startswith("$share/"):
+        parts = topic_filter.split("/", 2)
+        return parts[2] if len(parts) == 3 else topic_filter
+    return topic_filter
+
+
+@dataclass(frozen=True)
+class _Watch:
+    """A watched topic filter (Messaging.watch): its handler runs on the event loop."""
+
+    topic_filter: str
+    handler: Callable[[Delivery], None]
+    qos: int
 
 
 def set_tcp_nodelay(client: mqtt.Client) -> None:
@@ -307,6 +346,17 @@ class MqttTransport:
         self._session = 0
         # QoS 1 publishes not yet acknowledged by the broker, by packet id: their futures.
         self._unconfirmed: dict[int, asyncio.Future[None]] = {}
+        # Watched filters (Messaging.watch: device responses, MCP over MQTT), owned by the
+        # event loop. paho's thread reads only the tuples, replaced whole on each change: it
+        # picks the watchers of a message and resubscribes them after every reconnect.
+        self._watches: dict[str, _Watch] = {}
+        self._watch_list: tuple[_Watch, ...] = ()
+        # Filters unwatched while messages on them may still be on their way (or, when no
+        # connection took the UNSUBSCRIBE, in the broker's session): such messages are
+        # acknowledged and dropped, never taken for requests; unsubscribed again on connect.
+        self._unwatched: tuple[str, ...] = ()
+        # watch()'s SUBSCRIBE packets waiting for their SUBACK, by packet id.
+        self._watch_acks: dict[int, asyncio.Future[None]] = {}
         client = mqtt.Client(
             CallbackAPIVersion.VERSION2,
             client_id=settings.client_id,
@@ -360,6 +410,13 @@ class MqttTransport:
                 # the publisher's, the option is this subscription's.
                 options = SubscribeOptions(qos=1, retainAsPublished=True)  # type: ignore[no-untyped-call]
                 _, self._subscribe_mid = client.subscribe([(topic, options) for topic in self.settings.subscriptions])
+            # Watched filters in a SUBSCRIBE of their own (its SUBACK is not the requests'):
+            # also after unsubscribe(), as a draining worker's tool calls still want answers.
+            watches = self._watch_list
+            if watches:
+                client.subscribe([(w.topic_filter, SubscribeOptions(qos=w.qos)) for w in watches])  # type: ignore[no-untyped-call]
+            if self._unwatched:
+                client.unsubscribe(list(self._unwatched))
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
             logger.info(
                 "MQTT connected to {}:{} (session {})",
@@ -422,6 +479,7 @@ class MqttTransport:
     ) -> None:
         try:
             self._loop.call_soon_threadsafe(self._connected.clear)
+            self._loop.call_soon_threadsafe(self._watch_acks_lost)
             if reason.value != 0:
                 logger.warning("MQTT disconnected ({}); reconnecting", reason)
         except Exception:
@@ -447,10 +505,17 @@ class MqttTransport:
                 logger.error("MQTT subscription refused: {}", ", ".join(str(r) for r in refused))
             elif mid == self._subscribe_mid:
                 self._loop.call_soon_threadsafe(self._subscribed.set)
+            # A watch() waiting for this SUBACK learns its answer on the loop (its packet id is
+            # registered there before this report can run).
+            self._loop.call_soon_threadsafe(
+                self._watch_answered, mid, ", ".join(str(r) for r in refused) if refused else None
+            )
         except Exception:
             logger.exception("error in MQTT subscribe callback")
 
     def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        if self._watched_message(client, message):
+            return
         try:
             props = message.properties
             response_topic = getattr(props, "ResponseTopic", None) if props else None
@@ -474,6 +539,54 @@ class MqttTransport:
         except Exception:
             logger.exception("error in MQTT message callback on message {}", getattr(message, "mid", "?"))
             self._hand_over_bare(client, message)
+
+    def _watched_message(self, client: mqtt.Client, message: mqtt.MQTTMessage) -> bool:
+        """A message on a watched (or just unwatched) filter: acknowledged at once, here, as no
+        request is answered by it and the service never sees it (a Receive Maximum slot
+        must not wait for it), then handed to its watchers on the loop. False: not one,
+        a request (or control) for the service, untouched."""
+        try:
+            topic = message.topic
+            watchers = [w for w in self._watch_list if mqtt.topic_matches_sub(_matchable(w.topic_filter), topic)]
+            stale = not watchers and any(mqtt.topic_matches_sub(_matchable(f), topic) for f in self._unwatched)
+        except Exception:  # not readable as a watched message: the request path (and its checks) takes it
+            logger.exception("error matching MQTT message {} against the watched topics", getattr(message, "mid", "?"))
+            return False
+        if not watchers and not stale:
+            return False
+        try:
+            if message.qos > 0:
+                client.ack(message.mid, message.qos)
+            if stale:
+                logger.debug("Dropping a message on {}, no longer watched", topic)
+            else:
+                self._hand_to_watchers(watchers, message)
+        except Exception:  # never let a callback kill paho's network loop
+            logger.exception("error handing over watched MQTT message {}", getattr(message, "mid", "?"))
+        return True
+
+    def _hand_to_watchers(self, watchers: list[_Watch], message: mqtt.MQTTMessage) -> None:
+        topic = message.topic
+        props = message.properties
+        correlation = getattr(props, "CorrelationData", None) if props else None
+        user_properties = getattr(props, "UserProperty", None) if props else None
+        delivery = Delivery(
+            topic=topic,
+            payload=bytes(message.payload),
+            retain=bool(message.retain),
+            correlation_data=bytes(correlation) if correlation is not None else None,
+            response_topic=getattr(props, "ResponseTopic", None) if props else None,
+            user_properties=tuple((str(k), str(v)) for k, v in user_properties or ()),
+        )
+        for watch in watchers:
+            self._loop.call_soon_threadsafe(self._deliver, watch, delivery)
+
+    @staticmethod
+    def _deliver(watch: _Watch, delivery: Delivery) -> None:
+        try:
+            watch.handler(delivery)
+        except Exception:  # one watcher's bug must not stop the loop's other work
+            logger.exception("Handler of watched topic {} failed", watch.topic_filter)
 
     def _hand_over_bare(self, client: mqtt.Client, message: mqtt.MQTTMessage) -> None:
         """A message whose properties could not be read is handed over without them, so the
@@ -536,10 +649,12 @@ class MqttTransport:
     def payload_limit(self, topic: str, *, qos: int = 1, correlation_data: bytes | None = None) -> int | None:
         """The largest payload a publish to topic can carry under the broker's Maximum Packet
         Size (possibly negative: nothing fits); None when the broker set no limit."""
+        return self._payload_limit(topic, qos, _publish_properties(correlation_data))
+
+    def _payload_limit(self, topic: str, qos: int, props: Properties | None) -> int | None:
         limit = self.max_packet_size
         if limit is None:
             return None
-        props = _publish_properties(correlation_data)
         properties_size = len(props.pack()) if props is not None else 1  # type: ignore[no-untyped-call]
         payload = limit - publish_packet_size(topic, 0, qos, properties_size)
         # The remaining length's own size grows with the payload (1 to 4 bytes).
@@ -556,15 +671,32 @@ class MqttTransport:
         can make a smaller one, replies and stream deltas, check the limit first), or with
         PublishNotSent when paho could not queue it or the client closed before the PUBACK.
         QoS 0 is best effort: done once handed to paho, whatever became of it."""
+        return self._publish(topic, payload, qos, retain, _publish_properties(correlation_data))
+
+    def send(
+        self,
+        topic: str,
+        payload: bytes,
+        *,
+        qos: int = 1,
+        retain: bool = False,
+        properties: OutboundProperties | None = None,
+    ) -> asyncio.Future[None]:
+        """Messaging.send: publish() with MQTT 5 properties (ResponseTopic, CorrelationData,
+        Message Expiry Interval, user properties, Content Type), the same confirmation."""
+        return self._publish(topic, payload, qos, retain, outbound_properties(properties))
+
+    def _publish(
+        self, topic: str, payload: bytes, qos: int, retain: bool, props: Properties | None
+    ) -> asyncio.Future[None]:
         done: asyncio.Future[None] = self._loop.create_future()
-        limit = self.payload_limit(topic, qos=qos, correlation_data=correlation_data)
+        limit = self._payload_limit(topic, qos, props)
         if limit is not None and len(payload) > limit:
             logger.error(
                 "Not publishing {} bytes: over the broker's maximum packet size of {} bytes", len(payload), limit
             )
             self._settle(done, qos, PublishRefused(f"{len(payload)} bytes are over the broker's maximum packet size"))
             return done
-        props = _publish_properties(correlation_data)
         info = self._client.publish(topic, payload, qos=qos, retain=retain, properties=props)
         if info.rc not in (mqtt.MQTT_ERR_SUCCESS, mqtt.MQTT_ERR_NO_CONN):
             logger.warning("MQTT publish failed: {}", mqtt.error_string(info.rc))
@@ -602,6 +734,58 @@ class MqttTransport:
             return
         self._client.ack(message.mid, message.qos)
 
+    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
+        """Messaging.watch. The filter is remembered before the SUBSCRIBE goes out, so every
+        reconnect subscribes it again (a resumed session has it anyway). Refused (the ACL): it
+        is forgotten and PublishRefused raised. No connection now: PublishNotSent, but it
+        stays watched and is subscribed once the client is connected again."""
+        self._watches[topic_filter] = _Watch(topic_filter, handler, qos)
+        self._watch_list = tuple(self._watches.values())
+        self._unwatched = tuple(f for f in self._unwatched if f != topic_filter)
+        options = SubscribeOptions(qos=qos)  # type: ignore[no-untyped-call]
+        rc, mid = self._client.subscribe([(topic_filter, options)])
+        if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
+            raise PublishNotSent(f"not subscribed now ({mqtt.error_string(rc)}); subscribed on the next connect")
+        answered: asyncio.Future[None] = self._loop.create_future()
+        self._watch_acks[mid] = answered
+        try:
+            await answered
+        except PublishRefused:
+            # Refused now, refused after every reconnect: not watched (unless watched anew meanwhile).
+            current = self._watches.get(topic_filter)
+            if current is not None and current.handler is handler:
+                del self._watches[topic_filter]
+                self._watch_list = tuple(self._watches.values())
+            raise
+        finally:
+            self._watch_acks.pop(mid, None)
+
+    def _watch_answered(self, mid: int, refused: str | None) -> None:
+        answered = self._watch_acks.pop(mid, None)
+        if answered is None or answered.done():
+            return
+        if refused is None:
+            answered.set_result(None)
+        else:
+            answered.set_exception(PublishRefused(f"subscription refused by the broker: {refused}"))
+
+    def _watch_acks_lost(self) -> None:
+        """The connection is gone: a SUBACK still awaited will not come (the filter stays
+        watched; the next connect subscribes it)."""
+        for answered in self._watch_acks.values():
+            if not answered.done():
+                answered.set_exception(PublishNotSent("the connection was lost before the broker answered"))
+        self._watch_acks.clear()
+
+    def unwatch(self, topic_filter: str) -> None:
+        """Messaging.unwatch: unsubscribe. Messages on it that are still on their way are
+        acknowledged and dropped."""
+        if self._watches.pop(topic_filter, None) is None:
+            return
+        self._watch_list = tuple(self._watches.values())
+        self._unwatched = (*self._unwatched, topic_filter)[-UNWATCHED_KEPT:]
+        self._client.unsubscribe(topic_filter)
+
     def unsubscribe(self) -> None:
         """Ask the broker to send nothing more (a share group's member that stops: the group's
         other members get its share; what is already on its way still arrives)."""
@@ -624,3 +808,7 @@ class MqttTransport:
             if not done.done():
                 done.set_exception(PublishNotSent("the MQTT client closed before the broker took it"))
         self._unconfirmed.clear()
+        for answered in self._watch_acks.values():
+            if not answered.done():
+                answered.set_exception(PublishNotSent("the MQTT client closed before the broker answered"))
+        self._watch_acks.clear()

@@ -1,0 +1,199 @@
+"""Simulated devices for the worker's device tools ([[tools.mqtt]]), on MQTT 5 request/response.
+
+    python -m devtools.devices --host 127.0.0.1 --port 1883 [--prefix devices] [--log calls.jsonl]
+        [--delay-ms N] [--username U --password P]
+
+- ``<prefix>/lamp/set`` with ``{"on": true|false}``: switches the lamp, answers its state ``{"on": ...}``;
+- ``<prefix>/lamp/get``: answers the lamp's state;
+- ``<prefix>/sensor/read``: answers ``{"temperature_c": 21.5, "occupied": false}``.
+
+Each answer goes to the call's ResponseTopic with its CorrelationData (a call without a
+ResponseTopic is logged and not answered). Calls are deduplicated by their ``toolCallId``
+user property: a repeated id gets the stored answer again and does not actuate again. Bad
+arguments are answered with the user property ``outcome=error``. Every call received is
+appended to ``--log`` as a JSON line (topic, toolCallId, requestId, payload, time, duplicate),
+for the fault tests: a device must see each call at most once.
+
+In-process (tests): ``SimulatedDevices(port=...)``, ``start()``, ``stop()``; ``calls`` holds
+the same records as the log, ``actuations`` counts the lamp switches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import signal
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+from paho.mqtt.subscribeoptions import SubscribeOptions
+
+SENSOR = {"temperature_c": 21.5, "occupied": False}
+
+
+@dataclass(frozen=True)
+class Answer:
+    payload: bytes
+    error: bool = False
+
+
+class SimulatedDevices:
+    """A lamp and a sensor answering MQTT 5 requests; see the module's docstring."""
+
+    def __init__(
+        self,
+        host: str = "127.0.0.1",
+        port: int = 1883,
+        *,
+        prefix: str = "devices",
+        log: Path | None = None,
+        delay_ms: int = 0,
+        login: tuple[str, str] | None = None,
+    ) -> None:
+        self.host, self.port, self.prefix = host, port, prefix
+        self.log = log
+        self.delay = delay_ms / 1000
+        self.lamp_on = False
+        self.actuations = 0  # lamp switches actually done (a duplicate call does none)
+        self.calls: list[dict[str, Any]] = []
+        self._answers: dict[str, Answer] = {}  # by toolCallId
+        self._lock = threading.Lock()
+        self._ready = threading.Event()
+        self._suback = threading.Event()
+        self._timers: list[threading.Timer] = []
+        self._client = mqtt.Client(
+            CallbackAPIVersion.VERSION2, client_id=f"sim-devices-{time.monotonic_ns()}", protocol=mqtt.MQTTv5
+        )
+        if login is not None:
+            self._client.username_pw_set(*login)
+        self._client.on_connect = self._on_connect
+        self._client.on_subscribe = lambda c, u, mid, reasons, p: self._suback.set()
+        self._client.on_message = self._on_message
+
+    @property
+    def topics(self) -> list[str]:
+        return [f"{self.prefix}/lamp/set", f"{self.prefix}/lamp/get", f"{self.prefix}/sensor/read"]
+
+    def start(self, timeout: float = 10) -> None:
+        """Connect and subscribe; returns once the broker has acknowledged the subscription."""
+        self._client.connect(self.host, self.port, keepalive=30)
+        self._client.loop_start()
+        if not self._suback.wait(timeout):
+            self.stop()
+            raise ConnectionError(f"the broker at {self.host}:{self.port} did not take the devices' subscription")
+
+    def stop(self) -> None:
+        with self._lock:
+            timers, self._timers = self._timers, []
+        for timer in timers:
+            timer.cancel()
+        self._client.disconnect()
+        self._client.loop_stop()
+
+    def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
+        if reason.is_failure:
+            print(f"devices: connection refused: {reason}", file=sys.stderr, flush=True)
+            return
+        # Resubscribed on every connect: the session is not kept.
+        client.subscribe([(t, SubscribeOptions(qos=1)) for t in self.topics])  # type: ignore[no-untyped-call]
+
+    def _on_message(self, client: mqtt.Client, userdata: Any, message: mqtt.MQTTMessage) -> None:
+        props = message.properties
+        users = dict(getattr(props, "UserProperty", None) or []) if props else {}
+        response_topic = getattr(props, "ResponseTopic", None) if props else None
+        correlation = getattr(props, "CorrelationData", None) if props else None
+        call_id = users.get("toolCallId")
+        with self._lock:
+            stored = self._answers.get(call_id) if call_id else None
+            duplicate = stored is not None
+            answer = stored if stored is not None else self._act(message.topic, bytes(message.payload))
+            if call_id and not duplicate:
+                self._answers[call_id] = answer
+            record = {
+                "topic": message.topic,
+                "toolCallId": call_id,
+                "requestId": users.get("requestId"),
+                "payload": bytes(message.payload).decode("utf-8", errors="replace"),
+                "time": time.time(),
+                "duplicate": duplicate,
+                "responseTopic": response_topic,
+            }
+            self.calls.append(record)
+            if self.log is not None:
+                with self.log.open("a") as out:
+                    out.write(json.dumps(record) + "\n")
+        if response_topic is None:
+            print(f"devices: a call on {message.topic} has no ResponseTopic; not answered", file=sys.stderr)
+            return
+        if self.delay > 0:
+            timer = threading.Timer(self.delay, self._answer, (response_topic, correlation, answer))
+            timer.daemon = True
+            with self._lock:
+                self._timers.append(timer)
+            timer.start()
+        else:
+            self._answer(response_topic, correlation, answer)
+
+    def _act(self, topic: str, payload: bytes) -> Answer:
+        """Run one call (under the lock): the answer, stored for its toolCallId."""
+        try:
+            arguments = json.loads(payload) if payload.strip() else {}
+        except ValueError:
+            return Answer(b'{"error":"arguments are not JSON"}', error=True)
+        if topic == f"{self.prefix}/lamp/set":
+            if not isinstance(arguments, dict) or not isinstance(arguments.get("on"), bool):
+                return Answer(b'{"error":"expected {\\"on\\": true|false}"}', error=True)
+            if arguments["on"] != self.lamp_on:
+                self.lamp_on = arguments["on"]
+                self.actuations += 1
+            return Answer(json.dumps({"on": self.lamp_on}).encode())
+        if topic == f"{self.prefix}/lamp/get":
+            return Answer(json.dumps({"on": self.lamp_on}).encode())
+        if topic == f"{self.prefix}/sensor/read":
+            return Answer(json.dumps(SENSOR).encode())
+        return Answer(b'{"error":"unknown device"}', error=True)
+
+    def _answer(self, response_topic: str, correlation: bytes | None, answer: Answer) -> None:
+        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
+        if correlation is not None:
+            props.CorrelationData = correlation
+        props.ContentType = "application/json"
+        if answer.error:
+            props.UserProperty = [("outcome", "error")]
+        self._client.publish(response_topic, answer.payload, qos=1, properties=props)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m devtools.devices", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=1883)
+    parser.add_argument("--prefix", default="devices")
+    parser.add_argument("--log", type=Path, default=None, help="append every call received as a JSON line")
+    parser.add_argument("--delay-ms", type=int, default=0, help="answer this much later")
+    parser.add_argument("--username", default=None)
+    parser.add_argument("--password", default=None)
+    args = parser.parse_args(argv)
+    login = (args.username, args.password or "") if args.username else None
+    devices = SimulatedDevices(
+        args.host, args.port, prefix=args.prefix, log=args.log, delay_ms=args.delay_ms, login=login
+    )
+    stop = threading.Event()
+    signal.signal(signal.SIGTERM, lambda *_: stop.set())
+    signal.signal(signal.SIGINT, lambda *_: stop.set())
+    devices.start()
+    print(f"devices ready on {args.host}:{args.port}: {', '.join(devices.topics)}", flush=True)
+    stop.wait()
+    devices.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,225 @@
+"""Device tools: each ``[[tools.mqtt]]`` is a topic the worker calls with MQTT 5
+request/response.
+
+A call publishes the model's arguments (compact JSON) to the tool's configured topic at QoS 1,
+with the worker's response topic as ResponseTopic, fresh random CorrelationData, the tool's
+timeout as Message Expiry Interval (a device that comes online later must not act on a stale
+call), ``requestId`` and ``toolCallId`` as user properties (the device deduplicates on
+``toolCallId``: a call repeated after a worker restart must not actuate twice) and Content Type
+application/json. The device answers on the ResponseTopic with the same CorrelationData; the
+answer's payload (UTF-8) is the result the model gets. A user property ``outcome=error`` marks
+it a failure.
+
+The worker publishes only to configured topics: the model chooses a tool name and arguments,
+never a topic. No MQTT library here: the transport's Messaging port (transport/port.py).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import math
+import os
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from loguru import logger
+
+from ..protocol.messages import log_text
+from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed, PublishRefused
+from .port import CallContext, ToolOutcome, WorkerTool
+
+if TYPE_CHECKING:
+    from ..config.models import MqttToolConfig
+
+CONTENT_TYPE = "application/json"
+
+
+def response_topic_for(topic_prefix: str, worker_id: str) -> str:
+    """A fresh response topic for one run of the worker: ``<prefix>/_tools/<worker_id>/<8 hex>``.
+
+    Fresh on every start, so that a device's answer to a call of an earlier run (late, or held
+    by the broker while the worker was away) can never be taken for the answer to a new call,
+    even if its correlation data happened to match; the ACL grants the worker
+    ``<prefix>/_tools/<worker_id>/#`` (docs/security.md)."""
+    return f"{topic_prefix}/_tools/{worker_id}/{os.urandom(4).hex()}"
+
+
+class ToolsClosed(Exception):
+    """The provider closed while a call waited for its answer."""
+
+
+@dataclass
+class ToolCounts:
+    """One device tool's calls since the start, for the stats and metrics."""
+
+    calls: int = 0
+    timeouts: int = 0
+    errors: int = 0  # the device said so (outcome=error) or the call could not be sent
+
+    def as_dict(self) -> dict[str, int]:
+        return {"calls": self.calls, "timeouts": self.timeouts, "errors": self.errors}
+
+
+class DeviceTools:
+    """The ToolProvider of the ``[[tools.mqtt]]`` tools, on the worker's broker connection."""
+
+    name = "mqtt"
+
+    def __init__(self, configs: Sequence[MqttToolConfig], messaging: Messaging, response_topic: str) -> None:
+        self._messaging = messaging
+        self.response_topic = response_topic
+        self._tools = [
+            WorkerTool(
+                name=c.name,
+                description=c.description,
+                parameters=c.parameters,
+                users=tuple(c.users),
+                confirm=c.confirm,
+                timeout=c.timeout,
+                source="mqtt",
+            )
+            for c in configs
+        ]
+        # The only topics calls go to: from the configuration, never from the model.
+        self._topics = {c.name: c.topic for c in configs}
+        self._counts = {c.name: ToolCounts() for c in configs}
+        # Calls waiting for their answer, by correlation data.
+        self._pending: dict[bytes, asyncio.Future[Delivery]] = {}
+        # Why calls cannot be answered (the broker refused the response topic): None when they can.
+        self._unavailable: str | None = None
+        self._watching = False
+
+    # -- ToolProvider -----------------------------------------------------------------
+
+    def tools(self) -> Sequence[WorkerTool]:
+        return list(self._tools)
+
+    def on_change(self, callback: Callable[[], None]) -> None:
+        """The device tools are the configured ones: their list never changes."""
+
+    @property
+    def counts(self) -> dict[str, dict[str, int]]:
+        """Per tool: calls, timeouts, errors since the start."""
+        return {name: counts.as_dict() for name, counts in self._counts.items()}
+
+    @property
+    def pending(self) -> int:
+        """Calls waiting for their device now."""
+        return len(self._pending)
+
+    async def start(self) -> None:
+        """Watch the response topic. Refused by the broker (its ACL): logged, and every call
+        answers "unavailable"; never fails the worker's start. Not subscribed now (no
+        connection): the transport subscribes it on the next connect, calls go on."""
+        if not self._tools or self._watching:
+            return
+        try:
+            await self._messaging.watch(self.response_topic, self._on_response)
+        except PublishRefused as exc:
+            self._unavailable = "the broker refused the worker's response topic"
+            logger.error(
+                "Device tools unavailable: the broker refused the subscription to {} ({}); grant the worker "
+                "read access to its _tools topics (docs/security.md)",
+                self.response_topic,
+                exc,
+            )
+            return
+        except PublishFailed as exc:
+            logger.warning("Device tools: response topic {} not subscribed yet ({})", self.response_topic, exc)
+        self._watching = True
+        logger.info("Device tools: {} tool(s), answers on {}", len(self._tools), self.response_topic)
+
+    async def close(self) -> None:
+        # Calls still waiting end with a result (not a CancelledError, which their callers
+        # would take for their own cancellation).
+        for waiting in self._pending.values():
+            if not waiting.done():
+                waiting.set_exception(ToolsClosed())
+        self._pending.clear()
+        if self._watching:
+            self._watching = False
+            with contextlib.suppress(Exception):
+                self._messaging.unwatch(self.response_topic)
+
+    async def call(self, tool: str, arguments: Mapping[str, Any], context: CallContext) -> ToolOutcome:
+        topic = self._topics.get(tool)
+        config = next((t for t in self._tools if t.name == tool), None)
+        if topic is None or config is None:
+            return ToolOutcome(f"Error: the tool {tool} is not a device tool.", "unavailable")
+        counts = self._counts[tool]
+        counts.calls += 1
+        ref = log_text(context.tool_call_id)  # an id the client's requestId is part of: escaped
+        if self._unavailable is not None:
+            counts.errors += 1
+            return ToolOutcome(f"Error: the device tool {tool} is unavailable: {self._unavailable}.", "unavailable")
+        try:
+            payload = json.dumps(dict(arguments), separators=(",", ":"), ensure_ascii=False).encode()
+        except (TypeError, ValueError):
+            counts.errors += 1
+            return ToolOutcome(f"Error: the arguments of {tool} are not JSON.", "error")
+        correlation = os.urandom(16)
+        properties = OutboundProperties(
+            response_topic=self.response_topic,
+            correlation_data=correlation,
+            message_expiry=max(1, math.ceil(config.timeout)),
+            user_properties=(("requestId", context.request_id), ("toolCallId", context.tool_call_id)),
+            content_type=CONTENT_TYPE,
+        )
+        loop = asyncio.get_running_loop()
+        answer: asyncio.Future[Delivery] = loop.create_future()
+        self._pending[correlation] = answer  # before the publish: an answer may come at once
+        taken = False  # by the broker (its PUBACK)
+        logger.debug("Device tool {} call {} to {}: {}", tool, ref, topic, payload[:2000])
+        try:
+            # One timer from the publish to the answer. asyncio.timeout, not wait_for: Python
+            # 3.11's wait_for swallows a cancellation that comes as the awaited future completes.
+            async with asyncio.timeout(config.timeout):
+                await self._messaging.send(topic, payload, qos=1, properties=properties)
+                taken = True
+                delivery = await answer
+        except PublishFailed as exc:
+            counts.errors += 1
+            logger.warning("Device tool {} call {}: not sent to {}: {}", tool, ref, topic, exc)
+            return ToolOutcome(f"Error: the device tool {tool} is unavailable (the call was not sent).", "unavailable")
+        except TimeoutError:
+            counts.timeouts += 1
+            if taken:
+                logger.warning("Device tool {} call {}: no answer within {:g} s", tool, ref, config.timeout)
+                return ToolOutcome(f"Error: the device did not answer within {config.timeout:g} s.", "timeout")
+            # Not taken by the broker in time (no connection): paho keeps it queued and may
+            # still send it after a reconnect; its expiry bounds how late it may act.
+            logger.warning("Device tool {} call {}: the broker did not take it in time", tool, ref)
+            return ToolOutcome(
+                f"Error: the device did not answer within {config.timeout:g} s (the call had not reached the "
+                "broker; it may still reach the device).",
+                "timeout",
+            )
+        except ToolsClosed:
+            counts.errors += 1
+            return ToolOutcome(
+                f"Error: the device tool {tool} was not answered: the worker is stopping.", "unavailable"
+            )
+        finally:
+            self._pending.pop(correlation, None)
+        content = delivery.payload.decode("utf-8", errors="replace")
+        logger.debug("Device tool {} call {} answered: {}", tool, ref, content[:2000])
+        if ("outcome", "error") in delivery.user_properties:
+            counts.errors += 1
+            logger.info("Device tool {} call {}: the device reported an error", tool, ref)
+            return ToolOutcome(content, "error")
+        logger.info("Device tool {} call {} answered ({} bytes)", tool, ref, len(delivery.payload))
+        return ToolOutcome(content, "ok")
+
+    # -- the response topic (on the event loop) ---------------------------------------
+
+    def _on_response(self, delivery: Delivery) -> None:
+        correlation = delivery.correlation_data
+        waiting = self._pending.get(correlation) if correlation is not None else None
+        if waiting is None or waiting.done():
+            # Late (its call timed out), for another run's call, or no correlation data at all.
+            logger.debug("Dropping a device answer on {} that no call waits for", delivery.topic)
+            return
+        waiting.set_result(delivery)
