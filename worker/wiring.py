@@ -26,6 +26,7 @@ from .engine.port import Engine, ToolSupport
 from .intake.group import Intake
 from .protocol.topics import Topics
 from .store.port import HistoryStore
+from .tools.mqtt import response_topic_for
 from .tools.toolbox import WorkerToolbox, build_toolbox
 from .transport.mqtt import MqttSettings, MqttTransport
 
@@ -102,12 +103,8 @@ def wire(
     if config.history.store == "redis":
         instance = f"{worker_id}.{secrets.token_hex(4)}"  # one per start: a restart is a new member
         intake = Intake.for_group(config, transport, topics, instance, stop_requested, in_flight.room)
-    toolbox = build_toolbox(
-        config.tools,
-        transport,
-        topics.tool_responses(worker_id, secrets.token_hex(4)),
-        f"{worker_id}-{secrets.token_hex(4)}",
-    )
+    # Device tools answer on the worker's own topic; MCP servers on the broker know it by its id.
+    toolbox = build_toolbox(config.tools, transport, response_topic_for(topics.prefix, worker_id), worker_id)
     service = Service(
         config, engine, renderer, intake or transport, stop_requested, store, in_flight, tools, toolbox=toolbox
     )

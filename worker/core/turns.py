@@ -580,7 +580,8 @@ class TurnRunner:
         else:
             context = CallContext(request_id=turn.key, tool_call_id=call.id, session=str(turn.address))
             try:
-                result = await asyncio.wait_for(self.toolbox.call(call.name, call.arguments, context), budget)
+                async with asyncio.timeout(budget):  # not wait_for: see tools/toolbox.py
+                    result = await self.toolbox.call(call.name, call.arguments, context)
             except TimeoutError:
                 result = ToolOutcome("Error: the request's time for tool calls ran out during this call.", "timeout")
         seconds = time.monotonic() - started

@@ -100,11 +100,6 @@ class Topics:
     def stats(self, worker_id: str) -> str:
         return self._worker_topic(worker_id, "stats")
 
-    def tool_responses(self, worker_id: str, instance: str) -> str:
-        """Where devices answer this worker's calls (their ResponseTopic): one per start, so a
-        late answer to a call of an earlier run is never taken for a new call's."""
-        return self._worker_topic(worker_id, f"tool-responses/{instance}")
-
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
     """MQTT filter matching (+ one level, # the rest) for the ResponseTopic allow list."""

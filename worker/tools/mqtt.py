@@ -38,13 +38,15 @@ CONTENT_TYPE = "application/json"
 
 
 def response_topic_for(topic_prefix: str, worker_id: str) -> str:
-    """A fresh response topic for one run of the worker: ``<prefix>/_tools/<worker_id>/<8 hex>``.
+    """The worker's response topic: ``<prefix>/_tools/<worker_id>/responses``.
 
-    Fresh on every start, so that a device's answer to a call of an earlier run (late, or held
-    by the broker while the worker was away) can never be taken for the answer to a new call,
-    even if its correlation data happened to match; the ACL grants the worker
+    The same at every start: the worker's broker session is persistent, and a topic new at
+    each start would leave the last run's subscription in it after a crash (its late answers
+    would then arrive as messages nobody watches). An answer to a call of an earlier run is
+    never taken for a new call's all the same: each call's CorrelationData is 16 random bytes,
+    and an answer whose bytes no pending call has is dropped. The ACL grants the worker
     ``<prefix>/_tools/<worker_id>/#`` (docs/security.md)."""
-    return f"{topic_prefix}/_tools/{worker_id}/{os.urandom(4).hex()}"
+    return f"{topic_prefix}/_tools/{worker_id}/responses"
 
 
 class ToolsClosed(Exception):

@@ -89,7 +89,10 @@ class WorkerToolbox:
             return ToolOutcome(f"Error: the tool {name} is not available now.", "unavailable")
         tool, provider = found
         try:
-            return await asyncio.wait_for(provider.call(name, arguments, context), tool.timeout + GUARD_SECONDS)
+            # asyncio.timeout, not wait_for: on Python 3.11 wait_for can swallow a cancel that
+            # arrives as the call ends (a stop would then not stop the turn).
+            async with asyncio.timeout(tool.timeout + GUARD_SECONDS):
+                return await provider.call(name, arguments, context)
         except TimeoutError:
             logger.error("Tool {} of {} did not end within its timeout", name, provider.name)
             return ToolOutcome(f"Error: the tool {name} did not answer within {tool.timeout:g} s.", "timeout")
