@@ -246,11 +246,9 @@ def _kv_bytes_per_token(vllm_config: Any) -> int | None:
     """KV-cache bytes per token of the engine's model on this worker (its tensor-parallel
     share); None where this vLLM's config does not say."""
     try:
-        import torch
-
         model, parallel = vllm_config.model_config, vllm_config.parallel_config
         dtype = str(vllm_config.cache_config.cache_dtype)
-        element = 1 if dtype.startswith("fp8") else torch.empty((), dtype=model.dtype).element_size()
+        element = 1 if dtype.startswith("fp8") else int(model.dtype.itemsize)  # a torch.dtype
         return kv_bytes_per_token(
             int(model.get_num_layers(parallel)),
             int(model.get_num_kv_heads(parallel)),
