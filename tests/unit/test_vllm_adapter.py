@@ -19,6 +19,7 @@ from vllm.exceptions import VLLMValidationError
 from vllm.sampling_params import SamplingParams, StructuredOutputsParams
 
 from worker.config.models import EngineConfig
+from worker.engine.kvtier import GIB, HostMemory
 from worker.engine.port import (
     EngineError,
     EngineInfo,
@@ -33,8 +34,9 @@ from worker.engine.vllm import (
     Host,
     VllmEngine,
     _SchedulerStatsRecorder,
-    auto_kv_offload_gib,
+    auto_kv_offload,
     engine_arguments,
+    kv_capacity_words,
     make_engine_args,
     precision_and_offload_args,
     structured_outputs_args,
@@ -138,13 +140,58 @@ GPU_HOST = Host(cpu_backend=False, memory_gib=128.0, gpus=1)
 CPU_HOST = Host(cpu_backend=True, memory_gib=24.0, gpus=1)
 
 
-def test_the_host_tier_defaults_to_a_share_of_host_memory_on_gpus_and_off_on_the_cpu() -> None:
-    assert auto_kv_offload_gib(GPU_HOST, 1) == 32  # a quarter of 128 GiB
-    assert auto_kv_offload_gib(Host(False, 1024.0, 8), 1) == 32  # shared among 8 GPUs
-    assert auto_kv_offload_gib(Host(False, 1024.0, 8), 4) == 64  # a tensor-parallel group's share, capped
-    assert auto_kv_offload_gib(Host(False, 2048.0, 1), 1) == 64  # capped
-    assert auto_kv_offload_gib(Host(False, 3.0, 1), 1) == 0  # below 1 GiB: off
-    assert auto_kv_offload_gib(CPU_HOST, 1) == 0
+def test_the_host_tier_defaults_to_the_available_memory_on_gpus_and_off_on_the_cpu() -> None:
+    # Without a reading of MemAvailable, the host's physical memory counts as available.
+    assert auto_kv_offload(GPU_HOST, 1).gib == 64  # 128 - 25.6 = 102.4: 64 (capped)
+    assert auto_kv_offload(Host(False, 1024.0, 8), 1).gib == 64  # (1024 - 204.8) / 8 = 102.4
+    assert auto_kv_offload(Host(False, 256.0, 8), 1).gib == 16  # (256 - 51.2) / 8 = 25.6
+    assert auto_kv_offload(Host(False, 64.0, 1), 1).gib == 32  # 64 - 16 = 48
+    assert auto_kv_offload(Host(False, 16.0, 1), 1).gib == 0  # nothing left after the reserve
+    # MemAvailable, read at start, is what counts: a busy 128 GiB host with 40 GiB available.
+    busy = Host(False, 128.0, 1, memory=HostMemory(total=128 * GIB, available=40 * GIB))
+    assert auto_kv_offload(busy, 1).gib == 16
+    assert auto_kv_offload(CPU_HOST, 1).gib == 0
+
+
+def test_the_start_says_in_one_line_why_the_tier_is_small_or_off() -> None:
+    from loguru import logger
+
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{level} {message}")
+    try:
+        busy = Host(False, 128.0, 1, memory=HostMemory(total=128 * GIB, available=40 * GIB))
+        assert precision_and_offload_args(EngineConfig(model="m"), busy)["kv_offloading_size"] == 16
+        full = Host(False, 128.0, 1, memory=HostMemory(total=128 * GIB, available=10 * GIB))
+        assert precision_and_offload_args(EngineConfig(model="m"), full) == {}
+        roomy = Host(False, 128.0, 1, memory=HostMemory(total=128 * GIB, available=120 * GIB))
+        assert precision_and_offload_args(EngineConfig(model="m"), roomy)["kv_offloading_size"] == 64
+        assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=70), roomy)["kv_offloading_size"] == 70
+    finally:
+        logger.remove(sink)
+    small, off, normal, pins, explicit = lines
+    assert small.startswith("WARNING KV offloading to host memory: 16 GiB, native backend (auto: MemAvailable 40.0 GiB")
+    assert "memory short" in small
+    assert off.startswith("WARNING KV offloading to host memory: off (auto: MemAvailable 10.0 GiB")
+    assert "too little memory" in off
+    assert normal.startswith("INFO KV offloading to host memory: 64 GiB, native backend (auto: MemAvailable 120.0 GiB")
+    assert "reserve of 24.0 GiB" in normal and "leaves 96.0 GiB" in normal
+    # A size set by hand wins; the worker warns when it pins more than the memory has room for.
+    assert pins.startswith("WARNING kv_offload_gib=70 pins 128 GiB")
+    assert explicit == "INFO KV offloading to host memory: 70 GiB, native backend (set)\n"
+
+
+def test_the_kv_capacity_line_says_where_the_size_came_from() -> None:
+    words = kv_capacity_words(
+        49_008, 256 * 1024, kv_cache_memory_bytes=None, gpu_memory_utilization=0.93, startup_plan=False
+    )
+    assert words.startswith("11.96 GiB, vLLM's memory profile at gpu_memory_utilization 0.93")
+    assert "startup plan" not in words
+    plan = kv_capacity_words(None, None, kv_cache_memory_bytes=None, gpu_memory_utilization=0.9, startup_plan=True)
+    assert plan.startswith("vLLM's memory profile") and "VLLM_ENABLE_STARTUP_PLAN=1" in plan
+    fixed = kv_capacity_words(
+        8192, 256 * 1024, kv_cache_memory_bytes=2 * GIB, gpu_memory_utilization=0.9, startup_plan=True
+    )
+    assert fixed == "2.00 GiB, kv_cache_memory_bytes=2.00 GiB set: no memory profile"
 
 
 def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCaptureFixture) -> None:
@@ -160,7 +207,7 @@ def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCa
     }
     assert set(args) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}  # names this vLLM accepts
     assert precision_and_offload_args(EngineConfig(model="m"), GPU_HOST) == {
-        "kv_offloading_size": 32.0,
+        "kv_offloading_size": 64.0,
         "kv_offloading_backend": "native",
     }
     assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=0), GPU_HOST) == {}

@@ -199,10 +199,14 @@ class EngineConfig(Section):
         None,
         "GiB of host memory (pinned) that keeps KV-cache blocks evicted from the GPU, so a session "
         "that returns after its prefix left the GPU loads it back instead of computing its whole "
-        "prompt again (vLLM's kv_offloading_size). 0: off. Default: on GPUs a quarter of the host's "
-        "memory shared among its GPUs (times tensor_parallel_size), at most 64 GiB and off below "
-        "1 GiB; off on the CPU backend. Pinning it costs start time: 20 GiB took 21-26 s, 40 GiB "
-        "33-72 s on an H100 host.",
+        "prompt again (vLLM's kv_offloading_size). 0: off. Default (unset): sized at start from the "
+        "memory available (MemAvailable, or the room under the worker's cgroup memory limit if less), "
+        "less a reserve of 16 GiB or a fifth of it if more, for the engine, the worker, the page cache and other "
+        "processes, shared among the host's GPUs (times tensor_parallel_size); the largest power of "
+        "two GiB in that, as torch pins powers of two (a 40 GiB tier pins 64 GiB), at most 64 GiB, "
+        "off below 1 GiB (64 GiB on a 125 GiB one-GPU host); off on the CPU backend. The start log "
+        "says the size and the numbers it came from. Pinning costs start time: 32 GiB pinned took "
+        "21-44 s, 64 GiB 33-72 s on an H100 host (docs/benchmarks/kv-tier-start.md).",
         flag="--kv-offload-gib",
         ge=0,
     )

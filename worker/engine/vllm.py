@@ -16,7 +16,6 @@ import dataclasses
 import gc
 import inspect
 import logging
-import math
 import os
 import time
 from collections.abc import AsyncIterator, Iterator, Sequence
@@ -35,6 +34,15 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 from ..config.loader import did_you_mean
 from ..config.models import EngineConfig
 from ..session import ToolSpec
+from .kvtier import (
+    GIB,
+    HostMemory,
+    TierSize,
+    explicit_size_warning,
+    kv_bytes_per_token,
+    read_host_memory,
+    size_host_tier,
+)
 from .port import (
     EngineDead,
     EngineError,
@@ -110,6 +118,14 @@ class Host:
     cpu_backend: bool
     memory_gib: float  # the host's physical memory
     gpus: int  # GPUs on the host (all of them, not only the visible ones)
+    # MemAvailable and the memory cgroup's room at start; None: all of memory_gib available
+    memory: HostMemory | None = None
+
+    def host_memory(self) -> HostMemory:
+        if self.memory is not None:
+            return self.memory
+        total = int(self.memory_gib * GIB)
+        return HostMemory(total=total, available=total)
 
 
 def host_facts() -> Host:
@@ -118,21 +134,21 @@ def host_facts() -> Host:
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
     gpus_dir = Path("/proc/driver/nvidia/gpus")  # every GPU, whatever CUDA_VISIBLE_DEVICES says
     gpus = len(list(gpus_dir.iterdir())) if gpus_dir.is_dir() else 1
-    return Host(cpu_backend=bool(current_platform.is_cpu()), memory_gib=memory, gpus=max(1, gpus))
+    try:
+        available: HostMemory | None = read_host_memory()
+    except (OSError, ValueError) as exc:  # no /proc/meminfo: size from the physical memory
+        logger.debug("Host memory not readable ({}): sizing from the physical memory", exc)
+        available = None
+    return Host(cpu_backend=bool(current_platform.is_cpu()), memory_gib=memory, gpus=max(1, gpus), memory=available)
 
 
-KV_OFFLOAD_AUTO_SHARE = 0.25  # of the host's memory, shared among its GPUs
-KV_OFFLOAD_AUTO_MAX_GIB = 64  # pinning costs start time: 20 GiB 21-26 s, 40 GiB 33-72 s (H100)
-
-
-def auto_kv_offload_gib(host: Host, tensor_parallel_size: int) -> float:
-    """The default size of the host-memory KV tier: a quarter of the host's memory shared
-    among its GPUs (one worker per GPU, or one per tensor-parallel group), whole GiB, at most
-    KV_OFFLOAD_AUTO_MAX_GIB; 0 (off) on the CPU backend, whose KV cache is host memory already."""
+def auto_kv_offload(host: Host, tensor_parallel_size: int) -> TierSize:
+    """The default size of the host-memory KV tier (engine.kv_offload_gib unset): from the
+    memory available at start (kvtier.size_host_tier); off on the CPU backend, whose KV cache
+    is host memory already."""
     if host.cpu_backend:
-        return 0.0
-    size = math.floor(KV_OFFLOAD_AUTO_SHARE * host.memory_gib * tensor_parallel_size / host.gpus)
-    return float(min(size, KV_OFFLOAD_AUTO_MAX_GIB)) if size >= 1 else 0.0
+        return TierSize(0.0, "the CPU backend keeps its KV cache in host memory already", short=False)
+    return size_host_tier(host.host_memory(), gpus=host.gpus, tensor_parallel_size=tensor_parallel_size)
 
 
 def _engine_arg_names() -> set[str]:
@@ -170,27 +186,78 @@ def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, An
             out[key] = value
     size = config.kv_offload_gib
     how = "set" if size else "set to 0"
+    short = False
     if size is None:
-        size = auto_kv_offload_gib(host, config.tensor_parallel_size)
-        how = (
-            "the CPU backend keeps its KV cache in host memory already"
-            if host.cpu_backend
-            else f"default: {KV_OFFLOAD_AUTO_SHARE:g} of {host.memory_gib:.0f} GiB host memory over "
-            f"{host.gpus} GPU(s), at most {KV_OFFLOAD_AUTO_MAX_GIB} GiB"
-        )
+        chosen = auto_kv_offload(host, config.tensor_parallel_size)
+        size, how, short = chosen.gib, chosen.reason, chosen.short
     elif size > 0 and host.cpu_backend:
         logger.warning("kv_offload_gib={:g}: the CPU backend has no host-memory KV tier; off", size)
         size, how = 0.0, "the CPU backend has none"
+    elif (
+        size > 0
+        and config.kv_offload_backend == "native"
+        and (
+            warning := explicit_size_warning(
+                size, host.host_memory(), gpus=host.gpus, tensor_parallel_size=config.tensor_parallel_size
+            )
+        )
+    ):
+        logger.warning(warning)
     if size > 0 and "kv_offloading_size" not in names:
         logger.warning("kv_offload_gib={:g}: vLLM {} has no kv_offloading_size; off", size, vllm.__version__)
         size, how = 0.0, f"vLLM {vllm.__version__} has none"
+    # One line either way; a WARNING where memory is short (the tier smaller than on a host
+    # with room, or off for lack of memory), so that an operator sees why.
+    level = "WARNING" if short else "INFO"
     if size > 0:
         out["kv_offloading_size"] = size
         out["kv_offloading_backend"] = config.kv_offload_backend
-        logger.info("KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how)
+        logger.log(
+            level, "KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how
+        )
     else:
-        logger.info("KV offloading to host memory: off ({})", how)
+        logger.log(level, "KV offloading to host memory: off ({})", how)
     return out
+
+
+def kv_capacity_words(
+    tokens: int | None,
+    bytes_per_token: int | None,
+    *,
+    kv_cache_memory_bytes: int | None,
+    gpu_memory_utilization: float,
+    startup_plan: bool,
+) -> str:
+    """The GPU KV cache's size and where it came from, for the start line. vLLM sizes it by a
+    memory profile unless kv_cache_memory_bytes is set; the profile's CUDA-graph estimate is an
+    extrapolation that moved the size by about 1 GiB between starts with the same flags
+    (docs/benchmarks/kv-tier-start.md): the reason says which case this start is."""
+    size = f"{tokens * bytes_per_token / GIB:.2f} GiB, " if tokens and bytes_per_token else ""
+    if kv_cache_memory_bytes:
+        return f"{size}kv_cache_memory_bytes={kv_cache_memory_bytes / GIB:.2f} GiB set: no memory profile"
+    plan = "; or a startup plan saved by an earlier start (VLLM_ENABLE_STARTUP_PLAN=1)" if startup_plan else ""
+    return (
+        f"{size}vLLM's memory profile at gpu_memory_utilization {gpu_memory_utilization:g}: weights, activation "
+        f"peak, non-torch memory and a CUDA-graph estimate subtracted, may differ between starts{plan}"
+    )
+
+
+def _kv_bytes_per_token(vllm_config: Any) -> int | None:
+    """KV-cache bytes per token of the engine's model on this worker (its tensor-parallel
+    share); None where this vLLM's config does not say."""
+    try:
+        model, parallel = vllm_config.model_config, vllm_config.parallel_config
+        dtype = str(vllm_config.cache_config.cache_dtype)
+        element = 1 if dtype.startswith("fp8") else int(model.dtype.itemsize)  # a torch.dtype
+        return kv_bytes_per_token(
+            int(model.get_num_layers(parallel)),
+            int(model.get_num_kv_heads(parallel)),
+            int(model.get_head_size()),
+            element,
+        )
+    except Exception as exc:  # an informative number only: never fail a start for it
+        logger.debug("KV bytes per token unknown: {}", describe(exc))
+        return None
 
 
 def engine_arguments(
@@ -528,19 +595,27 @@ class VllmEngine:
             prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
             kv_cache_tokens=kv_tokens,
         )
+        capacity = kv_capacity_words(
+            kv_tokens,
+            _kv_bytes_per_token(vllm_config),
+            kv_cache_memory_bytes=getattr(cache, "kv_cache_memory_bytes", None),
+            gpu_memory_utilization=float(getattr(cache, "gpu_memory_utilization", config.gpu_memory_utilization)),
+            startup_plan=os.environ.get("VLLM_ENABLE_STARTUP_PLAN", "0") not in ("", "0"),
+        )
         # The CPU backend has neither CUDA graphs nor a host-memory tier: nothing to say of them.
         graphs = tier = ""
         if not host.cpu_backend:
             graphs = f"CUDA graphs {'off (enforce_eager)' if config.enforce_eager else 'on'}, "
             tier = f", host-memory KV tier {f'{stats.kv_offload_gib:g} GiB' if stats.kv_offload_gib else 'off'}"
         logger.info(
-            "Engine: max_model_len={}, block_size={}, prefix caching {}, {}KV cache {} tokens, KV dtype {}, "
+            "Engine: max_model_len={}, block_size={}, prefix caching {}, {}KV cache {} tokens ({}), KV dtype {}, "
             "quantization {}{}",
             info.max_model_len,
             info.block_size,
             "on" if info.prefix_caching else "OFF",
             graphs,
             kv_tokens if kv_tokens is not None else "?",
+            capacity,
             getattr(cache, "cache_dtype", "?"),
             getattr(vllm_config.model_config, "quantization", None) or "none",
             tier,
