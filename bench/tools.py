@@ -18,6 +18,13 @@ Four measurements, each through a real worker process and broker:
   into what vLLM itself costs for a longer cached prefix and what the worker adds.
 - ``parse``: forced calls (required, and each tool named) at once: every one must parse and
   validate against its tool's parameters.
+- ``loop``: the worker's own tool loop (docs/tools.md): sessions at once, each sending
+  ``--loop-rounds`` requests that each force a call to a simulated device (devtools/devices.py,
+  answering after ``--device-ms``), which the worker runs before generating the answer;
+  against the same sessions sending plain requests for the same number of tokens. Reported:
+  throughput and p95 request time of both, the worker's overhead per device round beyond
+  generation (and beyond the device and its MQTT round trip), and whether the answer's
+  generation found the whole prompt before the call in the prefix cache.
 
 Results: DIR/tools.json and DIR/tools.md. The tools' parameters are bounded (enums, integers
 with a range, strings with maxLength) so that a random-weights model finishes every call.
@@ -42,7 +49,15 @@ from devtools.mqtt_client import connect
 from .common import REPO, phase_list
 from .runs import STOP_TIMEOUT, start_broker, start_worker
 
-PHASES = ("prefix", "forced", "round", "parse", "raw")
+PHASES = ("prefix", "forced", "round", "parse", "raw", "loop")
+# The worker tool of the loop phase: the simulated sensor (devtools/devices.py).
+LOOP_TOOL = {
+    "name": "sensor_read",
+    "description": "Read the living-room sensor: temperature and whether anyone is in the room",
+    "topic": "devices/sensor/read",
+    "users": ["bench"],
+    "timeout": 30,
+}
 
 PARAMETERS = {
     "set_lamp": {
@@ -236,6 +251,66 @@ def measure_round(chat: Chat, rounds: int, rtt_ms: float) -> dict[str, Any]:
     return summary
 
 
+def measure_loop(
+    chat: Chat, sessions: int, rounds: int, rtt_ms: float, device_ms: float, max_tokens: int, block: int
+) -> dict[str, Any]:
+    """``sessions`` at once, each ``rounds`` requests in a row: a forced call to the sensor (a
+    worker tool), the device's answer, then the answer's generation; then the same sessions'
+    plain requests for the same tokens."""
+    sensor = {"type": "function", "function": {"name": "sensor_read"}}
+
+    def run(label: str, payload: dict[str, Any]) -> tuple[float, list[dict[str, Any]]]:
+        names = [chat.session(label, i) for i in range(sessions)]
+        replies: list[dict[str, Any]] = []
+        started = time.perf_counter()
+        for r in range(rounds):
+            for name in names:
+                chat.send(name, {**payload, "message": f"Is anyone in the room? ({r})", "systemPrompt": SYSTEM})
+            replies.extend(reply for _, reply in chat.wait(sessions).values())
+        return time.perf_counter() - started, replies
+
+    wall, replies = run("loop", {"workerTools": ["sensor_read"], "toolChoice": sensor, "maxTokens": max_tokens})
+    overhead, beyond_device, coverage, covered = [], [], [], 0
+    for reply in replies:
+        gens = reply["rounds"]
+        assert len(gens) == 2 and reply["workerCalls"][0]["outcome"] == "ok", reply
+        generation_ms = sum(g["ms"] for g in gens)
+        beyond = reply["latency"]["totalMs"] - reply["latency"]["queueMs"] - generation_ms
+        overhead.append(beyond)
+        beyond_device.append(beyond - device_ms - rtt_ms)
+        before_call = gens[0]["promptTokens"] + gens[0]["completionTokens"]
+        coverage.append(gens[1]["cachedTokens"] / before_call)
+        covered += gens[1]["cachedTokens"] >= before_call // block * block
+    tokens = [reply["usage"]["completionTokens"] for reply in replies]
+    plain_wall, plain = run("plain", {"maxTokens": round(statistics.mean(tokens))})
+    times = [reply["latency"]["totalMs"] for reply in replies]
+    plain_times = [reply["latency"]["totalMs"] for reply in plain]
+
+    def p95(values: list[float]) -> float:
+        return round(sorted(values)[max(0, int(len(values) * 0.95 + 0.5) - 1)], 1)
+
+    return {
+        "sessions": sessions,
+        "rounds_per_session": rounds,
+        "device_ms": device_ms,
+        "mqtt_round_trip_ms": rtt_ms,
+        "overhead_per_round_beyond_generation_ms_p50": median(overhead),
+        "overhead_per_round_beyond_generation_and_device_ms_p50": median(beyond_device),
+        "continuation_cached_share_p50": round(median(coverage), 4),
+        "continuations_covering_the_prompt_before_the_call": f"{covered} of {len(replies)}",
+        "tools": {
+            "tokens_per_s": round(sum(tokens) / wall, 1),
+            "request_ms_p50": median(times),
+            "request_ms_p95": p95(times),
+        },
+        "plain": {
+            "tokens_per_s": round(sum(r["usage"]["completionTokens"] for r in plain) / plain_wall, 1),
+            "request_ms_p50": median(plain_times),
+            "request_ms_p95": p95(plain_times),
+        },
+    }
+
+
 def measure_prefix_raw(worker_args: list[str], sessions: int, count: int = 20) -> dict[str, Any]:
     """measure_prefix's second turns, rendered by the worker's tokenizer and sent to vLLM's
     engine in this process: turn 1 (its reply as the history), then turn 2, TTFT by this clock."""
@@ -371,6 +446,26 @@ def report(results: dict[str, Any]) -> str:
             f"{p['parsed_and_valid']} of {p['calls']} ({p['share']:.2%})",
             "",
         ]
+    if "loop" in results:
+        loop = results["loop"]
+        tools, plain = loop["tools"], loop["plain"]
+        lines += [
+            f"## The worker's tool loop: {loop['sessions']} sessions x {loop['rounds_per_session']} device rounds "
+            f"(forced calls, a {loop['device_ms']:g} ms device)",
+            "",
+            "| | tokens/s | request p50 ms | request p95 ms |",
+            "|---|---|---|---|",
+            f"| device round + answer | {tools['tokens_per_s']} | {tools['request_ms_p50']} | {tools['request_ms_p95']} |",
+            f"| plain, same tokens | {plain['tokens_per_s']} | {plain['request_ms_p50']} | {plain['request_ms_p95']} |",
+            "",
+            f"- per device round, beyond generation: {loop['overhead_per_round_beyond_generation_ms_p50']} ms p50; "
+            f"beyond generation, the device ({loop['device_ms']:g} ms) and one MQTT round trip "
+            f"({loop['mqtt_round_trip_ms']} ms): {loop['overhead_per_round_beyond_generation_and_device_ms_p50']} ms",
+            f"- the answer's generation found {loop['continuation_cached_share_p50']:.1%} (p50) of the prompt before "
+            f"the call cached; {loop['continuations_covering_the_prompt_before_the_call']} covered it to the last "
+            "full block",
+            "",
+        ]
     return "\n".join(lines)
 
 
@@ -378,6 +473,13 @@ def through_worker(args: argparse.Namespace, worker_args: list[str], results: di
     """The phases that run through a worker process and a broker."""
     (args.out / "broker").mkdir(exist_ok=True)
     broker = start_broker(args.mosquitto, args.out / "broker")
+    devices = None
+    if "loop" in args.phases:
+        from devtools.devices import SimulatedDevices
+
+        devices = SimulatedDevices(port=broker.port, delay_ms=round(args.device_ms))
+        devices.start()
+        worker_args = [*worker_args, "--tools-mqtt", json.dumps(LOOP_TOOL)]
     worker = start_worker([*worker_args, "--stats-interval", "0"], broker.port, args.out / "worker.log")
     chat = Chat(broker.port)
     try:
@@ -394,6 +496,10 @@ def through_worker(args: argparse.Namespace, worker_args: list[str], results: di
                 results["forced"] = measure_forced(chat, (1, 16), args.repeats)
             elif phase == "round":
                 results["round"] = measure_round(chat, args.sessions, rtt)
+            elif phase == "loop":
+                results["loop"] = measure_loop(
+                    chat, args.loop_sessions, args.loop_rounds, rtt, args.device_ms, args.loop_max_tokens, args.block
+                )
             else:
                 results["parse"] = measure_parse(chat, args.calls)
             print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
@@ -401,6 +507,8 @@ def through_worker(args: argparse.Namespace, worker_args: list[str], results: di
     finally:
         chat.close()
         worker.stop(STOP_TIMEOUT)
+        if devices is not None:
+            devices.stop()
         broker.stop()
 
 
@@ -419,6 +527,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--prefix-tools", type=int, default=20, help="tools the prefix phase's sessions keep")
+    parser.add_argument("--loop-sessions", type=int, default=16, help="sessions at once in the loop phase")
+    parser.add_argument("--loop-rounds", type=int, default=3, help="device rounds (requests) per session")
+    parser.add_argument("--loop-max-tokens", type=int, default=64, help="maxTokens of the loop's answers")
+    parser.add_argument("--device-ms", type=float, default=10.0, help="the simulated device's answer delay")
+    parser.add_argument("--block", type=int, default=16, help="the engine's KV block size (prefix-cache unit)")
     args = parser.parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     worker_args = shlex.split(args.worker_args)

@@ -558,7 +558,10 @@ class TurnRunner:
         await asyncio.gather(
             *(self._run_call(loop, call, round_, skip=index >= limit) for index, call in enumerate(calls))
         )
-        loop.tool_seconds += time.monotonic() - started
+        elapsed = time.monotonic() - started
+        loop.tool_seconds += elapsed
+        if loop.round_outs and loop.generations:  # the generation that made these calls
+            loop.round_outs[-1].tool_ms = round(elapsed * 1000, 1)
         order_results(loop.current)
 
     async def _run_call(self, loop: _Loop, call: ToolCall, round_: int, *, skip: bool) -> None:
