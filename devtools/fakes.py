@@ -34,6 +34,10 @@ class WordRenderer:
     """One token per word; enough for the service's bookkeeping."""
 
     opens_reasoning = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def render_text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
+        return " ".join(str(m.get("content") or "") for m in messages)
 
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         words = [w for m in messages for w in (m["role"], *str(m.get("content") or "").split())]

@@ -300,3 +300,45 @@ def test_context_ids_are_stable_for_a_redelivery() -> None:
 
     assert call_id("r1", 0, 0) == call_id("r1", 0, 0) != call_id("r1", 1, 0)
     assert CallContext("r1", call_id("r1", 0, 0), "u/s").tool_call_id.startswith("call_")
+
+
+def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: Any, tmp_path: Any) -> None:
+    """A forced call's JSON as generated (compact, split into tokens the way the model chose)
+    and as the template writes it again (spaced): the next prompt is the previous prompt, the
+    generated ids and the rest encoded, so the prefix cache holds everything before the
+    results. A text the template rewrote into another value is not continued."""
+    import shutil
+
+    from devtools.tinymodel import qwen25_chat_template
+    from worker.core.turns import _Continuation
+
+    model = tmp_path / "qwen"
+    model.mkdir()
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        shutil.copy(tiny_model / name, model / name)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = qwen25_chat_template()
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    renderer = ChatTokenizer(str(model))
+    runner = Harness().service.turns
+    runner.renderer = renderer
+    tools = [LAMP.spec().template_form()]
+    asked = [{"role": "user", "content": "Lamp on"}]
+    prompt_text = renderer.render_text(asked, add_generation_prompt=True, tools=tools) + "<tool_call>\n"
+    prompt_ids = renderer.encode(prompt_text)
+    generated_text = '{"name":"lamp_set","arguments":{"on":true}}'
+    # One id per character: certainly not how the text encodes.
+    generated_ids = [i for c in generated_text for i in renderer.encode(c)] + list(renderer.stop_token_ids[:1])
+    previous = _Continuation(prompt_ids, prompt_text, generated_text, generated_ids, forced=True)
+    stored = [*asked, assistant_message("", [ToolCall("call_1", "lamp_set", {"on": True})])]
+    stored.append(tool_message("call_1", "lamp_set", '{"on": true}'))
+    next_text = renderer.render_text(stored, add_generation_prompt=True, tools=tools)
+    assert generated_text not in next_text  # the template spaced it
+    ids = runner._continuation(previous, next_text)
+    assert ids is not None and ids[: len(prompt_ids) + len(generated_ids) - 1] == prompt_ids + generated_ids[:-1]
+    rest = renderer.encode(next_text[next_text.rindex("\n</tool_call>") :])
+    assert ids[len(prompt_ids) + len(generated_ids) - 1 :] == rest and "</tool_call>" in next_text
+    other = _Continuation(
+        prompt_ids, prompt_text, '{"name":"lamp_set","arguments":{"on":false}}', generated_ids, forced=True
+    )
+    assert runner._continuation(other, next_text) is None

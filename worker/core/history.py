@@ -37,6 +37,15 @@ class PromptRenderer(Protocol):
 
     def count_text(self, text: str) -> int: ...
 
+    def render_text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
+        """The template's text that ``render`` encodes (a tool loop continues a prompt from it)."""
+        ...
+
+    @property
+    def stop_token_ids(self) -> Sequence[int]:
+        """Ids that end a generation (the engine's stop tokens)."""
+        ...
+
     async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         """Get ready to render these messages (with a generation prompt) soon: e.g. encode
         their new text off the event loop. render() must give the same ids either way."""

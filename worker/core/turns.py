@@ -125,6 +125,20 @@ class Outcome:
     confirm_ids: set[str] = field(default_factory=set)  # of tool_calls: worker calls to approve
     worker_calls: list[WorkerCallOut] = field(default_factory=list)  # the worker's own calls
     rounds: list[RoundOut] = field(default_factory=list)  # the generations, when the worker called tools
+    raw_text: str = ""  # the engine's text as generated (``text`` becomes the answer)
+    token_ids: list[int] = field(default_factory=list)  # the ids generated, where the engine says
+
+
+@dataclass(frozen=True)
+class _Continuation:
+    """A generation of the loop, for the next one to continue token for token: its prompt
+    (ids, and the text they encode), and what it generated (text and ids)."""
+
+    prompt_ids: list[int]
+    prompt_text: str
+    generated_text: str
+    generated_ids: list[int]
+    forced: bool = False  # a forced call: the generated text is the call's JSON
 
 
 # A worker call's result as the reply lists it (the model got all of it, up to max_tool_result_tokens).
@@ -156,6 +170,7 @@ class _Loop:
     tool_seconds: float = 0.0
     outcomes: list[Outcome] = field(default_factory=list)
     round_outs: list[RoundOut] = field(default_factory=list)
+    previous: _Continuation | None = None
 
     def tool_time_left(self) -> float:
         return self.max_tool_time - self.tool_seconds
@@ -673,6 +688,15 @@ class TurnRunner:
             prefill=self.renderer.encode(prefill_text) if prefill_text else (),
             tools=tools,
         )
+        prefill_ids = self.renderer.encode(prefill_text) if prefill_text else []
+        token_ids = prompt.token_ids
+        prompt_text = self.renderer.render_text(
+            [*history.messages(), *current.messages], add_generation_prompt=True, tools=tools
+        )
+        if loop.previous is not None and not prompt.trims:
+            spliced = self._continuation(loop.previous, prompt_text)
+            if spliced is not None:
+                token_ids = [*spliced, *prefill_ids]
         for trim in prompt.trims:
             logger.info(
                 "Dialog trimmed: session={} dropped={} kept={} tokens {} -> {}",
@@ -704,10 +728,13 @@ class TurnRunner:
         outcome = await self._stream(
             turn,
             # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
-            GenerationRequest(f"{address}/{log_ref(turn.key)}/{next(self._ids)}", prompt.token_ids, sampling),
+            GenerationRequest(f"{address}/{log_ref(turn.key)}/{next(self._ids)}", token_ids, sampling),
             reasoning_budget(request, generation, structured=structured is not None),
             stream=None if plan.forced else stream,  # a forced reply is all call: no text to stream
             hold=hold,
+        )
+        loop.previous = _Continuation(
+            token_ids, prompt_text + prefill_text, outcome.raw_text, outcome.token_ids, forced=bool(plan.forced)
         )
         if plan.forced:
             assert parser is not None and parser.format is not None
@@ -730,6 +757,36 @@ class TurnRunner:
         elif final and specs and parser is not None and loop.generations > 1:
             self._drop_late_calls(turn, outcome, specs)
         return outcome
+
+    def _continuation(self, previous: _Continuation, prompt_text: str) -> list[int] | None:
+        """The prompt of the loop's next generation as the previous prompt plus the ids it
+        generated, plus the rest (the call's closing markup, the results) encoded: the prefix
+        cache then holds all of it. Re-encoding the generated text instead can split it into
+        other tokens than the model chose (a grammar lets a random-weights model pick any
+        split: on the QwQ-32B geometry, 33 of 48 continuations lost the cache from the call's
+        first token). None, for the prompt as rendered, where the text does not continue the
+        previous generation as generated (the template rewrote it), or the ids are unknown."""
+        generated = previous.generated_ids
+        if not generated or not prompt_text.startswith(previous.prompt_text):
+            return None
+        rest = len(previous.prompt_text) + len(previous.generated_text)
+        if not prompt_text.startswith(previous.generated_text, len(previous.prompt_text)):
+            # A forced call's JSON, as the template writes it again (its own spacing and
+            # escapes): the same call when it is the same JSON value.
+            if not previous.forced:
+                return None
+            try:
+                written, rest = json.JSONDecoder().raw_decode(prompt_text, len(previous.prompt_text))
+                if written != json.loads(previous.generated_text, strict=False):
+                    return None
+            except ValueError:
+                return None
+        stops = set(self.renderer.stop_token_ids)
+        if generated[-1] in stops:
+            generated = generated[:-1]  # the end of the turn: the template writes its own
+        if any(token in stops for token in generated):
+            return None
+        return [*previous.prompt_ids, *generated, *self.renderer.encode(prompt_text[rest:])]
 
     def _drop_late_calls(self, turn: PendingTurn, outcome: Outcome, specs: list[ToolSpec]) -> None:
         """The last round (max_tool_rounds, or the tool time used up) is generated with
@@ -797,6 +854,7 @@ class TurnRunner:
                     outcome.finish_reason = update.finish_reason or "stop"
                 if over_budget:
                     continue  # the abort takes effect within an engine step or two
+                outcome.token_ids.extend(update.token_ids)
                 if update.delta:
                     parts.append(update.delta)
                     pieces = splitter.feed(update.delta) if splitter else [(False, update.delta)]
@@ -851,7 +909,7 @@ class TurnRunner:
             if hold is not None and (rest := hold.flush()):
                 stream.add(rest)
             stream.flush()
-        outcome.text = "".join(parts)
+        outcome.text = outcome.raw_text = "".join(parts)
         return outcome
 
     def reply(self, turn: PendingTurn, outcome: Outcome) -> bytes:

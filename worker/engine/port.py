@@ -60,6 +60,7 @@ class GenerationUpdate:
     cached_tokens: int
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "cancelled" once finished
+    token_ids: tuple[int, ...] = ()  # the ids generated since the previous update (() where unknown)
 
 
 @dataclass

@@ -150,6 +150,10 @@ class ChatTokenizer:
     def render(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> list[int]:
         return self.encode(self._template(messages, add_generation_prompt=add_generation_prompt, tools=tools))
 
+    def render_text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
+        """What ``render`` encodes: the template's text of the messages (defused)."""
+        return self._template(messages, add_generation_prompt=add_generation_prompt, tools=tools)
+
     @property
     def hf_tokenizer(self) -> Any:
         """The transformers tokenizer (vLLM's tool parsers take it)."""

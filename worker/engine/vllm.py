@@ -788,6 +788,7 @@ class VllmEngine:
                     cached_tokens=cached_tokens,
                     finished=finished,
                     finish_reason=FINISH_REASONS.get(reason, reason) if reason else None,
+                    token_ids=tuple(completion.token_ids),
                 )
             if not finished:  # some releases end an aborted request's stream without a final output
                 yield GenerationUpdate("", completion_tokens, prompt_tokens, cached_tokens, True, "cancelled")
