@@ -690,9 +690,12 @@ class TurnRunner:
         )
         prefill_ids = self.renderer.encode(prefill_text) if prefill_text else []
         token_ids = prompt.token_ids
-        prompt_text = self.renderer.render_text(
-            [*history.messages(), *current.messages], add_generation_prompt=True, tools=tools
-        )
+        # The text is needed only where a generation of the loop continues or may be continued.
+        prompt_text = ""
+        if plan.offered or loop.previous is not None:
+            prompt_text = self.renderer.render_text(
+                [*history.messages(), *current.messages], add_generation_prompt=True, tools=tools
+            )
         if loop.previous is not None and not prompt.trims:
             spliced = self._continuation(loop.previous, prompt_text)
             if spliced is not None:
