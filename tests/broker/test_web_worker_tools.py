@@ -8,6 +8,7 @@ with its real device tools on a real mosquitto, answered by the simulated device
 from __future__ import annotations
 
 import json
+import os
 import re
 import uuid
 from collections.abc import Iterator
@@ -182,6 +183,8 @@ def test_the_page_shows_worker_calls_as_they_run_and_asks_before_a_confirmed_one
     assert answered["reply"] == "The lamp is on." and devices.lamp_on
     assert [c[0] for c in answered["workerCalls"]] == [call_id]
     assert turns(browser)[1]["buttons"] == []  # decided: no buttons any more
+    if os.environ.get("TOOLS_PAGE_SCREENSHOT"):  # to look at it
+        browser.save_screenshot(os.environ["TOOLS_PAGE_SCREENSHOT"])
 
     # Decline: the device never hears of it; the choice survives a reload.
     live.engine.rounds[""] = [call("lamp_set_confirmed", {"on": False}), "Left as it is."]
