@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from worker.config.models import WorkerConfig
+from worker.engine.port import ToolSupport
 from worker.store import open_store
 from worker.transport.mqtt import MqttSettings, MqttTransport
 from worker.transport.port import InboundMessage
@@ -52,9 +53,18 @@ class LiveWorker:
     """``LiveWorker(port, limits={...})``: config sections as keyword arguments. Its topic
     prefix is its own, so workers sharing a broker never see each other's requests. Its
     sessions are in memory unless a test names another store (``history={"store": "redis"}``:
-    a member of a group on the shared Redis, with its intake, as a real worker)."""
+    a member of a group on the shared Redis, with its intake, as a real worker). ``tool_support``: how
+    the model calls tools (worker.engine.vllm.tool_support; the fake engine writes the calls'
+    markup), for the tool loop with its [tools] section."""
 
-    def __init__(self, port: int, *, engine: FakeEngine | None = None, **sections: dict[str, Any]) -> None:
+    def __init__(
+        self,
+        port: int,
+        *,
+        engine: FakeEngine | None = None,
+        tool_support: ToolSupport | None = None,
+        **sections: dict[str, Any],
+    ) -> None:
         n = next(_ids)
         mqtt = {"port": port, "topic_prefix": f"live{n}", "worker_id": f"live-worker-{n}", "session_expiry": 0}
         self.config = WorkerConfig.model_validate(
@@ -68,6 +78,7 @@ class LiveWorker:
         )
         self.prefix = self.config.mqtt.topic_prefix  # the service's, where a test gives its own
         self.engine = engine or FakeEngine()
+        self.tool_support = tool_support  # how the model calls tools (None: it does not)
         self.stop_codes: list[int] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -80,7 +91,13 @@ class LiveWorker:
         store = open_store(config.history, config.redis, self.prefix)
         self._resources.callback(store.close)
         parts = wire(
-            config, self.engine, WordRenderer(), store, self.stop_codes.append, transport_class=RecordingTransport
+            config,
+            self.engine,
+            WordRenderer(),
+            store,
+            self.stop_codes.append,
+            tools=self.tool_support,
+            transport_class=RecordingTransport,
         )
         assert isinstance(parts.transport, RecordingTransport)
         self.transport, self.intake, self.service = parts.transport, parts.intake, parts.service

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,25 +23,20 @@ import pytest
 
 from devtools import REPO
 from devtools.acl import PASSWORDS, documented_acl_broker, logged_in_worker
+from devtools.browser import chromium, console_errors, open_page, served_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.worker_process import WorkerProcess
 from worker.protocol.messages import log_ref
-from worker.web import STATIC_DIR, page_url, start
+from worker.web import STATIC_DIR
 
-CHROMIUM = "/usr/bin/chromium"
-CHROMEDRIVER = "/usr/bin/chromedriver"
 BROWSER_TZ = "Asia/Kathmandu"  # UTC+05:45 all year
 
 
 @pytest.fixture(scope="module")
 def page_server() -> Iterator[str]:
-    server, thread = start("127.0.0.1", 0)
-    host, port = server.server_address[:2]
-    yield f"http://{host}:{port}"
-    server.shutdown()
-    server.server_close()
-    thread.join(5)
+    with served_page() as url:
+        yield url
 
 
 def get(url: str) -> tuple[int, dict[str, str], bytes]:
@@ -77,58 +72,10 @@ def test_the_vendored_mqtt_js_is_the_one_the_recipe_pins() -> None:
 
 @pytest.fixture(scope="module")
 def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    for path in (CHROMIUM, CHROMEDRIVER):
-        if not Path(path).exists():
-            raise RuntimeError(f"{path} is missing (apt-get install -y chromium chromium-driver; scripts/setup.sh)")
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    options = webdriver.ChromeOptions()
-    options.binary_location = CHROMIUM
-    # Headless as root on a machine with a closed network: without the background-networking
-    # flags Chromium keeps trying to reach Google's hosts.
-    for flag in (
-        "--headless",
-        "--no-sandbox",
-        "--disable-gpu",
-        "--disable-dev-shm-usage",
-        "--disable-quic",
-        "--no-first-run",
-        "--disable-background-networking",
-        "--disable-component-update",
-        "--disable-sync",
-        "--window-size=1000,1250",
-        f"--user-data-dir={tmp_path_factory.mktemp('chromium')}",
-    ):
-        options.add_argument(flag)
     # A time zone far from the machine's (UTC on CI): the page's local-time tool must report
     # the browser's own.
-    service = Service(executable_path=CHROMEDRIVER, env={**os.environ, "TZ": BROWSER_TZ})
-    driver = webdriver.Chrome(options=options, service=service)
-    yield driver
-    driver.quit()
-
-
-def wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float = 120) -> Any:
-    from selenium.webdriver.support.ui import WebDriverWait
-
-    return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition, f"waiting for {what}")
-
-
-def console_errors(driver: Any) -> list[dict[str, Any]]:
-    """The browser's errors since the last call: scripts, CSP violations, failed loads."""
-    entries: list[dict[str, Any]] = driver.get_log("browser")
-    return [e for e in entries if e["level"] == "SEVERE"]
-
-
-def open_page(driver: Any, page_server: str, broker_ws_port: int, user: str, session: str) -> None:
-    """The page for this user and session, with nothing left in the browser's storage by an
-    earlier test (the page would otherwise reconnect by itself, as after a reload)."""
-    driver.get(page_server + "/")
-    driver.execute_script("localStorage.clear(); sessionStorage.clear();")
-    console_errors(driver)  # what an earlier test left
-    url = page_url("127.0.0.1", int(page_server.rsplit(":", 1)[1]), f"ws://127.0.0.1:{broker_ws_port}")
-    driver.get(f"{url}&user={user}&session={session}")
+    with chromium(tmp_path_factory.mktemp("chromium"), BROWSER_TZ) as driver:
+        yield driver
 
 
 def turns(driver: Any) -> list[dict[str, Any]]:

@@ -51,7 +51,19 @@ from .client import (
     Refused,
 )
 from .terminal import Terminal, budget_note, printable, usage_line
-from .tools import Results, ToolCommand, ToolSettings, ToolSetupError, call_line, load_tools, result_line, tool_choice
+from .tools import (
+    Results,
+    ToolCommand,
+    ToolSettings,
+    ToolSetupError,
+    call_line,
+    load_tools,
+    result_line,
+    tool_choice,
+    tool_event_line,
+    worker_call_line,
+    worker_tools,
+)
 
 EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_TOOL_CALLS, EXIT_INTERRUPTED = 0, 1, 2, 3, 4, 130
 # One-shot mode, before it sends: how long to wait for the broker (a local one takes
@@ -115,9 +127,11 @@ def tool_settings(args: argparse.Namespace) -> ToolSettings:
     """The tool flags, checked before anything is sent (UsageError says what is wrong)."""
     try:
         tools = load_tools(args.tools) if args.tools is not None else None
+        chosen = worker_tools(args.worker_tools)
         return ToolSettings(
             tools=tools,
-            choice=tool_choice(args.tool_choice, tools),
+            choice=tool_choice(args.tool_choice, tools, chosen),
+            worker_tools=chosen,
             results=Results.parse(args.tool_result),
             command=ToolCommand(args.tool_command) if args.tool_command is not None else None,
             max_rounds=args.max_tool_rounds,
@@ -183,6 +197,13 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="CHOICE",
         help="auto (the default with tools), none, required (some tool must be called) or a tool's name "
         "(that tool must be called): for each message, or without --message for the results sent.",
+    )
+    tools.add_argument(
+        "--worker-tools",
+        metavar="NAMES",
+        help="The worker's own tools this session may use (docs/tools.md): '*' for every one your namespace "
+        "may use, or names separated by commas; '' clears. The worker runs their calls itself; they are "
+        "shown as they start and end. Sent with the (first) message; the session keeps the choice.",
     )
     tools.add_argument(
         "--tool-result",
@@ -311,9 +332,17 @@ def one_shot(
     }
     try:  # checked before anything waits
         if message is not None:
-            request = client.request(message, tools=tools.tools, tool_choice=tools.choice, **common)
+            request = client.request(
+                message, tools=tools.tools, tool_choice=tools.choice, worker_tools=tools.worker_tools, **common
+            )
         else:
-            request = client.request(tool_results=pending, tools=tools.tools, tool_choice=tools.choice, **common)
+            request = client.request(
+                tool_results=pending,
+                tools=tools.tools,
+                tool_choice=tools.choice,
+                worker_tools=tools.worker_tools,
+                **common,
+            )
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
@@ -345,6 +374,8 @@ def one_shot(
                 return EXIT_NO_ANSWER
             if isinstance(event, Delta) and event.delta.request_id == request_id:
                 last_heard = time.monotonic()
+                if event.delta.tool_event is not None:  # the worker runs one of its own tools
+                    print(f"[{printable(tool_event_line(event.delta.tool_event))}]", file=sys.stderr, flush=True)
             elif isinstance(event, Disconnected):
                 err(f"connection to the broker lost ({event.reason}); reconnecting")
             elif isinstance(event, Failed) and event.error.request_id in (request_id, None):
@@ -354,6 +385,8 @@ def one_shot(
                 reply = event.reply
                 if args.show_reasoning and reply.reasoning is not None:
                     print(f"[reasoning]\n{reply.reasoning}\n[answer]", file=sys.stderr, flush=True)
+                for worker_call in reply.worker_calls or ():
+                    print(f"[{printable(worker_call_line(worker_call))}]", file=sys.stderr, flush=True)
                 if args.show_stats:
                     print(f"[{usage_line(reply, (time.monotonic() - sent) * 1000)}]", file=sys.stderr, flush=True)
                 if reply.tool_calls:
@@ -389,12 +422,20 @@ def answer_calls(reply: ChatReply, tools: ToolSettings, timeout: float) -> list[
     results: list[tuple[str, str]] = []
     for call in reply.tool_calls:
         print(f"[{printable(call_line(call))}]", file=sys.stderr, flush=True)
-        text, problem = tools.answer(call, timeout)
+        # A worker tool's call that asks for confirmation is approved by a person: the
+        # terminal asks (y/n); a one-shot run leaves it unanswered.
+        text, problem = (None, None) if call.needs_confirmation else tools.answer(call, timeout)
         if problem is not None:
             err(problem)
         if text is None:
             for each in reply.tool_calls:
                 print(each.model_dump_json(by_alias=True), flush=True)
+            if call.needs_confirmation:
+                err(
+                    f"the worker asks for approval before it runs {call.function.name} ({call.id}): "
+                    "approve it in the interactive terminal (y/n) or on the chat page"
+                )
+                return None
             unanswered = ", ".join(c.id for c in reply.tool_calls if c.function.name == call.function.name)
             err(
                 f"the reply calls tools that no --tool-result or --tool-command answers ({call.function.name}: "

@@ -273,9 +273,10 @@ class ChatClient:
         self,
         message: str | None = None,
         *,
-        tool_results: Sequence[tuple[str, str]] | None = None,
+        tool_results: Sequence[tuple[str, str | bool]] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        worker_tools: Sequence[str] | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
         system_prompt: str | None = None,
@@ -284,13 +285,16 @@ class ChatClient:
     ) -> str:
         """Publish a request (QoS 1; kept and sent after a reconnect); its requestId. It carries
         the message, or the results of the session's pending tool calls ((toolCallId, content)
-        pairs); ``tools`` replaces the session's tools, ``tool_choice`` is for this request.
+        pairs; a bool instead of content approves or declines a call with needsConfirmation);
+        ``tools`` replaces the session's tools, ``worker_tools`` the session's choice of the
+        worker's own tools (names, or ["*"]), ``tool_choice`` is for this request.
         ValueError when a value is not one the contract allows."""
         request = self.request(
             message,
             tool_results=tool_results,
             tools=tools,
             tool_choice=tool_choice,
+            worker_tools=worker_tools,
             max_tokens=max_tokens,
             temperature=temperature,
             system_prompt=system_prompt,
@@ -308,9 +312,10 @@ class ChatClient:
         self,
         message: str | None = None,
         *,
-        tool_results: Sequence[tuple[str, str]] | None = None,
+        tool_results: Sequence[tuple[str, str | bool]] | None = None,
         tools: Sequence[dict[str, Any]] | None = None,
         tool_choice: str | dict[str, Any] | None = None,
+        worker_tools: Sequence[str] | None = None,
         max_tokens: int | None = None,
         temperature: float | None = None,
         system_prompt: str | None = None,
@@ -324,7 +329,11 @@ class ChatClient:
         if message is not None:
             fields["message"] = message
         if tool_results is not None:
-            fields["toolResults"] = [{"toolCallId": call_id, "content": text} for call_id, text in tool_results]
+            # A bool answers a worker call that asked for confirmation (needsConfirmation).
+            fields["toolResults"] = [
+                {"toolCallId": call_id, "approved" if isinstance(answer, bool) else "content": answer}
+                for call_id, answer in tool_results
+            ]
         if include_reasoning:
             fields["includeReasoning"] = True
         for key, value in (
@@ -333,6 +342,7 @@ class ChatClient:
             ("systemPrompt", system_prompt),
             ("tools", None if tools is None else list(tools)),
             ("toolChoice", tool_choice),
+            ("workerTools", None if worker_tools is None else list(worker_tools)),
         ):
             if value is not None:
                 fields[key] = value

@@ -33,7 +33,7 @@ from .client import (
     Unreadable,
     WorkerStatus,
 )
-from .tools import ToolSettings, call_line, result_line
+from .tools import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
 
 PROMPT = "you> "
 REPLY = "bot> "
@@ -78,6 +78,7 @@ class Pending:
     streamed: list[str] = field(default_factory=list)  # the answer's deltas
     cancelling: bool = False
     thinking: bool = False  # reasoning was shown and the answer has not begun
+    tool_lines: bool = False  # a worker call's line was shown since the last answer text
 
 
 # Control characters other than newline and tab, shown as U+FFFD: a model's text may hold any
@@ -134,7 +135,7 @@ class Terminal:
         self.tools = tools or ToolSettings()
         self.tools_sent = False  # the session has --tools (sent with a message since the last reset)
         self.asking: deque[ToolCallOut] = deque()  # calls whose results the user is asked for
-        self.results: list[tuple[str, str]] = []  # this round's results so far
+        self.results: list[tuple[str, str | bool]] = []  # this round's results (bool: an approval) so far
         self.rounds = 0  # tool rounds of the current message
         self.out = out or sys.stdout
         self.verbose: bool = bool(args.show_stats)
@@ -171,7 +172,13 @@ class Terminal:
 
     def prompt(self) -> None:
         if self.started and self.pending is None and self.running and self.line_start:
-            self.write(f"tool {self.asking[0].function.name}> " if self.asking else PROMPT)
+            self.write(self.asking_prompt() if self.asking else PROMPT)
+
+    def asking_prompt(self) -> str:
+        call = self.asking[0]
+        if call.needs_confirmation:
+            return f"run {call.function.name}? (y/n)> "
+        return f"tool {call.function.name}> "
 
     # -- the loop ---------------------------------------------------------------------
 
@@ -243,7 +250,13 @@ class Terminal:
         elif isinstance(event, Delta):
             if pending is not None and event.delta.request_id == pending.request_id:
                 pending.last_heard = time.monotonic()  # reasoning too: the worker is at it
-                if not pending.cancelling:
+                if pending.cancelling:
+                    pass
+                elif event.delta.tool_event is not None:
+                    line = printable(tool_event_line(event.delta.tool_event))
+                    self.write(("" if self.line_start else "\n") + f"[{line}]\n")
+                    pending.tool_lines = True
+                else:
                     self.on_delta(pending, event.delta.delta, event.delta.reasoning)
         elif isinstance(event, Answer):
             if pending is not None and event.reply.request_id == pending.request_id:
@@ -295,6 +308,9 @@ class Terminal:
         if answer and pending.thinking:
             self.write("\n" + REPLY)
             pending.thinking = False
+        if answer and pending.tool_lines:  # the answer goes on after the worker's calls
+            self.write(REPLY)
+            pending.tool_lines = False
         pending.streamed.append(answer)
         self.write(printable(answer))
 
@@ -310,6 +326,8 @@ class Terminal:
             if pending.cancelling:
                 self.note("the reply was complete before the cancel reached the worker")
             if not streamed:
+                if reply.reply and pending.tool_lines:
+                    self.write(REPLY)
                 self.write(printable(reply.reply))
             elif streamed.strip() != reply.reply.strip():
                 if reply.reply.startswith(streamed):
@@ -318,6 +336,10 @@ class Terminal:
                     self.write(f"\n[some streamed text was lost; the whole reply:]\n{printable(reply.reply)}")
             # The calls after the text, or right after the reply's prompt when it has none.
             self.write("" if reply.tool_calls and not (streamed or reply.reply) else "\n")
+            if reply.worker_calls and not self.line_start:
+                self.write("\n")
+            for worker_call in reply.worker_calls or ():
+                self.write(f"[{printable(worker_call_line(worker_call))}]\n")
             for call in reply.tool_calls or ():
                 self.write(f"[{printable(call_line(call))}]\n")
             if reply.finish_reason == "truncated":
@@ -338,6 +360,9 @@ class Terminal:
         self.rounds += 1
         self.results = []
         for call in calls:
+            if call.needs_confirmation:  # the worker's own tool, run once the user approves it
+                self.asking.append(call)
+                continue
             text, problem = self.tools.answer(call, self.args.timeout) if self.tools.automatic else (None, None)
             if problem is not None:
                 self.write(f"[{problem}]\n")
@@ -352,7 +377,12 @@ class Terminal:
     def answer(self, text: str) -> None:
         """A typed line: the result of the call asked for."""
         call = self.asking.popleft()
-        self.results.append((call.id, text))
+        if call.needs_confirmation:
+            approved = text.strip().lower() in ("y", "yes")
+            self.write(f"[{call.function.name} {'approved' if approved else 'declined'}]\n")
+            self.results.append((call.id, approved))
+        else:
+            self.results.append((call.id, text))
         if not self.asking:
             self.send_results()
 
@@ -457,7 +487,13 @@ class Terminal:
         # The session keeps the tools: sent with the first message, and again after a reset.
         tools = None if self.tools_sent else self.tools.tools
         try:
-            request_id = self.client.send(text, tools=tools, tool_choice=self.tools.choice, **self._request_fields())
+            request_id = self.client.send(
+                text,
+                tools=tools,
+                tool_choice=self.tools.choice,
+                worker_tools=None if self.tools_sent else self.tools.worker_tools,
+                **self._request_fields(),
+            )
         except ValueError as exc:
             self.note(f"not sent: {exc}")
             return

@@ -23,7 +23,15 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from ..protocol.messages import RequestError, ToolCallOut, ToolSpecIn, check_tools
+from ..protocol.messages import (
+    RequestError,
+    ToolCallOut,
+    ToolEvent,
+    ToolSpecIn,
+    WorkerCallOut,
+    check_tools,
+    check_worker_tool_names,
+)
 
 # A --tool-result value KEY=TEXT names a tool or a call by KEY: a tool's name (OpenAI's rule)
 # or a call's id (the worker's are call_<hex>_<n>).
@@ -68,19 +76,35 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
     return [spec.model_dump(by_alias=True, exclude_none=True) for spec in specs]
 
 
-def tool_choice(value: str | None, tools: Sequence[dict[str, Any]] | None) -> str | dict[str, Any] | None:
+def tool_choice(
+    value: str | None, tools: Sequence[dict[str, Any]] | None, worker_tools: Sequence[str] | None = None
+) -> str | dict[str, Any] | None:
     """The wire toolChoice of --tool-choice: auto, none, required, or a tool's name (that tool
-    must be called). A name not among --tools is refused here; without --tools the session's
-    tools are the worker's to check."""
+    must be called). A name not among --tools (nor --worker-tools) is refused here; without
+    --tools, or with --worker-tools '*', the worker checks it."""
     if value is None or value in ("auto", "none", "required"):
         return value
-    if tools is not None:
-        names = [tool["function"]["name"] for tool in tools]
+    if tools is not None and not (worker_tools and (worker_tools == ["*"] or value in worker_tools)):
+        names = [tool["function"]["name"] for tool in tools] + list(worker_tools or ())
         if value not in names:
             raise ToolSetupError(
-                f"--tool-choice {value!r} is none of auto, none, required and the tools of --tools ({', '.join(names)})"
+                f"--tool-choice {value!r} is none of auto, none, required and the tools of --tools "
+                f"and --worker-tools ({', '.join(names)})"
             )
     return {"type": "function", "function": {"name": value}}
+
+
+def worker_tools(value: str | None) -> list[str] | None:
+    """The workerTools of --worker-tools: '*' (every worker tool this user may use), names
+    separated by commas, or '' (none: clears the session's choice)."""
+    if value is None:
+        return None
+    names = [name.strip() for name in value.split(",") if name.strip()]
+    try:
+        check_worker_tool_names(names)
+    except RequestError as exc:
+        raise ToolSetupError(f"--worker-tools {value!r}: {exc.message}") from None
+    return names
 
 
 @dataclass
@@ -180,6 +204,7 @@ class ToolSettings:
 
     tools: list[dict[str, Any]] | None = None  # sent with a message: replaces the session's tools
     choice: str | dict[str, Any] | None = None  # toolChoice of the requests a message starts with
+    worker_tools: list[str] | None = None  # workerTools sent with a message: the worker's own tools
     results: Results = field(default_factory=Results)
     command: ToolCommand | None = None
     max_rounds: int = 8
@@ -212,3 +237,22 @@ def call_line(call: ToolCallOut) -> str:
 
 def result_line(call_id: str, text: str) -> str:
     return f"tool result for {call_id}: {text}"
+
+
+def tool_event_line(event: ToolEvent) -> str:
+    """A worker call starting or ending, as the stream announces it."""
+    if event.event == "start":
+        return f"\u25b6 {event.name} running\u2026"
+    mark = "\u2713" if event.outcome == "ok" else "\u2717"
+    return f"{mark} {event.name} {event.duration_ms or 0:.0f} ms ({event.outcome})"
+
+
+def worker_call_line(call: WorkerCallOut) -> str:
+    """A call the worker ran itself: its tool, arguments, result and how it ended."""
+    result = " ".join(call.result.split())
+    if len(result) > 200:
+        result = result[:200] + "\u2026"
+    return (
+        f"worker call (round {call.round + 1}): {call.name} {call.arguments} -> {result} "
+        f"({call.outcome}, {call.duration_ms:.0f} ms)"
+    )

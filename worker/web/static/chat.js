@@ -104,21 +104,29 @@
     $("prefix").value = params.get("prefix") || local.getItem("mqtt-vllm-worker:prefix") || "chat";
     $("session-id").value = params.get("session") || local.getItem("mqtt-vllm-worker:session") || randomId("web-");
     $("password").value = tab.getItem("mqtt-vllm-worker:password") || "";
-    for (const id of ["max-tokens", "temperature", "system-prompt", "tool-choice"]) {
+    for (const id of ["max-tokens", "temperature", "system-prompt", "tool-choice", "forced-tool-name"]) {
       const kept = local.getItem(`mqtt-vllm-worker:${id}`);
       if (kept !== null) $(id).value = kept;
       $(id).addEventListener("change", () => local.setItem(`mqtt-vllm-worker:${id}`, $(id).value));
     }
-    const offer = $("offer-time-tool");
-    offer.checked = local.getItem("mqtt-vllm-worker:offer-time-tool") === "1";
-    offer.addEventListener("change", () => {
-      local.setItem("mqtt-vllm-worker:offer-time-tool", offer.checked ? "1" : "0");
-      updateToolChoice();
-    });
+    for (const id of ["offer-time-tool", "use-worker-tools"]) {
+      const box = $(id);
+      box.checked = local.getItem(`mqtt-vllm-worker:${id}`) === "1";
+      box.addEventListener("change", () => {
+        local.setItem(`mqtt-vllm-worker:${id}`, box.checked ? "1" : "0");
+        updateToolChoice();
+      });
+    }
+    $("tool-choice").addEventListener("change", updateToolChoice);
     updateToolChoice();
   }
+  // A choice only where some tool is offered; forcing the page's own tool only where it is.
   function updateToolChoice() {
-    $("tool-choice").disabled = !$("offer-time-tool").checked;
+    const own = $("offer-time-tool").checked;
+    const worker = $("use-worker-tools").checked;
+    $("tool-choice").disabled = !own && !worker;
+    $("tool-choice").querySelector('option[value="get_local_time"]').disabled = !own;
+    $("forced-tool").hidden = $("tool-choice").value !== "named";
   }
 
   // The address in the location bar resumes this conversation (bookmark it, reload it).
@@ -172,6 +180,8 @@
     $("connect").disabled = !!page.client;
     $("disconnect").disabled = !page.client;
     updateCancel();
+    // Approve / Decline buttons work only while connected.
+    page.turns.filter((t) => t.status === "done" && !t.answered && (t.toolCalls || []).some((c) => c.needsConfirmation)).forEach(render);
   }
   function updateCancel() {
     $("cancel").disabled = !page.ready || !page.turns.some((t) => t.status === "pending");
@@ -184,7 +194,7 @@
   }
   // A reply's deltas put together in seq order (QoS 0: one may be missing, or come late).
   function newStream() {
-    return { next: 0, early: new Map(), text: "", reasoning: "" };
+    return { next: 0, early: new Map(), text: "", reasoning: "", events: [] };
   }
   function addDelta(stream, delta) {
     if (delta.seq < stream.next) return;
@@ -197,8 +207,50 @@
       if (d) {
         stream.text += d.delta || "";
         stream.reasoning += d.reasoning || "";
+        if (d.toolEvent) addToolEvent(stream, d.toolEvent);
       }
     }
+  }
+
+  // The worker's own calls while it answers (docs/tools.md): one line a call, "running" from
+  // its start event until its end event.
+  function addToolEvent(stream, event) {
+    const known = stream.events.find((e) => e.toolCallId === event.toolCallId);
+    if (known) Object.assign(known, event);
+    else stream.events.push({ ...event });
+  }
+  function eventLine(event) {
+    const line = document.createElement("div");
+    line.className = "tool-event";
+    line.dataset.toolCallId = event.toolCallId;
+    line.dataset.event = event.event;
+    if (event.event === "start") {
+      line.textContent = `\u25b6 ${event.name} running\u2026`;
+    } else {
+      line.dataset.outcome = event.outcome;
+      line.textContent = `${event.outcome === "ok" ? "\u2713" : "\u2717"} ${event.name} ${fmtMs(event.durationMs)} (${event.outcome})`;
+    }
+    return line;
+  }
+  // A call the worker ran, listed under its reply: what it was called with, what came back.
+  function workerCallLine(call) {
+    const line = document.createElement("div");
+    line.className = "worker-call";
+    line.dataset.toolCallId = call.id;
+    line.dataset.outcome = call.outcome;
+    const label = document.createElement("span");
+    label.className = "tool-label";
+    label.textContent = `worker call ${call.outcome === "ok" ? "\u2713" : "\u2717"}`;
+    const code = document.createElement("code");
+    code.textContent = `${call.name} ${call.arguments}`;
+    const result = document.createElement("span");
+    result.className = "tool-output";
+    result.textContent = ` \u2192 ${call.result}`;
+    const meta = document.createElement("span");
+    meta.className = "worker-call-meta";
+    meta.textContent = ` (${call.outcome}, ${fmtMs(call.durationMs)}, round ${call.round + 1})`;
+    line.append(label, " ", code, result, meta);
+    return line;
   }
 
   function turnElement(turn) {
@@ -223,8 +275,14 @@
         name.textContent = result.name;
         const output = document.createElement("span");
         output.className = "tool-output";
-        output.textContent = result.content;
-        line.append(label, " ", name, ": ", output);
+        if (result.approved === undefined) {
+          output.textContent = result.content;
+          line.append(label, " ", name, ": ", output);
+        } else {
+          label.textContent = result.approved ? "approved" : "declined";
+          line.dataset.approved = String(result.approved);
+          line.append(label, " ", name);
+        }
         user.append(line);
       }
     } else {
@@ -241,13 +299,15 @@
     const reasoningText = document.createElement("div");
     reasoningText.className = "reasoning-text";
     reasoning.append(summary, reasoningText);
+    const work = document.createElement("div");
+    work.className = "worker-tools";
     const reply = document.createElement("div");
     reply.className = "reply-text";
     const calls = document.createElement("div");
     calls.className = "tool-calls";
     const meta = document.createElement("div");
     meta.className = "meta";
-    assistant.append(reasoning, reply, calls, meta);
+    assistant.append(reasoning, work, reply, calls, meta);
     el.append(user, assistant);
     $("transcript").append(el);
     return el;
@@ -292,6 +352,13 @@
       reasoning = turn.stream.reasoning;
     }
     el.querySelector(".reply-text").textContent = reply || "";
+    // The worker's calls: as they run while the reply streams, then the reply's list.
+    const work = el.querySelector(".worker-tools");
+    if (turn.status === "pending") {
+      work.replaceChildren(...(turn.stream ? turn.stream.events.map(eventLine) : []));
+    } else {
+      work.replaceChildren(...(turn.workerCalls || []).map(workerCallLine));
+    }
     const calls = el.querySelector(".tool-calls");
     calls.replaceChildren();
     for (const call of turn.toolCalls || []) {
@@ -300,10 +367,11 @@
       line.dataset.toolCallId = call.id;
       const label = document.createElement("span");
       label.className = "tool-label";
-      label.textContent = "tool call";
+      label.textContent = call.needsConfirmation ? "the worker asks to run" : "tool call";
       const code = document.createElement("code");
       code.textContent = `${call.function.name} ${call.function.arguments}`;
       line.append(label, " ", code);
+      if (call.needsConfirmation) line.append(" ", confirmation(turn, call));
       calls.append(line);
     }
     const fold = el.querySelector(".reasoning");
@@ -336,6 +404,36 @@
       `total ${fmtMs(l.totalMs)} in the worker (queue ${fmtMs(l.queueMs)})` +
       (turn.roundTripMs ? ` · ${fmtMs(turn.roundTripMs)} here` : "");
   }
+  // Approve / Decline of a worker call that needs the user's confirmation; once decided, what
+  // was decided. The decisions of a reply go back together, with the page's own results.
+  function confirmation(turn, call) {
+    const box = document.createElement("span");
+    box.className = "confirm";
+    const decided = (turn.decisions || {})[call.id];
+    if (decided !== undefined) {
+      box.textContent = decided ? "approved" : "declined";
+      box.dataset.decided = String(decided);
+      return box;
+    }
+    for (const [text, approved] of [["Approve", true], ["Decline", false]]) {
+      const button = document.createElement("button");
+      button.type = "button";
+      button.className = approved ? "approve" : "decline";
+      button.textContent = text;
+      button.disabled = !page.ready || turn.answered;
+      button.addEventListener("click", () => decide(turn, call.id, approved));
+      box.append(button);
+    }
+    return box;
+  }
+  function decide(turn, callId, approved) {
+    if (!page.ready || turn.answered) return;
+    turn.decisions = { ...(turn.decisions || {}), [callId]: approved };
+    saveTurns();
+    render(turn);
+    if (turn.toolCalls.every((c) => !c.needsConfirmation || c.id in turn.decisions)) sendResults(turn);
+  }
+
   function note(text, cls = "note") {
     const el = document.createElement("p");
     el.className = cls;
@@ -493,13 +591,15 @@
       reasoning: body.reasoning || "",
       finishReason: body.finishReason,
       toolCalls: body.toolCalls,
+      workerCalls: body.workerCalls,
       usage: body.usage,
       latency: body.latency,
       roundTripMs: turn.sentAt ? Date.now() - turn.sentAt : undefined,
     });
     // The calls are run and their results sent at once, in the same task as the reply is
-    // saved: a reload never finds a reply with calls and no request with their results.
-    if (body.toolCalls && body.toolCalls.length) sendResults(turn);
+    // saved: a reload never finds a reply with calls and no request with their results. Calls
+    // the worker asks the user to confirm wait for the buttons (a reload shows them again).
+    if (body.toolCalls && body.toolCalls.length && !body.toolCalls.some((c) => c.needsConfirmation)) sendResults(turn);
     saveTurns();
     render(turn);
     updateCancel();
@@ -519,9 +619,14 @@
   // goes on from there, and may call again.
   function sendResults(callTurn) {
     const round = (callTurn.round || 0) + 1;
-    const results = callTurn.toolCalls.map((call) => ({ toolCallId: call.id, name: call.function.name, content: runTool(call) }));
+    const results = callTurn.toolCalls.map((call) =>
+      call.needsConfirmation
+        ? { toolCallId: call.id, name: call.function.name, approved: callTurn.decisions[call.id] }
+        : { toolCallId: call.id, name: call.function.name, content: runTool(call) },
+    );
+    callTurn.answered = true;
     const request = requestOptions({
-      toolResults: results.map(({ toolCallId, content }) => ({ toolCallId, content })),
+      toolResults: results.map(({ toolCallId, content, approved }) => (approved === undefined ? { toolCallId, content } : { toolCallId, approved })),
       requestId: randomId("r-"),
       stream: true,
       includeReasoning: true,
@@ -537,6 +642,8 @@
       stream: newStream(),
     };
     page.turns.push(turn);
+    saveTurns();
+    render(callTurn);
     render(turn);
     publishRequest(turn);
   }
@@ -551,9 +658,16 @@
     // The page's tools, or none ([] clears what an earlier message offered).
     const offered = $("offer-time-tool").checked;
     request.tools = offered ? [LOCAL_TIME_TOOL] : [];
+    // The worker's own tools: every one this user may use, or none ([] clears the session's).
+    const workerTools = $("use-worker-tools").checked;
+    request.workerTools = workerTools ? ["*"] : [];
     const choice = $("tool-choice").value;
-    if (offered && choice !== "auto") {
-      request.toolChoice = choice === "none" ? "none" : { type: "function", function: { name: choice } };
+    if ((offered || workerTools) && choice !== "auto") {
+      if (choice === "none" || choice === "required") request.toolChoice = choice;
+      else {
+        const name = choice === "named" ? $("forced-tool-name").value.trim() : offered ? choice : "";
+        if (name) request.toolChoice = { type: "function", function: { name } };
+      }
     }
     const turn = {
       requestId: request.requestId,
