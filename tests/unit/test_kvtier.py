@@ -193,3 +193,14 @@ def test_this_machine_reads_without_error() -> None:
     memory = read_host_memory()
     assert 0 < memory.available <= memory.total
     assert memory.cgroup_room is None or 0 <= memory.cgroup_room <= (memory.cgroup_limit or 0)
+
+
+def test_the_tier_is_pinned_by_threads_unless_the_operator_chose() -> None:
+    from worker.engine.kvtier import pinning_alloc_conf
+
+    assert pinning_alloc_conf(None, 16) == "pinned_use_cuda_host_register:True,pinned_num_register_threads:16"
+    assert pinning_alloc_conf("expandable_segments:True", 12) == (
+        "expandable_segments:True,pinned_use_cuda_host_register:True,pinned_num_register_threads:8"
+    )
+    assert pinning_alloc_conf(None, 128).endswith(":16") and pinning_alloc_conf("", 1).endswith(":1")
+    assert pinning_alloc_conf("pinned_num_register_threads:4", 16) is None  # the operator's choice stands

@@ -269,3 +269,25 @@ def read_host_memory(
         available = values.get("MemFree", 0) + values.get("Cached", 0)
     limit, room = read_cgroup_memory(proc_cgroup, cgroup_root)
     return HostMemory(total=total, available=available, cgroup_limit=limit, cgroup_room=room)
+
+
+# How torch pins the host tier when the worker starts the engine (PYTORCH_CUDA_ALLOC_CONF):
+# malloc, the pages faulted in by several threads, then one cudaHostRegister, instead of one
+# cudaHostAlloc that faults in and pins every page from one thread. Measured on the H100 host
+# (bench/pinprobe.py, torch 2.11, a 40 GiB tensor, which torch rounds up to 64 GiB either way):
+# 46.5 s as vLLM 0.26 allocates it (torch.zeros, pin_memory=True), 7.3 s this way with 16
+# threads (docs/benchmarks/kv-tier-start.md).
+PINNING_KEYS = ("pinned_use_cuda_host_register", "pinned_num_register_threads")
+MAX_PINNING_THREADS = 16
+
+
+def pinning_alloc_conf(current: str | None, cpus: int) -> str | None:
+    """PYTORCH_CUDA_ALLOC_CONF with threaded pinning added, or None to leave it as it is (the
+    operator set one of its keys already)."""
+    entries = [e for e in (current or "").split(",") if e.strip()]
+    if any(e.split(":", 1)[0].strip() in PINNING_KEYS for e in entries):
+        return None
+    threads = max(1, min(MAX_PINNING_THREADS, cpus))
+    # torch 2.11 takes a power of two of at most 128 threads.
+    threads = 1 << (threads.bit_length() - 1)
+    return ",".join([*entries, "pinned_use_cuda_host_register:True", f"pinned_num_register_threads:{threads}"])

@@ -40,6 +40,7 @@ from .kvtier import (
     TierSize,
     explicit_size_warning,
     kv_bytes_per_token,
+    pinning_alloc_conf,
     read_host_memory,
     size_host_tier,
 )
@@ -580,6 +581,12 @@ class VllmEngine:
         except (TypeError, ValueError) as exc:
             raise ValueError(f"engine argument rejected by vLLM {vllm.__version__}: {exc}") from None
         stats = EngineStats(kv_offload_gib=float(kwargs.get("kv_offloading_size") or 0.0))
+        if stats.kv_offload_gib and config.kv_offload_backend == "native":
+            # The engine core (a child) inherits it: the tier is pinned by threads (kvtier.py).
+            conf = pinning_alloc_conf(os.environ.get("PYTORCH_CUDA_ALLOC_CONF"), os.cpu_count() or 1)
+            if conf is not None:
+                os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
+                logger.info("Host KV tier pinned by threads: PYTORCH_CUDA_ALLOC_CONF={}", conf)
         logger.info("Starting vLLM {} engine: {}", vllm.__version__, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: _SchedulerStatsRecorder(stats)])
         vllm_config = llm.vllm_config
