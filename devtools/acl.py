@@ -56,4 +56,5 @@ def logged_in_worker(port: int, **sections: dict[str, Any]) -> LiveWorker:
     """A LiveWorker on the documented topics (prefix chat, worker id gpu-1) that logs in as
     the user worker."""
     login = {"topic_prefix": "chat", "worker_id": "gpu-1", "username": "worker", "password": PASSWORDS["worker"]}
-    return LiveWorker(port, engine=None, mqtt=login | sections.pop("mqtt", {}), **sections)
+    others: dict[str, Any] = sections  # sections only (a ToolSupport is not among them)
+    return LiveWorker(port, engine=None, mqtt=login | sections.pop("mqtt", {}), **others)

@@ -24,7 +24,7 @@ def served_page() -> Iterator[str]:
     server, thread = start("127.0.0.1", 0)
     host, port = server.server_address[:2]
     try:
-        yield f"http://{host}:{port}"
+        yield f"http://{host!s}:{port}"
     finally:
         server.shutdown()
         server.server_close()
