@@ -20,8 +20,8 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, os.getcwd())
-from bench.runs import STOP_TIMEOUT, start_broker, start_worker  # noqa: E402
-from devtools.tinymodel import generate_geometry_model  # noqa: E402
+from bench.runs import STOP_TIMEOUT, start_broker, start_worker
+from devtools.tinymodel import generate_geometry_model
 
 KEPT = ("KV offloading", "Engine ready", "Engine:", "pinned by threads")
 
