@@ -455,8 +455,10 @@ def report(results: dict[str, Any]) -> str:
             "",
             "| | tokens/s | request p50 ms | request p95 ms |",
             "|---|---|---|---|",
-            f"| device round + answer | {tools['tokens_per_s']} | {tools['request_ms_p50']} | {tools['request_ms_p95']} |",
-            f"| plain, same tokens | {plain['tokens_per_s']} | {plain['request_ms_p50']} | {plain['request_ms_p95']} |",
+            *(
+                f"| {label} | {row['tokens_per_s']} | {row['request_ms_p50']} | {row['request_ms_p95']} |"
+                for label, row in (("device round + answer", tools), ("plain, same tokens", plain))
+            ),
             "",
             f"- per device round, beyond generation: {loop['overhead_per_round_beyond_generation_ms_p50']} ms p50; "
             f"beyond generation, the device ({loop['device_ms']:g} ms) and one MQTT round trip "
