@@ -376,6 +376,14 @@ class Server:
             with self.notifier.extending_timeout():
                 renderer = await self._load_tokenizer()
                 tools = self._tool_support(renderer)
+                if tools.parser is None and (
+                    self.config.tools.mqtt or self.config.tools.mcp or self.config.tools.mcp_mqtt.server_filter
+                ):
+                    logger.warning(
+                        "Worker tools are configured ([tools]), but the model cannot call tools ({}): "
+                        "requests with workerTools will be refused",
+                        tools.unsupported or "no tool parser",
+                    )
                 engine = await self._start_engine(renderer)
                 await self._warm_up(engine)
             route_library_logging()

@@ -593,7 +593,9 @@ class TurnRunner:
             )
         elif budget <= 0:
             result = ToolOutcome("Error: not run: the request's time for tool calls is used up.", "skipped")
-        elif self.toolbox is None:
+        elif self.toolbox is None or call.name not in loop.worker:
+            # Run only what this session is offered now (an approval may come after the tool
+            # was withdrawn, or the namespace's rights changed).
             result = ToolOutcome(f"Error: the tool {call.name} is not available now.", "unavailable")
         else:
             context = CallContext(request_id=turn.key, tool_call_id=call.id, session=str(turn.address))

@@ -150,7 +150,9 @@ class McpServerTools:
                 self._set_lost("the connection closed during a call")
                 return ToolOutcome(f"Error: the MCP server {server} is not available.", "unavailable")
             message = str(getattr(exc, "message", "") or exc) or type(exc).__name__
-            logger.warning("MCP server {}: {} failed: {}", server, tool, message[:200])
+            # The server's words may quote the arguments: DEBUG only, like user text.
+            logger.warning("MCP server {}: {} failed ({})", server, tool, type(exc).__name__)
+            logger.debug("MCP server {}: {} failed: {}", server, tool, message[:2000])
             return ToolOutcome(f"Error: {message}", "error")
         return result_outcome(_dump(result))
 
