@@ -30,6 +30,8 @@ from .tools.mqtt import response_topic_for
 from .tools.toolbox import WorkerToolbox, build_toolbox
 from .transport.mqtt import MqttSettings, MqttTransport
 
+TOOLS_CONNECT_WAIT = 10.0  # seconds start_tools waits for the broker connection
+
 
 @dataclass
 class Parts:
@@ -75,6 +77,10 @@ class Parts:
         if self.toolbox is None:
             return
         resources.push_async_callback(self.toolbox.close)
+        # Connected first where the broker answers soon: the device tools' response topic is
+        # then subscribed at once (else on the connect, before any call can be sent).
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self.transport.wait_connected(), TOOLS_CONNECT_WAIT)
         await self.toolbox.start()
 
 

@@ -342,3 +342,25 @@ def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: A
         prompt_ids, prompt_text, '{"name":"lamp_set","arguments":{"on":false}}', generated_ids, forced=True
     )
     assert runner._continuation(other, next_text) is None
+
+
+def test_a_redelivery_does_not_force_its_first_round_again(tmp_path: Any, tokenizer: ChatTokenizer) -> None:
+    """The forced first round happened before the crash (its call is in the progress): the
+    redelivered request goes on with the next round, generated freely, not forced again."""
+    from worker.core.tools import call_id
+
+    store = SqliteStore(tmp_path)
+    box = FakeToolbox(SENSOR)
+    h = make(tokenizer, box, store=store)
+    first = call_id("g1", 0, 0)
+    turn = Turn("g1", [user_message("Anyone in?")])
+    turn.messages.append(assistant_message("", [ToolCall(first, "sensor_read", {})]))
+    turn.messages.append(tool_message(first, "sensor_read", '{"occupied": false}'))
+    store.save_progress("u/g", "g1", encode_progress(Progress(turn, {first: WorkerCallRecord("ok", 3.0, 0)})))
+    h.engine.rounds["g1"] = ["Nobody is in."]
+    sensor = {"type": "function", "function": {"name": "sensor_read"}}
+    payload = {"message": "Anyone in?", "requestId": "g1", "workerTools": ["*"], "toolChoice": sensor}
+    (reply,) = ask(h, "g", payload)
+    assert reply["reply"] == "Nobody is in." and not box.calls
+    (generation,) = h.engine.requests
+    assert generation.sampling.structured is None  # not forced again

@@ -39,8 +39,13 @@ def specs_from_request(tools: Sequence[ToolSpecIn]) -> list[ToolSpec]:
 def call_id(key: str, round_: int, index: int) -> str:
     """A call's id, derived from the request key, the round and the call's place in it: the
     same request (a redelivery) names its calls the same way."""
+    return f"{round_prefix(key, round_)}{index}"
+
+
+def round_prefix(key: str, round_: int) -> str:
+    """What the ids of a round's calls begin with."""
     digest = hashlib.sha256(f"{key}\x00{round_}".encode()).hexdigest()[:16]
-    return f"call_{digest}_{index}"
+    return f"call_{digest}_"
 
 
 @dataclass(frozen=True)

@@ -83,6 +83,7 @@ from .tools import (
     forced_call_schema,
     order_results,
     plan_tools,
+    round_prefix,
     rounds_in,
     specs_from_request,
 )
@@ -401,6 +402,10 @@ class TurnRunner:
         current, to_run = self._current_turn(turn, history, worker, progress)
         loop.current = current
         loop.progress = Progress(current, progress.calls if progress else {})
+        if progress is not None:
+            # A redelivery goes on where the first delivery stopped: its rounds so far count
+            # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
+            loop.generations = loop.rounds = rounds_of_request(turn.key, progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
         if to_run:
             await self._run_calls(loop, to_run, rounds_in(current) - 1)
@@ -956,6 +961,14 @@ class TurnRunner:
             latency=latency,
         )
         return reply.to_json()
+
+
+def rounds_of_request(key: str, progress: Progress) -> int:
+    """How many rounds of worker calls the request ``key`` itself generated, in its stored
+    progress (a toolResults request's progress also holds the calls it approved, which an
+    earlier request generated)."""
+    rounds = {record.round for record in progress.calls.values()}
+    return sum(1 for r in rounds if any(call_id.startswith(round_prefix(key, r)) for call_id in progress.calls))
 
 
 def wire_calls(calls: tuple[ToolCall, ...], confirm: set[str] | frozenset[str] = frozenset()) -> list[ToolCallOut]:
