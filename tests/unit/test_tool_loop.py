@@ -364,3 +364,23 @@ def test_a_redelivery_does_not_force_its_first_round_again(tmp_path: Any, tokeni
     assert reply["reply"] == "Nobody is in." and not box.calls
     (generation,) = h.engine.requests
     assert generation.sampling.structured is None  # not forced again
+
+
+def test_an_approved_call_is_on_record_before_it_runs(tmp_path: Any, tokenizer: ChatTokenizer) -> None:
+    store = SqliteStore(tmp_path)
+    box = FakeToolbox(SAFE)
+    seen: list[str | None] = []
+
+    def answer(name: str, args: Any) -> str:
+        seen.append(store.load_progress("u/v", "v2"))
+        return "open"
+
+    box.answer = answer
+    h = make(tokenizer, box, store=store)
+    h.engine.rounds["v1"] = [call("door_open")]
+    (asked,) = ask(h, "v", {"message": "Open", "requestId": "v1", "workerTools": ["*"]})
+    approval = {"toolCallId": asked["toolCalls"][0]["id"], "approved": True}
+    h.engine.rounds["v2"] = ["Open."]
+    ask(h, "v", {"toolResults": [approval], "requestId": "v2"})
+    (at_call,) = seen
+    assert at_call is not None and asked["toolCalls"][0]["id"] in at_call

@@ -407,10 +407,9 @@ class TurnRunner:
             # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
             loop.generations = loop.rounds = rounds_of_request(turn.key, progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
-        if to_run:
+        if to_run:  # the calls the client approved
+            await self._save_progress(loop)  # before any is sent: never sent twice
             await self._run_calls(loop, to_run, rounds_in(current) - 1)
-        if not to_run and progress is None and request.tool_results is not None:
-            await self._save_progress(loop)  # declines and client results: replayed as given
         while True:
             waiting = self._awaiting_client(loop)
             if waiting:  # a redelivery that had come this far: the same calls go to the client
@@ -764,7 +763,7 @@ class TurnRunner:
             return outcome
         if plan.offered:
             self._take_calls(turn, plan, outcome, specs, round_=rounds_in(current))
-        elif final and specs and parser is not None and loop.generations > 1:
+        elif final and specs and parser is not None:
             self._drop_late_calls(turn, outcome, specs)
         return outcome
 
