@@ -1,7 +1,7 @@
 """Simulated devices for the worker's device tools ([[tools.mqtt]]), on MQTT 5 request/response.
 
     python -m devtools.devices --host 127.0.0.1 --port 1883 [--prefix devices] [--log calls.jsonl]
-        [--delay-ms N] [--username U --password P]
+        [--delay-ms N] [--delay DEVICE=MS ...] [--username U --password P]
 
 - ``<prefix>/lamp/set`` with ``{"on": true|false}``: switches the lamp, answers its state ``{"on": ...}``;
 - ``<prefix>/lamp/get``: answers the lamp's state;
@@ -12,10 +12,14 @@ ResponseTopic is logged and not answered). Calls are deduplicated by their ``too
 user property: a repeated id gets the stored answer again and does not actuate again. Bad
 arguments are answered with the user property ``outcome=error``. Every call received is
 appended to ``--log`` as a JSON line (topic, toolCallId, requestId, payload, time, duplicate),
-for the fault tests: a device must see each call at most once.
+for the fault tests: a device must see each call at most once. ``--delay-ms`` delays every
+answer; ``--delay lamp/set=20000`` one device's (a slow lamp).
 
 In-process (tests): ``SimulatedDevices(port=...)``, ``start()``, ``stop()``; ``calls`` holds
-the same records as the log, ``actuations`` counts the lamp switches.
+the same records as the log, ``answered`` one record per answer sent (toolCallId, topic,
+payload, time), ``actuations`` counts the lamp switches. ``held`` devices answer only once the test
+calls ``release(device)`` (a call kept outstanding for as long as a fault test needs, with no
+race against a timer); ``wait_until`` waits for a condition on those records.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import signal
 import sys
 import threading
 import time
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -56,19 +61,27 @@ class SimulatedDevices:
         prefix: str = "devices",
         log: Path | None = None,
         delay_ms: int = 0,
+        delays: Mapping[str, float] | None = None,
+        held: Collection[str] = (),
         login: tuple[str, str] | None = None,
     ) -> None:
+        """``delays``: seconds before a device answers, by device (its topic after the prefix,
+        e.g. ``"lamp/set"``), over ``delay_ms``. ``held``: devices that answer only after
+        ``release``."""
         self.host, self.port, self.prefix = host, port, prefix
         self.log = log
         self.delay = delay_ms / 1000
+        self.delays = dict(delays or {})
         self.lamp_on = False
         self.actuations = 0  # lamp switches actually done (a duplicate call does none)
         self.calls: list[dict[str, Any]] = []
+        self.answered: list[dict[str, Any]] = []
         self._answers: dict[str, Answer] = {}  # by toolCallId
         self._lock = threading.Lock()
-        self._ready = threading.Event()
+        self._changed = threading.Condition(self._lock)  # a call arrived or an answer went out
+        self._gates = {device: threading.Event() for device in held}
+        self._stopped = threading.Event()
         self._suback = threading.Event()
-        self._timers: list[threading.Timer] = []
         self._client = mqtt.Client(
             CallbackAPIVersion.VERSION2, client_id=f"sim-devices-{time.monotonic_ns()}", protocol=mqtt.MQTTv5
         )
@@ -91,12 +104,23 @@ class SimulatedDevices:
             raise ConnectionError(f"the broker at {self.host}:{self.port} did not take the devices' subscription")
 
     def stop(self) -> None:
-        with self._lock:
-            timers, self._timers = self._timers, []
-        for timer in timers:
-            timer.cancel()
+        # Answers still waiting (delayed or held) are dropped.
+        self._stopped.set()
+        for gate in self._gates.values():
+            gate.set()
         self._client.disconnect()
         self._client.loop_stop()
+
+    def release(self, device: str) -> None:
+        """A held device answers the calls it holds, and from now on answers at once."""
+        self._gates[device].set()
+
+    def wait_until(self, condition: Callable[[], bool], timeout: float) -> None:
+        """Until ``condition`` (called under the devices' lock, on ``calls`` and ``answered``)
+        holds; TimeoutError after ``timeout`` seconds."""
+        with self._changed:
+            if not self._changed.wait_for(condition, timeout):
+                raise TimeoutError(f"devices: not within {timeout:g} s; calls {self.calls}, answered {self.answered}")
 
     def _on_connect(self, client: mqtt.Client, userdata: Any, flags: Any, reason: Any, props: Any) -> None:
         if reason.is_failure:
@@ -130,17 +154,25 @@ class SimulatedDevices:
             if self.log is not None:
                 with self.log.open("a") as out:
                     out.write(json.dumps(record) + "\n")
+            self._changed.notify_all()
         if response_topic is None:
             print(f"devices: a call on {message.topic} has no ResponseTopic; not answered", file=sys.stderr)
             return
-        if self.delay > 0:
-            timer = threading.Timer(self.delay, self._answer, (response_topic, correlation, answer))
-            timer.daemon = True
-            with self._lock:
-                self._timers.append(timer)
-            timer.start()
-        else:
-            self._answer(response_topic, correlation, answer)
+        device = message.topic.removeprefix(f"{self.prefix}/")
+        delay = self.delays.get(device, self.delay)
+        gate = self._gates.get(device)
+        reply = (response_topic, correlation, answer, call_id, message.topic)
+        if delay <= 0 and (gate is None or gate.is_set()):
+            self._answer(*reply)
+            return
+
+        def later() -> None:
+            if gate is not None:
+                gate.wait()
+            if not self._stopped.wait(delay) and not self._stopped.is_set():
+                self._answer(*reply)
+
+        threading.Thread(target=later, name=f"device-{device}", daemon=True).start()
 
     def _act(self, topic: str, payload: bytes) -> Answer:
         """Run one call (under the lock): the answer, stored for its toolCallId."""
@@ -161,7 +193,9 @@ class SimulatedDevices:
             return Answer(json.dumps(SENSOR).encode())
         return Answer(b'{"error":"unknown device"}', error=True)
 
-    def _answer(self, response_topic: str, correlation: bytes | None, answer: Answer) -> None:
+    def _answer(
+        self, response_topic: str, correlation: bytes | None, answer: Answer, call_id: str | None, topic: str
+    ) -> None:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         if correlation is not None:
             props.CorrelationData = correlation
@@ -169,6 +203,11 @@ class SimulatedDevices:
         if answer.error:
             props.UserProperty = [("outcome", "error")]
         self._client.publish(response_topic, answer.payload, qos=1, properties=props)
+        with self._changed:
+            self.answered.append(
+                {"toolCallId": call_id, "topic": topic, "payload": answer.payload.decode(), "time": time.time()}
+            )
+            self._changed.notify_all()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -178,12 +217,25 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefix", default="devices")
     parser.add_argument("--log", type=Path, default=None, help="append every call received as a JSON line")
     parser.add_argument("--delay-ms", type=int, default=0, help="answer this much later")
+    parser.add_argument(
+        "--delay",
+        action="append",
+        default=[],
+        metavar="DEVICE=MS",
+        help="one device's delay, e.g. lamp/set=20000 (repeatable; over --delay-ms)",
+    )
     parser.add_argument("--username", default=None)
     parser.add_argument("--password", default=None)
     args = parser.parse_args(argv)
     login = (args.username, args.password or "") if args.username else None
+    delays = {}
+    for item in args.delay:
+        device, _, ms = item.partition("=")
+        if not device or not ms.isdigit():
+            parser.error(f"--delay {item!r}: expected DEVICE=MS, e.g. lamp/set=20000")
+        delays[device] = int(ms) / 1000
     devices = SimulatedDevices(
-        args.host, args.port, prefix=args.prefix, log=args.log, delay_ms=args.delay_ms, login=login
+        args.host, args.port, prefix=args.prefix, log=args.log, delay_ms=args.delay_ms, delays=delays, login=login
     )
     stop = threading.Event()
     signal.signal(signal.SIGTERM, lambda *_: stop.set())
