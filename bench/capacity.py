@@ -106,7 +106,9 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
     name = "capacity_offload" if offload else "capacity"
     tokenizer = ChatTokenizer(str(model))
     caches_empty = _cache_dirs()
-    tier = ["--kv-offload-gib", str(profile.capacity_offload_gib if offload else 0)]
+    # A tier of None: the worker's default (sized from the host's memory at start).
+    size = profile.capacity_offload_gib if offload else 0
+    tier = [] if size is None else ["--kv-offload-gib", str(size)]
     args = ["--model", str(model), "--stats-interval", "2", *profile.capacity_worker_args, *tier]
     broker = start_broker(mosquitto, out)
     log = out / f"worker-{name}.log"

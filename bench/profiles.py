@@ -40,7 +40,7 @@ class Profile:
     capacity_system_tokens: int = 1000
     capacity_user_tokens: tuple[int, int] = (150, 250)
     capacity_max_tokens: int = 64
-    capacity_offload_gib: float = 20.0
+    capacity_offload_gib: float | None = 20.0  # None: the worker's default
     capacity_kv_tokens_fallback: int = 8192  # when the engine's log does not say
     capacity_burst_pause_s: float = 5.0
     burst_system_tokens: int = 1500  # the bursts of first turns before the capacity runs
@@ -200,4 +200,15 @@ PROFILES["gpu-capacity-long"] = Profile(
     capacity_offload_gib=40.0,
     capacity_burst_pause_s=1.0,
     decode_tokens=64,
+)
+
+# The capacity phases at full scale (issue 25): the whole GPU's KV cache (the worker's defaults,
+# util 0.93), sessions at 1x and 10x of it, the host tier at the worker's default size
+# (capacity_offload with capacity_offload_gib None) or off (capacity).
+PROFILES["gpu-fullscale"] = Profile(
+    PROFILES["gpu"].engine_overrides,
+    capacity_engine={"max_model_len": 4096, "gpu_memory_utilization": 0.93},
+    capacity_multiples=(1, 10),
+    capacity_rate=16.0,
+    capacity_offload_gib=None,
 )
