@@ -284,3 +284,23 @@ def test_scrape_moves_with_traffic(shared_worker: WorkerProcess, shared_metrics_
     # No user, session, request id or message text anywhere on the endpoint.
     for secret in (user, two_turns, one_turn, cancelled_session, bad, "private-text", "req-to-cancel"):
         assert secret not in after.text, secret
+
+
+def test_tool_calls_are_counted_by_outcome() -> None:
+    from prometheus_client import generate_latest
+
+    from worker.system.metrics import TOOL_OUTCOMES
+
+    metrics = WorkerMetrics()
+    stats = StatsCollector("w")
+    metrics.attach(stats, LiveSources(lambda: EngineStats(), sessions=lambda: 0, pending=lambda: 0, info={}))
+    got = parse(generate_latest(metrics.registry).decode())
+    for outcome in TOOL_OUTCOMES:  # every series exists from the start
+        assert got.value(m("tool_calls_total"), outcome=outcome) == 0, outcome
+    stats.record_tool_call("lamp_set", "timeout", 5.0)
+    stats.record_tool_call("sensor_read", "ok", 0.01)
+    got = parse(generate_latest(metrics.registry).decode())
+    assert got.value(m("tool_calls_total"), outcome="timeout") == 1
+    assert got.value(m("tool_calls_total"), outcome="ok") == 1
+    assert got.value(m("tool_call_duration_seconds_count")) == 2
+    assert stats.tool_calls == {"timeout": 1, "ok": 1}

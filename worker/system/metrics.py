@@ -41,6 +41,7 @@ FINISH_OUTCOMES = {
     "reasoning_budget": "reasoning_budget",
     "cancelled": "cancelled",
 }
+TOOL_OUTCOMES = ("ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped")
 OUTCOMES: tuple[str, ...] = (
     "replied",
     "length",
@@ -199,17 +200,20 @@ class WorkerMetrics:
         self.invalid_topics = Counter(
             f"{PREFIX}_invalid_topics", "Messages on topics the worker cannot parse (not answered).", registry=reg
         )
+        # By outcome only: a tool label would grow with every MCP server discovered on the
+        # broker (the worker's log names the tool of each call).
         self.tool_calls = Counter(
             f"{PREFIX}_tool_calls",
-            "The worker's own tool calls (device tools, MCP servers), by tool and outcome: ok, error, "
-            "timeout, unavailable, declined, unknown (the worker restarted while waiting), skipped (a limit).",
-            ["tool", "outcome"],
+            "The worker's own tool calls (device tools, MCP servers), by outcome: ok, error, timeout, "
+            "unavailable, declined, unknown (the worker restarted while waiting), skipped (a limit).",
+            ["outcome"],
             registry=reg,
         )
+        for outcome in TOOL_OUTCOMES:
+            self.tool_calls.labels(outcome)
         self.tool_duration = Histogram(
             f"{PREFIX}_tool_call_duration_seconds",
             "The worker's own tool calls: from sending the call to its result.",
-            ["tool"],
             buckets=QUEUE_BUCKETS,
             registry=reg,
         )
@@ -241,8 +245,8 @@ class WorkerMetrics:
         self.invalid_topics.inc()
 
     def tool_call(self, tool: str, outcome: str, seconds: float) -> None:
-        self.tool_calls.labels(tool, outcome).inc()
-        self.tool_duration.labels(tool).observe(seconds)
+        self.tool_calls.labels(outcome if outcome in TOOL_OUTCOMES else "error").inc()
+        self.tool_duration.observe(seconds)
 
 
 class MetricsEndpoint:
