@@ -427,7 +427,7 @@ def test_a_state_stored_before_tool_calling_still_reads(tmp_path: Path) -> None:
     from worker.store.port import parse_state
 
     old = json.dumps({"systemPrompt": "S", "turns": [{"key": "k", "user": "hi", "assistant": "hello"}]})
-    system_prompt, turns, tools, _ = parse_state("u/s", old)
+    system_prompt, turns, tools = parse_state("u/s", old)
     assert system_prompt == "S" and turns == [Turn.plain("k", "hi", "hello")] and tools == []
 
 

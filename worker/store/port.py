@@ -94,9 +94,15 @@ def _tool(data: dict[str, Any]) -> ToolSpec:
     return ToolSpec(str(data["name"]), data.get("description"), data.get("parameters"), data.get("strict"))
 
 
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
-    """The system prompt, turns and tools of a stored state; SessionUnreadable when it is
-    damaged. A state stored before tool calling (turns of user and assistant text) reads as
+def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec]]:
+    """The system prompt, turns and tools of a stored state (see parse_session)."""
+    system_prompt, turns, tools, _ = parse_session(session, state)
+    return system_prompt, turns, tools
+
+
+def parse_session(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
+    """The system prompt, turns, tools and worker tools (workerTools) of a stored state;
+    SessionUnreadable when it is damaged. A state stored before tool calling (turns of user and assistant text) reads as
     turns of two messages."""
     try:
         data = json.loads(state)
@@ -112,7 +118,7 @@ def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn
 
 
 def decode_history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    system_prompt, turns, tools, worker_tools = parse_state(session, state)
+    system_prompt, turns, tools, worker_tools = parse_session(session, state)
     return SessionHistory(system_prompt, turns, tools, OrderedDict(answers), worker_tools)
 
 

@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import redis
 
 from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
-from .port import StoreUnavailable, encode_state, parse_state
+from .port import StoreUnavailable, encode_state, parse_session
 
 # KEYS: state, answers, order, deliveries. ARGV: state json, key, payload ("" none), now,
 # ttl ms (0: none), newest kept. Returns the payload already stored for key by another worker
@@ -116,7 +116,7 @@ class RedisStore:
             return None
         history = SessionHistory()
         if state is not None:
-            history.system_prompt, history.turns, history.tools, history.worker_tools = parse_state(session, state)
+            history.system_prompt, history.turns, history.tools, history.worker_tools = parse_session(session, state)
         answered: OrderedDict[str, bytes | None] = OrderedDict()
         for key in order:
             payload = answers.get(key)
