@@ -429,7 +429,7 @@ def answer_calls(reply: ChatReply, tools: ToolSettings, timeout: float) -> list[
             err(problem)
         if text is None:
             for each in reply.tool_calls:
-                print(each.model_dump_json(by_alias=True), flush=True)
+                print(each.model_dump_json(by_alias=True, exclude_none=True), flush=True)
             if call.needs_confirmation:
                 err(
                     f"the worker asks for approval before it runs {call.function.name} ({call.id}): "
