@@ -1,4 +1,4 @@
-"""Where the host KV tier's start time goes: pinning host memory the ways vLLM can (issue 25.2).
+"""Where the host KV tier's start time goes: pinning host memory the ways vLLM can.
 
 Needs torch only (no vLLM, no model): runs on the GPU machine's image as it is. Each case runs
 in a fresh process (torch reads its pinned-allocator settings once per process) and reports the

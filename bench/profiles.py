@@ -202,7 +202,7 @@ PROFILES["gpu-capacity-long"] = Profile(
     decode_tokens=64,
 )
 
-# The capacity phases at full scale (issue 25): the whole GPU's KV cache (the worker's defaults,
+# The capacity phases at full scale: the whole GPU's KV cache (the worker's defaults,
 # util 0.93), sessions at 1x and 10x of it, the host tier at the worker's default size
 # (capacity_offload with capacity_offload_gib None) or off (capacity).
 PROFILES["gpu-fullscale"] = Profile(
