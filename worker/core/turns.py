@@ -613,6 +613,8 @@ class TurnRunner:
         loop.current.messages.append(tool_message(call.id, call.name, content))
         loop.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
         self.stats.record_tool_call(call.name, result.outcome, seconds)
+        # Stored first: the line below says the result is on record (a crash after it reuses it).
+        await self._save_progress(loop)
         logger.info(
             "Request {} of {}: worker call {} ({}) {} in {:.0f} ms",
             log_ref(turn.key),
@@ -623,7 +625,6 @@ class TurnRunner:
             seconds * 1000,
         )
         logger.debug("Worker call {} result: {!r}", call.id, content[:2000])
-        await self._save_progress(loop)
         if loop.stream is not None:
             loop.stream.event(
                 ToolEvent(
