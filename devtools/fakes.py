@@ -214,6 +214,17 @@ class SlowStore(MemoryStore):
         return super().expire(idle_seconds)
 
 
+class Sent:
+    """A stand-in for ChatClient.send: records each request."""
+
+    def __init__(self) -> None:
+        self.requests: list[dict[str, Any]] = []
+
+    def send(self, message: str | None = None, **fields: Any) -> str:
+        self.requests.append({"message": message, **fields})
+        return f"r{len(self.requests)}"
+
+
 class FakeToolbox:
     """The worker's tools without devices: ``tools`` as configured; each call is recorded and
     answered by ``answer`` (a function of name and arguments: its text, or a ToolOutcome),

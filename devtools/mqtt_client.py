@@ -5,11 +5,13 @@ bench/scale.py) are ``connect``'s with their own ``on_message``."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import json
 import queue
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -19,7 +21,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
-from worker.transport.mqtt import MqttSettings, set_tcp_nodelay
+from worker.transport.mqtt import MqttSettings, MqttTransport, set_tcp_nodelay
 
 # How long ``connect`` waits for the CONNACK and the SUBACK: a broker on this machine answers
 # in milliseconds.
@@ -181,3 +183,18 @@ def probe_settings(port: int, **overrides: Any) -> MqttSettings:
         "status_topic": "probe/status",
     }
     return MqttSettings(**(base | overrides))
+
+
+@contextlib.asynccontextmanager
+async def transport_on(port: int, **settings: Any) -> AsyncIterator[MqttTransport]:
+    """The worker's own MqttTransport on a test broker (probe_settings, subscribed to requests),
+    connected, on the running loop; closed after: for what uses its Messaging side (device tools,
+    MCP over MQTT)."""
+    settings = {"subscriptions": ("chat/+/+/request",)} | settings
+    transport = MqttTransport(probe_settings(port, **settings), asyncio.get_running_loop())
+    transport.start()
+    await asyncio.wait_for(transport.wait_connected(), 10)
+    try:
+        yield transport
+    finally:
+        await transport.close(1)

@@ -18,7 +18,7 @@ from loguru import logger
 from devtools.acl import PASSWORDS, documented_acl_broker
 from devtools.devices import SENSOR, SimulatedDevices
 from devtools.mosquitto import Mosquitto
-from devtools.mqtt_client import Client, probe_settings
+from devtools.mqtt_client import Client, transport_on
 from worker.config.models import MqttToolConfig
 from worker.tools.mqtt import DeviceTools, response_topic_for
 from worker.tools.port import CallContext
@@ -36,18 +36,6 @@ def tool(name: str, topic: str, timeout: float = 10.0) -> MqttToolConfig:
 
 def context(n: int | str) -> CallContext:
     return CallContext(request_id=f"req-{n}", tool_call_id=f"call-{n}", session="alice/s1")
-
-
-@contextlib.asynccontextmanager
-async def connected(port: int, **settings: Any) -> AsyncIterator[MqttTransport]:
-    settings = {"subscriptions": ("chat/+/+/request",)} | settings
-    transport = MqttTransport(probe_settings(port, **settings), asyncio.get_running_loop())
-    transport.start()
-    await asyncio.wait_for(transport.wait_connected(), 10)
-    try:
-        yield transport
-    finally:
-        await transport.close(1)
 
 
 @contextlib.asynccontextmanager
@@ -78,7 +66,7 @@ def test_a_call_goes_out_with_its_properties_and_its_answer_comes_back(broker: M
     async def run() -> None:
         # Requests on a filter that covers the response topic too: answers still reach only the tools.
         async with (
-            connected(broker.port, subscriptions=("chat/#",)) as transport,
+            transport_on(broker.port, subscriptions=("chat/#",)) as transport,
             device_tools(transport, [tool("lamp_set", f"{p}/lamp/set"), tool("sensor", f"{p}/sensor/read")]) as tools,
         ):
             with devices_on(broker.port, prefix=p, log=log) as devices:
@@ -129,7 +117,7 @@ def test_a_call_goes_out_with_its_properties_and_its_answer_comes_back(broker: M
 def test_a_device_that_does_not_answer_is_a_timeout(broker: Mosquitto) -> None:
     async def run() -> None:
         async with (
-            connected(broker.port) as transport,
+            transport_on(broker.port) as transport,
             device_tools(transport, [tool("nobody", f"{prefix()}/nobody/home", timeout=0.5)]) as tools,
         ):
             outcome = await tools.call("nobody", {"x": 1}, context(1))
@@ -151,7 +139,7 @@ def test_a_late_answer_is_dropped_and_never_taken_for_another_call(broker: Mosqu
 
     async def run() -> None:
         async with (
-            connected(broker.port) as transport,
+            transport_on(broker.port) as transport,
             device_tools(
                 transport, [tool("lamp_set", f"{p}/lamp/set", timeout=0.5), tool("sensor", f"{p}/sensor/read")]
             ) as tools,
@@ -179,7 +167,7 @@ def test_concurrent_calls_get_their_own_answers(broker: Mosquitto) -> None:
 
     async def run() -> None:
         async with (
-            connected(broker.port) as transport,
+            transport_on(broker.port) as transport,
             device_tools(transport, [tool("lamp_get", f"{p}/lamp/get"), tool("sensor", f"{p}/sensor/read")]) as tools,
         ):
             with devices_on(broker.port, prefix=p, delay_ms=200):
@@ -202,7 +190,7 @@ def test_the_response_topic_works_again_after_the_broker_lost_everything(tmp_pat
 
     async def run() -> None:
         async with (
-            connected(lost.port, session_expiry=3600) as transport,
+            transport_on(lost.port, session_expiry=3600) as transport,
             device_tools(transport, [tool("sensor", f"{p}/sensor/read")]) as tools,
         ):
             with devices_on(lost.port, prefix=p):
@@ -232,7 +220,7 @@ def test_a_device_topic_the_broker_refuses_is_unavailable(tmp_path: Path) -> Non
     configs = [tool("garage", "devices/garage/open"), tool("lamp_set", "devices/lamp/set")]
 
     async def run() -> None:
-        async with connected(acl_broker.port, **login) as transport, device_tools(transport, configs) as tools:
+        async with transport_on(acl_broker.port, **login) as transport, device_tools(transport, configs) as tools:
             with devices_on(acl_broker.port, login=("devices", PASSWORDS["devices"])) as devices:
                 refused = await tools.call("garage", {"open": True}, context(1))
                 assert refused.outcome == "unavailable", refused
@@ -257,7 +245,7 @@ def test_answers_are_acknowledged_by_the_transport_at_once(broker: Mosquitto) ->
 
     async def run() -> None:
         async with (
-            connected(broker.port, receive_maximum=1) as transport,
+            transport_on(broker.port, receive_maximum=1) as transport,
             device_tools(transport, [tool("sensor", f"{p}/sensor/read", timeout=5)]) as tools,
         ):
             with devices_on(broker.port, prefix=p):

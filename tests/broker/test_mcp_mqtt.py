@@ -13,100 +13,15 @@ import asyncio
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from typing import Any
-
-import paho.mqtt.client as mqtt
-from paho.mqtt.packettypes import PacketTypes
-from paho.mqtt.properties import Properties
-from paho.mqtt.subscribeoptions import SubscribeOptions
 
 from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
-from devtools.mqtt_client import Client, connect
+from devtools.mqtt_client import Client, transport_on
 from worker.config.models import McpMqttConfig
 from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.port import CallContext, ToolOutcome
-from worker.transport.port import Delivery, OutboundProperties, PublishFailed
 
 CTX = CallContext("req-1", "req-1:0:0", "alice/s1")
-
-
-class PahoMessaging:
-    """The Messaging port over a paho client of its own (callbacks handed to the loop)."""
-
-    def __init__(self, port: int, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.client = connect(port, client_id=f"worker-{uuid.uuid4().hex[:8]}")
-        self.handlers: dict[str, Callable[[Delivery], None]] = {}
-        self.published: dict[int, asyncio.Future[None]] = {}
-        self.granted: dict[int, asyncio.Future[list[Any]]] = {}
-        self.client.on_publish = lambda c, u, mid, rc, p: loop.call_soon_threadsafe(
-            self._done, self.published, mid, None
-        )
-        self.client.on_subscribe = lambda c, u, mid, codes, p: loop.call_soon_threadsafe(
-            self._done, self.granted, mid, list(codes)
-        )
-        self.client.on_message = lambda c, u, m: loop.call_soon_threadsafe(self._deliver, m)
-
-    @staticmethod
-    def _done(waiting: dict[int, Any], mid: int, value: Any) -> None:
-        future = waiting.pop(mid, None)
-        if future is not None and not future.done():
-            future.set_result(value)
-
-    def _deliver(self, message: mqtt.MQTTMessage) -> None:
-        props = message.properties
-        delivery = Delivery(
-            topic=message.topic,
-            payload=bytes(message.payload),
-            retain=bool(message.retain),
-            user_properties=tuple(getattr(props, "UserProperty", []) or []),
-        )
-        for topic_filter, handler in list(self.handlers.items()):
-            if mqtt.topic_matches_sub(topic_filter, message.topic):
-                handler(delivery)
-
-    def send(
-        self,
-        topic: str,
-        payload: bytes,
-        *,
-        qos: int = 1,
-        retain: bool = False,
-        properties: OutboundProperties | None = None,
-    ) -> asyncio.Future[None]:
-        props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
-        if properties is not None:
-            if properties.user_properties:
-                props.UserProperty = list(properties.user_properties)
-            if properties.message_expiry:
-                props.MessageExpiryInterval = properties.message_expiry
-            if properties.content_type:
-                props.ContentType = properties.content_type
-        future = self.loop.create_future()
-        info = self.client.publish(topic, payload, qos=qos, retain=retain, properties=props)
-        if info.rc != mqtt.MQTT_ERR_SUCCESS:
-            future.set_exception(PublishFailed(f"not sent: {info.rc}"))
-        else:
-            self.published[info.mid] = future  # on_publish's callback runs on this loop, later
-        return future
-
-    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
-        self.handlers[topic_filter] = handler
-        result, mid = self.client.subscribe(topic_filter, options=SubscribeOptions(qos=qos))
-        assert result == mqtt.MQTT_ERR_SUCCESS and mid is not None
-        future = self.granted[mid] = self.loop.create_future()
-        codes = await asyncio.wait_for(future, 10)
-        if any(code.is_failure for code in codes):
-            raise PublishFailed(f"subscription refused: {codes}")
-
-    def unwatch(self, topic_filter: str) -> None:
-        self.handlers.pop(topic_filter, None)
-        self.client.unsubscribe(topic_filter)
-
-    def close(self) -> None:
-        self.client.disconnect()
-        self.client.loop_stop()
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
@@ -152,45 +67,46 @@ def test_discovery_call_and_withdrawal(broker: Mosquitto) -> None:
     other = McpMqttServer(broker.port, f"office-{suffix}/thermostat").start()  # outside the filter
 
     async def scenario() -> None:
-        messaging = PahoMessaging(broker.port, asyncio.get_running_loop())
-        changes: list[int] = []
-        config = McpMqttConfig(
-            server_filter=f"home-{suffix}/#", allow=["get_temperature", "set_temperature"], users=["alice"]
-        )
-        provider = McpOverMqtt(config, messaging, f"worker-{suffix}")
-        provider.on_change(lambda: changes.append(1))
-        await provider.start()
-        prefix = f"home-{suffix}_livingroom_thermostat_"
-        try:
-            await eventually(lambda: bool(provider.tools()), "the server is discovered and its tools listed")
-            assert names(provider) == {prefix + "get_temperature", prefix + "set_temperature"}  # allow: no add
-            tool = next(t for t in provider.tools() if t.name == prefix + "set_temperature")
-            assert tool.parameters is not None and tool.parameters["required"] == ["celsius"]
-            assert (tool.users, tool.source) == (("alice",), f"mcp-mqtt:home-{suffix}/livingroom/thermostat")
-            assert changes == [1]
+        async with transport_on(broker.port) as messaging:
+            changes: list[int] = []
+            config = McpMqttConfig(
+                server_filter=f"home-{suffix}/#", allow=["get_temperature", "set_temperature"], users=["alice"]
+            )
+            provider = McpOverMqtt(config, messaging, f"worker-{suffix}")
+            provider.on_change(lambda: changes.append(1))
+            await provider.start()
+            prefix = f"home-{suffix}_livingroom_thermostat_"
+            try:
+                await eventually(lambda: bool(provider.tools()), "the server is discovered and its tools listed")
+                assert names(provider) == {prefix + "get_temperature", prefix + "set_temperature"}  # allow: no add
+                tool = next(t for t in provider.tools() if t.name == prefix + "set_temperature")
+                assert tool.parameters is not None and tool.parameters["required"] == ["celsius"]
+                assert (tool.users, tool.source) == (("alice",), f"mcp-mqtt:home-{suffix}/livingroom/thermostat")
+                assert changes == [1]
 
-            done = await provider.call(prefix + "set_temperature", {"celsius": 23.5}, CTX)
-            assert done == ToolOutcome("target set to 23.5 °C", "ok")
-            assert await provider.call(prefix + "get_temperature", {}, CTX) == ToolOutcome("23.5 °C", "ok")
-            refused = await provider.call(prefix + "set_temperature", {"celsius": 99}, CTX)
-            assert refused.outcome == "error" and "out of range" in refused.content
-            assert room.calls[0] == ("set_temperature", {"celsius": 23.5})
-            assert not other.calls and other.clients == set()
+                done = await provider.call(prefix + "set_temperature", {"celsius": 23.5}, CTX)
+                assert done == ToolOutcome("target set to 23.5 °C", "ok")
+                assert await provider.call(prefix + "get_temperature", {}, CTX) == ToolOutcome("23.5 °C", "ok")
+                refused = await provider.call(prefix + "set_temperature", {"celsius": 99}, CTX)
+                assert refused.outcome == "error" and "out of range" in refused.content
+                assert room.calls[0] == ("set_temperature", {"celsius": 23.5})
+                assert not other.calls and other.clients == set()
 
-            room.add_tool({"name": "get_humidity", "description": "Humidity, %.", "inputSchema": {"type": "object"}})
-            # not in allow: listed again, nothing changes for the model
-            await asyncio.sleep(0.5)
-            assert names(provider) == {prefix + "get_temperature", prefix + "set_temperature"}
+                room.add_tool(
+                    {"name": "get_humidity", "description": "Humidity, %.", "inputSchema": {"type": "object"}}
+                )
+                # not in allow: listed again, nothing changes for the model
+                await asyncio.sleep(0.5)
+                assert names(provider) == {prefix + "get_temperature", prefix + "set_temperature"}
 
-            room.stop()  # clears its presence
-            await eventually(lambda: not provider.tools(), "the tools are withdrawn")
-            assert changes == [1, 1]
-            gone = await provider.call(prefix + "get_temperature", {}, CTX)
-            assert gone.outcome == "unavailable"
-        finally:
-            await provider.close()
-            messaging.close()
-            other.stop()
+                room.stop()  # clears its presence
+                await eventually(lambda: not provider.tools(), "the tools are withdrawn")
+                assert changes == [1, 1]
+                gone = await provider.call(prefix + "get_temperature", {}, CTX)
+                assert gone.outcome == "unavailable"
+            finally:
+                await provider.close()
+                other.stop()
 
     run(scenario)
 
@@ -201,34 +117,34 @@ def test_a_crashed_server_is_withdrawn_by_its_will_and_list_changed_is_followed(
     server = McpMqttServer(broker.port, name).start()
 
     async def scenario() -> None:
-        messaging = PahoMessaging(broker.port, asyncio.get_running_loop())
-        provider = McpOverMqtt(McpMqttConfig(server_filter=f"lab-{suffix}/+", users=["*"]), messaging, f"w-{suffix}")
-        await provider.start()
-        prefix = f"lab-{suffix}_calc_"
-        try:
-            await eventually(lambda: prefix + "add" in names(provider), "the server is discovered")
-            assert await provider.call(prefix + "add", {"a": 2, "b": 3}, CTX) == ToolOutcome("5", "ok")
+        async with transport_on(broker.port) as messaging:
+            provider = McpOverMqtt(
+                McpMqttConfig(server_filter=f"lab-{suffix}/+", users=["*"]), messaging, f"w-{suffix}"
+            )
+            await provider.start()
+            prefix = f"lab-{suffix}_calc_"
+            try:
+                await eventually(lambda: prefix + "add" in names(provider), "the server is discovered")
+                assert await provider.call(prefix + "add", {"a": 2, "b": 3}, CTX) == ToolOutcome("5", "ok")
 
-            server.add_tool({"name": "reset", "description": "Reset.", "inputSchema": {"type": "object"}})
-            await eventually(lambda: prefix + "reset" in names(provider), "the new tool is offered")
-            assert await provider.call(prefix + "reset", {}, CTX) == ToolOutcome("reset done", "ok")
+                server.add_tool({"name": "reset", "description": "Reset.", "inputSchema": {"type": "object"}})
+                await eventually(lambda: prefix + "reset" in names(provider), "the new tool is offered")
+                assert await provider.call(prefix + "reset", {}, CTX) == ToolOutcome("reset done", "ok")
 
-            server.crash()  # no DISCONNECT: the broker sends the will, which clears the presence
-            await eventually(lambda: not provider.tools(), "the crashed server's tools are withdrawn", limit=60)
-        finally:
-            await provider.close()
-            messaging.close()
+                server.crash()  # no DISCONNECT: the broker sends the will, which clears the presence
+                await eventually(lambda: not provider.tools(), "the crashed server's tools are withdrawn", limit=60)
+            finally:
+                await provider.close()
 
     run(scenario)
 
 
 def test_no_filter_no_discovery(broker: Mosquitto) -> None:
     async def scenario() -> None:
-        messaging = PahoMessaging(broker.port, asyncio.get_running_loop())
-        provider = McpOverMqtt(McpMqttConfig(), messaging, "w-none")
-        await provider.start()
-        assert messaging.handlers == {} and list(provider.tools()) == []
-        await provider.close()
-        messaging.close()
+        async with transport_on(broker.port) as messaging:
+            provider = McpOverMqtt(McpMqttConfig(), messaging, "w-none")
+            await provider.start()
+            assert not messaging._watches and list(provider.tools()) == []  # nothing watched
+            await provider.close()
 
     run(scenario)

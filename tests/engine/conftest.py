@@ -99,3 +99,13 @@ def real_worker(
     )
     with serving(worker):
         yield worker
+
+
+@pytest.fixture(scope="module")
+def workers() -> Iterator[list[WorkerProcess]]:
+    """The workers a module starts (tests that kill and restart them); whatever a failing test
+    leaves running is stopped at the module's end."""
+    started: list[WorkerProcess] = []
+    yield started
+    for worker in started:
+        worker.stop(timeout=10)

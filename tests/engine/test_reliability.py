@@ -101,15 +101,6 @@ def logs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return tmp_path_factory.mktemp("steady")
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[WorkerProcess]]:
-    """The workers this module starts; whatever a failing test leaves running is killed."""
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.stop(timeout=10)
-
-
 @pytest.fixture
 def serving_worker(
     tiny_model: Path, broker: Mosquitto, workers: list[WorkerProcess], logs: Path

@@ -162,15 +162,6 @@ def replies(broker: Mosquitto) -> Iterator[Replies]:
     watcher.close()
 
 
-@pytest.fixture(scope="module")
-def workers() -> Iterator[list[WorkerProcess]]:
-    """The workers this module starts; whatever a failing test leaves running is stopped."""
-    started: list[WorkerProcess] = []
-    yield started
-    for worker in started:
-        worker.stop(timeout=10)
-
-
 @pytest.fixture
 def start(
     tiny_model: Path, broker: Mosquitto, workdir: Path, workers: list[WorkerProcess]

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from devtools.fakes import Sent
 from worker.chat.client import Answer, ChatClient, ClientSettings, Delta
 from worker.chat.terminal import REPLY, InputLine, Pending, Terminal
 from worker.chat.tools import ToolSetupError, tool_choice, tool_event_line, worker_call_line, worker_tools
@@ -28,17 +29,6 @@ from worker.protocol.messages import (
 from worker.protocol.topics import SessionAddress
 
 TIME_TOOL = {"type": "function", "function": {"name": "get_local_time", "parameters": {"type": "object"}}}
-
-
-class Sent:
-    """A stand-in for ChatClient.send: records each request."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-
-    def send(self, message: str | None = None, **fields: Any) -> str:
-        self.requests.append({"message": message, **fields})
-        return f"r{len(self.requests)}"
 
 
 def terminal() -> tuple[Terminal, io.StringIO, Sent]:

@@ -15,6 +15,7 @@ from typing import Any
 
 import pytest
 
+from devtools.fakes import Sent
 from worker.chat.cli import main
 from worker.chat.terminal import REPLY, InputLine, Pending, Terminal, printable
 from worker.chat.tools import Results, ToolCommand, ToolSettings, ToolSetupError, load_tools, tool_choice
@@ -82,17 +83,6 @@ def test_a_spent_thinking_budget_is_said() -> None:
 
 # ---- tool calls: what the terminal shows and sends, and the one-shot flags (the client
 # against a real worker: test_chat.py)
-
-
-class Sent:
-    """A stand-in for ChatClient.send: records each request."""
-
-    def __init__(self) -> None:
-        self.requests: list[dict[str, Any]] = []
-
-    def send(self, message: str | None = None, **fields: Any) -> str:
-        self.requests.append({"message": message, **fields})
-        return f"r{len(self.requests)}"
 
 
 def call(name: str, arguments: str = "{}", index: int = 0) -> ToolCallOut:

@@ -13,9 +13,18 @@ import re
 import socket
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, SecretStr, ValidationError, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    SecretStr,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENV_PREFIX = "WORKER_"
@@ -562,6 +571,16 @@ def _json_object(value: Any, what: str) -> Any:
     return value
 
 
+def _some_namespaces(value: list[str]) -> list[str]:
+    if not value:
+        raise ValueError('users must name at least one user namespace, or be ["*"] for all')
+    return value
+
+
+# The user namespaces a worker tool is offered to: at least one (or "*"); never a default.
+Namespaces = Annotated[list[str], AfterValidator(_some_namespaces)]
+
+
 class MqttToolConfig(Section):
     """One device tool: a named MQTT 5 request/response endpoint (``[[tools.mqtt]]``)."""
 
@@ -572,7 +591,7 @@ class MqttToolConfig(Section):
     )
     topic: str = Field(description="Where the call's arguments are published (QoS 1); the device answers there.")
     timeout: float = Field(5.0, gt=0, le=3600, description="Seconds to wait for the device's response.")
-    users: list[str] = Field(description='User namespaces that may use it; ["*"]: all. No default.')
+    users: Namespaces = Field(description='User namespaces that may use it; ["*"]: all. No default.')
     confirm: bool = Field(False, description="The client must approve each call before the worker runs it.")
 
     @field_validator("name")
@@ -594,13 +613,6 @@ class MqttToolConfig(Section):
             raise ValueError(f"topic {value[:120]!r} must be a plain topic name (no wildcards, no leading $)")
         return value
 
-    @field_validator("users")
-    @classmethod
-    def _users(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError('users must name at least one user namespace, or be ["*"] for all')
-        return value
-
 
 class McpServerConfig(Section):
     """One MCP server whose tools the worker may offer (``[[tools.mcp]]``)."""
@@ -610,7 +622,7 @@ class McpServerConfig(Section):
     url: str | None = Field(None, description="A streamable HTTP server: its URL (http://host:port/mcp).")
     env: dict[str, str] = Field({}, description="Extra environment variables of a stdio server.")
     allow: list[str] = Field(description='The server\'s tools that may be offered; ["*"]: all of them.')
-    users: list[str] = Field(description='User namespaces that may use its tools; ["*"]: all. No default.')
+    users: Namespaces = Field(description='User namespaces that may use its tools; ["*"]: all. No default.')
     timeout: float = Field(30.0, gt=0, le=3600, description="Seconds one call may take.")
     confirm: bool = Field(False, description="The client must approve each call of its tools first.")
 
@@ -619,13 +631,6 @@ class McpServerConfig(Section):
     def _name(cls, value: str) -> str:
         if not re.match(r"^[A-Za-z0-9-]{1,32}$", value):
             raise ValueError(f"MCP server name {value[:80]!r} must match ^[A-Za-z0-9-]{{1,32}}$")
-        return value
-
-    @field_validator("users")
-    @classmethod
-    def _users(cls, value: list[str]) -> list[str]:
-        if not value:
-            raise ValueError('users must name at least one user namespace, or be ["*"] for all')
         return value
 
     @model_validator(mode="after")

@@ -697,9 +697,10 @@ class TurnRunner:
         )
         prefill_ids = self.renderer.encode(prefill_text) if prefill_text else []
         token_ids = prompt.token_ids
-        # The text is needed only where a generation of the loop continues or may be continued.
+        # The text is needed only where a generation of the loop continues or may be continued:
+        # a request whose calls all go to the client ends after its one generation.
         prompt_text = ""
-        if plan.offered or loop.previous is not None:
+        if (plan.offered and loop.worker) or loop.previous is not None:
             prompt_text = self.renderer.render_text(
                 [*history.messages(), *current.messages], add_generation_prompt=True, tools=tools
             )
@@ -743,8 +744,12 @@ class TurnRunner:
             stream=None if plan.forced else stream,  # a forced reply is all call: no text to stream
             hold=hold,
         )
-        loop.previous = _Continuation(
-            token_ids, prompt_text + prefill_text, outcome.raw_text, outcome.token_ids, forced=bool(plan.forced)
+        loop.previous = (
+            _Continuation(
+                token_ids, prompt_text + prefill_text, outcome.raw_text, outcome.token_ids, forced=bool(plan.forced)
+            )
+            if prompt_text
+            else None
         )
         if plan.forced:
             assert parser is not None and parser.format is not None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from loguru import logger
@@ -28,20 +28,9 @@ GUARD_SECONDS = 5.0
 class WorkerToolbox:
     def __init__(self, providers: Sequence[ToolProvider]) -> None:
         self.providers = list(providers)
+        # No change listeners: the tools are read from the providers at every request, so a
+        # server's new list is offered from the next one.
         self._clashes: set[str] = set()
-        self._listeners: list[Callable[[], None]] = []
-        for provider in self.providers:
-            provider.on_change(self._changed)
-
-    def __bool__(self) -> bool:
-        return bool(self.providers)
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        self._listeners.append(callback)
-
-    def _changed(self) -> None:
-        for listener in self._listeners:
-            listener()
 
     async def start(self) -> None:
         """Start every provider at once; one that fails is logged, never fatal (an MCP server
