@@ -27,6 +27,9 @@ import time
 from pathlib import Path
 from typing import Any
 
+from devtools.mosquitto import Mosquitto
+from devtools.worker_process import WorkerProcess
+
 from .common import Record, make_workload, percentile
 from .profiles import Profile
 
@@ -97,14 +100,11 @@ def _stats_sources(stats: list[dict[str, Any]]) -> dict[str, int]:
     return {name: int(sum(s.get(key, 0) for s in stats)) for name, key in keys.items()}
 
 
-def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
-    from worker.engine.tokenizer import ChatTokenizer
+def _start(profile: Profile, model: Path, out: Path, mosquitto: str, name: str, *, offload: bool) -> Started:
+    """A broker and a worker with the profile's capacity settings, the tier off or at the
+    profile's size, and what its start logged."""
+    from .runs import start_broker, start_worker
 
-    from .mqtt_driver import MqttDriver
-    from .runs import STOP_TIMEOUT, start_broker, start_worker
-
-    name = "capacity_offload" if offload else "capacity"
-    tokenizer = ChatTokenizer(str(model))
     caches_empty = _cache_dirs()
     # A tier of None: the worker's default (sized from the host's memory at start).
     size = profile.capacity_offload_gib if offload else 0
@@ -120,6 +120,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
     tier_line = TIER.search(text)
     result: dict[str, Any] = {
         "offload_gib": profile.capacity_offload_gib if offload else 0,
+        "engine_args": profile.capacity_worker_args,
         "tier_log": tier_line.group(1) if tier_line else None,
         "caches_empty_at_start": caches_empty,
         "start_to_ready_s": worker.start_to_ready_s,
@@ -128,14 +129,41 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         "warmup_requests": int(warm.group(4)) if warm else None,
         "kv_cache_tokens": int(kv.group(1)) if kv else None,
     }
-    driver = MqttDriver("127.0.0.1", broker.port)
+    return Started(broker, worker, log, offset, result)
+
+
+@dataclasses.dataclass
+class Started:
+    broker: Mosquitto
+    worker: WorkerProcess
+    log: Path
+    offset: int  # where this start's lines begin in the log
+    result: dict[str, Any]
+
+    def stop(self) -> None:
+        from .runs import STOP_TIMEOUT
+
+        self.worker.stop(STOP_TIMEOUT)
+        self.broker.stop()
+
+
+def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
+    from worker.engine.tokenizer import ChatTokenizer
+
+    from .mqtt_driver import MqttDriver
+
+    name = "capacity_offload" if offload else "capacity"
+    tokenizer = ChatTokenizer(str(model))
+    started_worker = _start(profile, model, out, mosquitto, name, offload=offload)
+    log, offset, result = started_worker.log, started_worker.offset, started_worker.result
+    driver = MqttDriver("127.0.0.1", started_worker.broker.port)
     try:
         # The first bursts after online: new sessions, a long shared system prompt.
         burst_workload = make_workload(
             tokenizer.count_text, system_tokens=profile.burst_system_tokens, max_tokens=profile.max_tokens
         )
         bursts = []
-        for index in range(3):
+        for index in range(3 if profile.capacity_bursts else 0):
             # New messages each burst (another seed; the system prompt is the same text): a
             # later burst must compute as much as the first, or it measures its prefix cache.
             workload_now = dataclasses.replace(burst_workload, seed=burst_workload.seed + index)
@@ -157,7 +185,8 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
             )
             time.sleep(profile.capacity_burst_pause_s)
         result["bursts"] = bursts
-        result["first_burst_over_later"] = round(bursts[0]["wall_s"] / min(b["wall_s"] for b in bursts[1:]), 3)
+        if bursts:
+            result["first_burst_over_later"] = round(bursts[0]["wall_s"] / min(b["wall_s"] for b in bursts[1:]), 3)
         # Sessions that outnumber the KV cache.
         workload = make_workload(
             tokenizer.count_text,
@@ -173,9 +202,13 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
             result["kv_cache_tokens"] or profile.capacity_kv_tokens_fallback, system_tokens, per_session
         )
         result.update({"system_tokens": system_tokens, "per_session_tokens": per_session, "sessions_held": held})
+        # 1x: the profile's fixed N where it sets one (runs of other starts and KV dtypes compare
+        # at the same N), else what this start's KV cache holds.
+        one_x = profile.capacity_sessions_1x or held
+        result["sessions_1x"] = one_x
         runs: dict[str, Any] = {}
         for multiple in profile.capacity_multiples:
-            sessions = min(multiple * held, profile.capacity_max_sessions)
+            sessions = min(multiple * one_x, profile.capacity_max_sessions)
             think_s = sessions / profile.capacity_rate
             before = len(driver.stats)
             started = time.perf_counter()
@@ -208,8 +241,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         result["decode_batch1_tok_per_s"] = decode_rate(decode)
     finally:
         driver.close()
-        worker.stop(STOP_TIMEOUT)
-        broker.stop()
+        started_worker.stop()
     # vLLM warns of each kernel it compiles while serving: before online (the warm-up) or after.
     text = log.read_text(errors="replace")[offset:]
     before, _, after = text.partition("worker.server: Serving ")
@@ -218,6 +250,68 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
         "after_online": after.count(JIT_WARNING),
         "kernels_after_online": sorted(set(re.findall(JIT_WARNING + r": (\w+)", after))),
     }
+    return result
+
+
+def returning_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, offload: bool) -> dict[str, Any]:
+    """Sessions that all return at the same moment: ``returning_sessions`` users sharing a long
+    system prompt send a first turn at once and, when every one is answered, a second at once
+    (``returning`` without the host tier, ``returning_offload`` with the profile's). Reported:
+    the second round's prefix reuse against a run of as many sessions as the GPU's KV cache holds
+    with both rounds (all resident, the same worker just before), TTFT and the round's time."""
+    from worker.engine.tokenizer import ChatTokenizer
+
+    from .mqtt_driver import MqttDriver
+
+    name = "returning_offload" if offload else "returning"
+    tokenizer = ChatTokenizer(str(model))
+    started_worker = _start(profile, model, out, mosquitto, name, offload=offload)
+    result = started_worker.result
+    workload = make_workload(
+        tokenizer.count_text,
+        system_tokens=profile.returning_system_tokens,
+        user_tokens=profile.returning_user_tokens,
+        max_tokens=profile.returning_max_tokens,
+        seed=11,
+    )
+    system_tokens = tokenizer.count_text(workload.system_prompt)
+    # A session's own tokens in its second prompt: two messages (and their chat markup), a reply.
+    own = 2 * (sum(profile.returning_user_tokens) // 2 + 10) + profile.returning_max_tokens
+    kv_tokens = result["kv_cache_tokens"] or profile.capacity_kv_tokens_fallback
+    resident = min(sessions_held(kv_tokens, system_tokens, own), profile.returning_sessions)
+    result.update({"system_tokens": system_tokens, "own_tokens_round2": own, "resident_sessions": resident})
+    driver = MqttDriver("127.0.0.1", started_worker.broker.port)
+    try:
+        runs: dict[str, Any] = {}
+        # The all-resident reference first, with other messages (another seed; the same system
+        # prompt): the later run's sessions find none of their own text cached from it.
+        for label, sessions, seed in (("resident", resident, 12), ("all", profile.returning_sessions, 11)):
+            before = len(driver.stats)
+            started = time.perf_counter()
+            records = driver.run_rounds(
+                label, dataclasses.replace(workload, seed=seed), tokenizer.count_text, sessions=sessions, turns=2
+            )
+            wall = time.perf_counter() - started
+            time.sleep(2.5)  # the stats message covering the last replies
+            second = [r for r in records if r.turn == 1]
+            round2_prompt = sum(r.prompt_tokens for r in second)
+            runs[label] = {
+                "sessions": sessions,
+                **returning_summary(records, wall),
+                "round2_prompt_tokens": round2_prompt,
+                "round2_over_kv_cache": round(round2_prompt / kv_tokens, 2),
+                "round2_wall_s": round(max(r.client_ms for r in second) / 1000, 2) if second else None,
+                "engine_prompt_tokens": _stats_sources(driver.stats[before:]),
+                "records": records,
+            }
+            print(f"{name} {label} ({sessions} sessions): {_line(runs[label])}", flush=True)
+        result["runs"] = runs
+        reference = runs["resident"]["prefix_reuse"]
+        reuse = runs["all"]["prefix_reuse"]
+        result["share_of_resident"] = round(reuse / reference, 3) if reference and reuse is not None else None
+    finally:
+        driver.close()
+        started_worker.stop()
     return result
 
 
@@ -275,6 +369,9 @@ def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
                 "",
             ]
             continue
+        if name.startswith("returning"):
+            lines += _returning_markdown(name, result)
+            continue
         bursts = ", ".join(f"{b['wall_s']:.2f} s (TTFT p50 {b['ttft_p50_ms']} ms)" for b in result["bursts"])
         lines += [
             f"## {name}",
@@ -282,10 +379,11 @@ def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
             f"host tier {result['tier_log']}; KV cache {result['kv_cache_tokens']} tokens, holds "
             f"{result['sessions_held']} sessions of ~{result['per_session_tokens']} tokens beside a "
             f"{result['system_tokens']}-token system prompt; caches empty at start: {result['caches_empty_at_start']}; "
-            f"start to ready {result['start_to_ready_s']} s, warm-up {result['warmup_s']} s",
+            f"start to ready {result['start_to_ready_s']} s, warm-up {result['warmup_s']} s; "
+            f"1x = {result.get('sessions_1x', result['sessions_held'])} sessions",
             "",
-            f"bursts of {BURST_SESSIONS} first turns: {bursts}; first over later: {result['first_burst_over_later']}; "
-            f"kernels compiled while serving: {result.get('jit_compilations')}",
+            f"bursts of {BURST_SESSIONS} first turns: {bursts or 'not run'}; first over later: "
+            f"{result.get('first_burst_over_later')}; kernels compiled while serving: {result.get('jit_compilations')}",
             "",
             "| N | sessions | think mean | reuse of prefix | prompt cached | recomputed/turn | TTFT p50 | TTFT p95 | "
             "latency p50 | latency p95 | tok/s returning | GPU hit / host hit / computed tokens |",
@@ -301,3 +399,29 @@ def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
             )
         lines += ["", f"batch-1 decode {result.get('decode_batch1_tok_per_s')} tok/s", ""]
     return "\n".join(lines)
+
+
+def _returning_markdown(name: str, result: dict[str, Any]) -> list[str]:
+    lines = [
+        f"## {name}",
+        "",
+        f"host tier {result['tier_log']}; KV cache {result['kv_cache_tokens']} tokens; "
+        f"{result['system_tokens']}-token system prompt, ~{result['own_tokens_round2']} tokens of a session's own "
+        f"in its second prompt; caches empty at start: {result['caches_empty_at_start']}; "
+        f"start to ready {result['start_to_ready_s']} s, warm-up {result['warmup_s']} s",
+        "",
+        f"second-round reuse over the all-resident run's: **{result['share_of_resident']}**",
+        "",
+        "| run | sessions | round 2 prompt tokens | of the KV cache | reuse of prefix | prompt cached | "
+        "TTFT p50 | TTFT p95 | round 2 | GPU hit / host hit / computed tokens |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for key, run in result["runs"].items():
+        src = run["engine_prompt_tokens"]
+        lines.append(
+            f"| {key} | {run['sessions']} | {run['round2_prompt_tokens']} | {run['round2_over_kv_cache']}x | "
+            f"{run['prefix_reuse']} | {run['prompt_share_cached']} | {run['ttft_p50_ms']} ms | "
+            f"{run['ttft_p95_ms']} ms | {run['round2_wall_s']} s | "
+            f"{src['gpu_hit']} / {src['host_hit']} / {src['computed']} |"
+        )
+    return [*lines, ""]

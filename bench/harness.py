@@ -15,6 +15,9 @@ not fit one command continues where it stopped):
              (bench/capacity.py)
   capacity_offload  the same with the host-memory KV tier
   fp8        FP8 weights and KV cache: KV-cache size and batch-1 decode
+  returning  sessions sharing a long system prompt that all send a first turn at once, then all
+             a second: the second round's reuse against the all-resident case (bench/capacity.py)
+  returning_offload  the same with the host-memory KV tier
 """
 
 from __future__ import annotations
@@ -295,6 +298,12 @@ def _capacity(run: PhaseRun, *, offload: bool) -> dict[str, Any]:
     return capacity_phase(run.profile, run.model, run.out, run.mosquitto, offload=offload)
 
 
+def _returning(run: PhaseRun, *, offload: bool) -> dict[str, Any]:
+    from .capacity import returning_phase
+
+    return returning_phase(run.profile, run.model, run.out, run.mosquitto, offload=offload)
+
+
 def _fp8(run: PhaseRun) -> dict[str, Any]:
     from .capacity import fp8_phase
 
@@ -312,7 +321,11 @@ PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
     "capacity": functools.partial(_capacity, offload=False),
     "capacity_offload": functools.partial(_capacity, offload=True),
     "fp8": _fp8,
+    "returning": functools.partial(_returning, offload=False),
+    "returning_offload": functools.partial(_returning, offload=True),
 }
+# The phases whose results capacity.md reports (and that need no report of their own).
+CAPACITY_PHASES = ("capacity", "capacity_offload", "fp8", "returning", "returning_offload")
 
 
 def stamped(result: dict[str, Any]) -> dict[str, Any]:
@@ -368,13 +381,12 @@ def main(argv: list[str] | None = None) -> int:
         if result is not None:
             save(path, stamped(result))
         print(f"{phase}: {time.perf_counter() - started:.0f} s", flush=True)
-    names = ("capacity", "capacity_offload", "fp8")
-    capacity = {p: load(out / f"{p}.json") for p in names if (out / f"{p}.json").exists()}
+    capacity = {p: load(out / f"{p}.json") for p in CAPACITY_PHASES if (out / f"{p}.json").exists()}
     if capacity:
         from .capacity import capacity_markdown
 
         (out / "capacity.md").write_text(capacity_markdown(capacity))
-    if set(args.phases) - {"capacity", "capacity_offload", "fp8"}:
+    if set(args.phases) - set(CAPACITY_PHASES):
         from .report import write_report
 
         write_report(out)

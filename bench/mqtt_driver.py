@@ -166,6 +166,46 @@ class MqttDriver:
                 heapq.heappush(due, (time.perf_counter() + pause, name))
         return records
 
+    def run_rounds(
+        self,
+        label: str,
+        workload: Workload,
+        count_tokens: Any,
+        *,
+        sessions: int,
+        turns: int,
+        max_tokens: int | None = None,
+    ) -> list[Record]:
+        """``sessions`` users send each turn at the same moment, and the next one once every
+        session has its reply: each round arrives at once, with every history of the round
+        before it to keep or to lose."""
+        max_tokens = max_tokens or workload.max_tokens
+        names = self._session_names(label, sessions)
+        index_of = {name: i for i, name in enumerate(names)}
+        records: list[Record] = []
+        first_delta: dict[str, float] = {}
+        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, True, None)
+        for turn in range(turns):
+            sent_at = {
+                name: self._send(name, {**payloads[(i, turn)], "requestId": f"{name}-t{turn}"})
+                for i, name in enumerate(names)
+            }
+            for _ in names:
+                received, name, reply = self._wait_reply(first_delta)
+                records.append(
+                    _record(
+                        label,
+                        sessions,
+                        index_of[name],
+                        turn,
+                        sent_at[name],
+                        received,
+                        first_delta.pop(reply["requestId"], None),
+                        reply,
+                    )
+                )
+        return records
+
     def run_one_at_a_time(
         self,
         label: str,

@@ -41,9 +41,19 @@ class Profile:
     capacity_user_tokens: tuple[int, int] = (150, 250)
     capacity_max_tokens: int = 64
     capacity_offload_gib: float | None = 20.0  # None: the worker's default
+    # 1x as this many sessions instead of what the start's KV cache holds: runs on different
+    # starts (whose KV cache may differ) or with another KV dtype compare at the same N.
+    capacity_sessions_1x: int | None = None
+    capacity_bursts: bool = True  # the first bursts before the capacity runs
     capacity_kv_tokens_fallback: int = 8192  # when the engine's log does not say
     capacity_burst_pause_s: float = 5.0
     burst_system_tokens: int = 1500  # the bursts of first turns before the capacity runs
+    # The returning phases (bench/capacity.py returning_phase): every session sends its first
+    # turn at the same moment, then, once all are answered, its second at the same moment.
+    returning_sessions: int = 100
+    returning_system_tokens: int = 1500
+    returning_user_tokens: tuple[int, int] = (750, 850)  # two turns stay under max_history_tokens
+    returning_max_tokens: int = 128
     fp8_engine: dict[str, Any] = field(default_factory=lambda: {"quantization": "fp8", "kv_cache_dtype": "fp8"})
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
@@ -126,6 +136,10 @@ PROFILES: dict[str, Profile] = {
         capacity_offload_gib=1.0,  # the CPU backend has no host tier: logged and off
         capacity_burst_pause_s=0.2,
         burst_system_tokens=100,
+        returning_sessions=4,
+        returning_system_tokens=100,
+        returning_user_tokens=(10, 20),
+        returning_max_tokens=8,
     ),
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.
@@ -203,12 +217,40 @@ PROFILES["gpu-capacity-long"] = Profile(
 )
 
 # The capacity phases at full scale: the whole GPU's KV cache (the worker's defaults,
-# util 0.93), sessions at 1x and 10x of it, the host tier at the worker's default size
-# (capacity_offload with capacity_offload_gib None) or off (capacity).
-PROFILES["gpu-fullscale"] = Profile(
-    PROFILES["gpu"].engine_overrides,
-    capacity_engine={"max_model_len": 4096, "gpu_memory_utilization": 0.93},
-    capacity_multiples=(1, 10),
-    capacity_rate=16.0,
-    capacity_offload_gib=None,
+# util 0.93), the host tier at the worker's default size (capacity_offload with
+# capacity_offload_gib None) or off (capacity). 1x is 53 sessions (what the bf16 cache of
+# 44,576 tokens held on the first such start) in every run, FP8 KV included, so that each
+# multiple is the same N whatever the KV cache of the start. Each phase (a worker start) fits
+# the device's 10 minutes a command: 1x and 10x in one, 3x and 7x in another (no bursts).
+_FULLSCALE = {"max_model_len": 4096, "gpu_memory_utilization": 0.93}
+
+
+def _fullscale(multiples: tuple[int, ...], engine: dict[str, Any] | None = None, *, bursts: bool) -> Profile:
+    return Profile(
+        PROFILES["gpu"].engine_overrides,
+        capacity_engine={**_FULLSCALE, **(engine or {})},
+        capacity_multiples=multiples,
+        capacity_rate=16.0,
+        capacity_offload_gib=None,
+        capacity_sessions_1x=53,
+        capacity_bursts=bursts,
+    )
+
+
+_FP8_KV = {"kv_cache_dtype": "fp8"}
+PROFILES["gpu-fullscale"] = _fullscale((1, 10), bursts=True)
+PROFILES["gpu-fullscale-mid"] = _fullscale((3, 7), bursts=False)
+PROFILES["gpu-fullscale-fp8"] = _fullscale((1, 10), _FP8_KV, bursts=False)
+PROFILES["gpu-fullscale-fp8-mid"] = _fullscale((3, 7), _FP8_KV, bursts=False)
+# The returning phases on the whole GPU: 100 sessions sharing a 1,500-token system prompt, each
+# returning once, every session at the same moment (round-2 prompts ~7x the GPU's KV cache);
+# returning without the tier, returning_offload with it (the worker's default size, or 40 GiB).
+PROFILES["gpu-returning"] = Profile(
+    PROFILES["gpu"].engine_overrides, capacity_engine=dict(_FULLSCALE), capacity_offload_gib=None
+)
+PROFILES["gpu-returning-40"] = Profile(
+    PROFILES["gpu"].engine_overrides, capacity_engine=dict(_FULLSCALE), capacity_offload_gib=40.0
+)
+PROFILES["gpu-returning-fp8"] = Profile(
+    PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_FP8_KV}, capacity_offload_gib=None
 )

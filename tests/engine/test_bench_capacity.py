@@ -55,7 +55,8 @@ def test_the_capacity_phase_runs_end_to_end_on_the_cpu(tiny_model: Path, tmp_pat
     from bench.harness import main
 
     out = tmp_path / "capacity"
-    args = ["--profile", "smoke", "--model", str(tiny_model), "--out", str(out), "--phases", "capacity_offload"]
+    phases = "capacity_offload,returning"
+    args = ["--profile", "smoke", "--model", str(tiny_model), "--out", str(out), "--phases", phases]
     assert main([*args, "--mosquitto", mosquitto_binary()]) == 0
     result = json.loads((out / "capacity_offload.json").read_text())
     assert result["tier_log"] == "off (the CPU backend has none)"
@@ -71,4 +72,14 @@ def test_the_capacity_phase_runs_end_to_end_on_the_cpu(tiny_model: Path, tmp_pat
         assert tokens["host_hit"] == 0 and tokens["gpu_hit"] > 0 and tokens["computed"] > 0
     assert result["decode_batch1_tok_per_s"] is not None
     assert set(result["jit_compilations"]) == {"before_online", "after_online", "kernels_after_online"}
-    assert "| 3x | 3 |" in (out / "capacity.md").read_text()
+    report = (out / "capacity.md").read_text()
+    assert "| 3x | 3 |" in report
+    # Every session returns at once: all-resident first (what the cache holds, at most 4), then 4.
+    returning = json.loads((out / "returning.json").read_text())
+    assert returning["offload_gib"] == 0 and returning["resident_sessions"] == 4
+    for label, run in returning["runs"].items():
+        assert run["sessions"] == 4 and run["returning_turns"] == 4, label
+        assert 0 < run["prefix_reuse"] <= 1 and run["round2_prompt_tokens"] > 0
+        assert run["engine_prompt_tokens"]["gpu_hit"] > 0
+    assert 0 < returning["share_of_resident"] <= 1.5
+    assert "## returning" in report and "| all | 4 |" in report
