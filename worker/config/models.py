@@ -199,9 +199,11 @@ class EngineConfig(Section):
     )
     kv_cache_dtype: str = opt(
         "auto",
-        "KV-cache element type: auto (the model's dtype) or fp8 (about twice the tokens in the same "
-        "memory, so about twice the sessions whose prefixes stay on the GPU). Not on the CPU "
-        "backend (logged and ignored there).",
+        "KV-cache element type: auto (the model's dtype) or fp8 (half the bytes per token on the GPU "
+        "and in the host tier: about twice the sessions whose prefixes stay cached; with the default "
+        "tier it kept every returning session's prefix at 10x the sessions the bf16 GPU cache holds, "
+        "docs/performance.md). Without calibrated scales vLLM uses 1.0: check the model's answers. "
+        "Not on the CPU backend (logged and ignored there).",
         flag="--kv-cache-dtype",
     )
     kv_offload_gib: float | None = opt(
@@ -214,8 +216,8 @@ class EngineConfig(Section):
         "processes, shared among the host's GPUs (times tensor_parallel_size); the largest power of "
         "two GiB in that, as torch pins powers of two (a 40 GiB tier pins 64 GiB), at most 64 GiB, "
         "off below 1 GiB (64 GiB on a 125 GiB one-GPU host); off on the CPU backend. The start log "
-        "says the size and the numbers it came from. Pinning costs start time: 32 GiB pinned took "
-        "21-44 s, 64 GiB 33-72 s on an H100 host (docs/benchmarks/kv-tier-start.md).",
+        "says the size and the numbers it came from. The worker has torch pin it with 16 threads: "
+        "the 64 GiB default made a 68 s start 76 s on an H100 host (docs/benchmarks/kv-tier-start.md).",
         flag="--kv-offload-gib",
         ge=0,
     )

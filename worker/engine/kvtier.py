@@ -27,7 +27,7 @@ every allocation up to the next power of two (torch 2.11: always; later releases
 tier between two powers of two wastes what it does not use and costs the start time (pinning)
 of the larger one. See docs/benchmarks/kv-tier-start.md.
 
-The arithmetic for the issue-25 workload (QwQ-32B geometry: 64 layers, 8 KV heads, head_dim 128,
+The arithmetic for 100 returning sessions (QwQ-32B geometry: 64 layers, 8 KV heads, head_dim 128,
 bf16: 2 * 64 * 8 * 128 * 2 bytes = 256 KiB per token, 4 MiB per 16-token block) on the H100
 host (125 GiB, MemAvailable ~120 GiB at start, one GPU, no cgroup limit)::
 
@@ -39,7 +39,8 @@ KV cache of 44,576-49,008 tokens: 312k-343k prompt tokens) holds 164k-195k disti
 (312k-343k less 99 repeats of the shared 1.5k), 40-48 GiB: all of it fits in 64 GiB. The measured
 points: 31 GiB (127k tokens) kept 79% of all-resident reuse, 40 GiB (164k tokens) 92%. And the
 40 GiB tier of that run already pinned 64 GiB (the power of two above), so 64 GiB costs no more
-host memory and no more pinning time than the run that reached 92%.
+host memory and no more pinning time than the run that reached 92%. Measured since with 64 GiB
+(bench ``returning`` phase, docs/benchmarks/capacity-fullscale.md): 100% of all-resident reuse.
 """
 
 from __future__ import annotations
