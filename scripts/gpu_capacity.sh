@@ -7,7 +7,9 @@
 # Usage: BENCH_GIT_COMMIT=SHA bash scripts/gpu_capacity.sh PHASE [GEOMETRY] [PROFILE]
 #   PHASE: capacity (first: it measures the first burst on empty compile caches),
 #   capacity_offload, fp8; or capacity with PROFILE gpu-firstburst (on a fresh machine) and
-#   then gpu-firstburst-nowarmup: the first bursts only, with and without the warm-up.
+#   then gpu-firstburst-nowarmup: the first bursts only, with and without the warm-up; the
+#   full-scale runs (profiles gpu-fullscale, -mid, -fp8, -fp8-mid; PHASE returning[_offload] with
+#   gpu-returning, -40, -fp8), as docs/benchmarks/capacity-fullscale.md lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 phase=$1 geometry=${2:-qwq-32b} profile=${3:-gpu}
