@@ -100,16 +100,14 @@ def _stats_sources(stats: list[dict[str, Any]]) -> dict[str, int]:
     return {name: int(sum(s.get(key, 0) for s in stats)) for name, key in keys.items()}
 
 
-def _start(profile: Profile, model: Path, out: Path, mosquitto: str, name: str, *, offload: bool) -> Started:
-    """A broker and a worker with the profile's capacity settings, the tier off or at the
-    profile's size, and what its start logged."""
+def _start(model: Path, out: Path, mosquitto: str, name: str, flags: list[str], tier_gib: float | None) -> Started:
+    """A broker and a worker with these flags and the host tier at ``tier_gib`` (0: off; None:
+    the worker's default, sized from the host's memory at start), and what its start logged."""
     from .runs import start_broker, start_worker
 
     caches_empty = _cache_dirs()
-    # A tier of None: the worker's default (sized from the host's memory at start).
-    size = profile.capacity_offload_gib if offload else 0
-    tier = [] if size is None else ["--kv-offload-gib", str(size)]
-    args = ["--model", str(model), "--stats-interval", "2", *profile.capacity_worker_args, *tier]
+    tier = [] if tier_gib is None else ["--kv-offload-gib", str(tier_gib)]
+    args = ["--model", str(model), *flags, *tier]
     broker = start_broker(mosquitto, out)
     log = out / f"worker-{name}.log"
     offset = log.stat().st_size if log.exists() else 0
@@ -119,8 +117,8 @@ def _start(profile: Profile, model: Path, out: Path, mosquitto: str, name: str, 
     warm = WARMUP_DONE.search(text)
     tier_line = TIER.search(text)
     result: dict[str, Any] = {
-        "offload_gib": profile.capacity_offload_gib if offload else 0,
-        "engine_args": profile.capacity_worker_args,
+        "offload_gib": tier_gib,
+        "engine_args": flags,
         "tier_log": tier_line.group(1) if tier_line else None,
         "caches_empty_at_start": caches_empty,
         "start_to_ready_s": worker.start_to_ready_s,
@@ -130,6 +128,14 @@ def _start(profile: Profile, model: Path, out: Path, mosquitto: str, name: str, 
         "kv_cache_tokens": int(kv.group(1)) if kv else None,
     }
     return Started(broker, worker, log, offset, result)
+
+
+def _capacity_flags(profile: Profile) -> list[str]:
+    return ["--stats-interval", "2", *profile.capacity_worker_args]
+
+
+def _tier(profile: Profile, offload: bool) -> float | None:
+    return profile.capacity_offload_gib if offload else 0
 
 
 @dataclasses.dataclass
@@ -154,7 +160,7 @@ def capacity_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *, 
 
     name = "capacity_offload" if offload else "capacity"
     tokenizer = ChatTokenizer(str(model))
-    started_worker = _start(profile, model, out, mosquitto, name, offload=offload)
+    started_worker = _start(model, out, mosquitto, name, _capacity_flags(profile), _tier(profile, offload))
     log, offset, result = started_worker.log, started_worker.offset, started_worker.result
     driver = MqttDriver("127.0.0.1", started_worker.broker.port)
     try:
@@ -265,7 +271,7 @@ def returning_phase(profile: Profile, model: Path, out: Path, mosquitto: str, *,
 
     name = "returning_offload" if offload else "returning"
     tokenizer = ChatTokenizer(str(model))
-    started_worker = _start(profile, model, out, mosquitto, name, offload=offload)
+    started_worker = _start(model, out, mosquitto, name, _capacity_flags(profile), _tier(profile, offload))
     result = started_worker.result
     workload = make_workload(
         tokenizer.count_text,
@@ -321,17 +327,11 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
     from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
-    from .runs import STOP_TIMEOUT, decode_rate, start_broker, start_worker
+    from .runs import decode_rate
 
     tokenizer = ChatTokenizer(str(model))
-    args = ["--model", str(model), *profile.fp8_worker_args, "--kv-offload-gib", "0"]
-    broker = start_broker(mosquitto, out)
-    log = out / "worker-fp8.log"
-    offset = log.stat().st_size if log.exists() else 0
-    worker = start_worker(args, broker.port, log)
-    text = log.read_text(errors="replace")[offset:]
-    kv = KV_TOKENS.search(text)
-    driver = MqttDriver("127.0.0.1", broker.port)
+    started_worker = _start(model, out, mosquitto, "fp8", profile.fp8_worker_args, 0)
+    driver = MqttDriver("127.0.0.1", started_worker.broker.port)
     workload = make_workload(tokenizer.count_text, max_tokens=profile.max_tokens)
     try:
         driver.run_concurrent("warm", workload, tokenizer.count_text, sessions=1, turns=1)
@@ -340,12 +340,11 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
         )[0]
     finally:
         driver.close()
-        worker.stop(STOP_TIMEOUT)
-        broker.stop()
+        started_worker.stop()
     return {
         "args": profile.fp8_worker_args,
-        "start_to_ready_s": worker.start_to_ready_s,
-        "kv_cache_tokens": int(kv.group(1)) if kv else None,
+        "start_to_ready_s": started_worker.result["start_to_ready_s"],
+        "kv_cache_tokens": started_worker.result["kv_cache_tokens"],
         "decode_batch1_tok_per_s": decode_rate(decode),
         "record": decode,
     }
@@ -354,6 +353,11 @@ def fp8_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[
 def _line(run: dict[str, Any]) -> str:
     keys = ("prefix_reuse", "prompt_share_cached", "ttft_p50_ms", "ttft_p95_ms", "latency_p50_ms", "wall_s")
     return ", ".join(f"{k}={run.get(k)}" for k in keys) + f", engine={run.get('engine_prompt_tokens')}"
+
+
+def sources_cell(src: dict[str, int]) -> str:
+    """Where the prompt tokens' KV came from, as a table cell."""
+    return f"{src['gpu_hit']} / {src['host_hit']} / {src['computed']}"
 
 
 def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
@@ -390,12 +394,11 @@ def capacity_markdown(results: dict[str, dict[str, Any]]) -> str:
             "|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for key, run in result["runs"].items():
-            src = run["engine_prompt_tokens"]
             lines.append(
                 f"| {key} | {run['sessions']} | {run['think_mean_s']} s | {run['prefix_reuse']} | "
                 f"{run['prompt_share_cached']} | {run['recomputed_tokens_per_turn']} | {run['ttft_p50_ms']} ms | "
                 f"{run['ttft_p95_ms']} ms | {run['latency_p50_ms']} ms | {run['latency_p95_ms']} ms | "
-                f"{run['returning_tokens_per_s']} | {src['gpu_hit']} / {src['host_hit']} / {src['computed']} |"
+                f"{run['returning_tokens_per_s']} | {sources_cell(run['engine_prompt_tokens'])} |"
             )
         lines += ["", f"batch-1 decode {result.get('decode_batch1_tok_per_s')} tok/s", ""]
     return "\n".join(lines)
@@ -417,11 +420,9 @@ def _returning_markdown(name: str, result: dict[str, Any]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for key, run in result["runs"].items():
-        src = run["engine_prompt_tokens"]
         lines.append(
             f"| {key} | {run['sessions']} | {run['round2_prompt_tokens']} | {run['round2_over_kv_cache']}x | "
             f"{run['prefix_reuse']} | {run['prompt_share_cached']} | {run['ttft_p50_ms']} ms | "
-            f"{run['ttft_p95_ms']} ms | {run['round2_wall_s']} s | "
-            f"{src['gpu_hit']} / {src['host_hit']} / {src['computed']} |"
+            f"{run['ttft_p95_ms']} ms | {run['round2_wall_s']} s | {sources_cell(run['engine_prompt_tokens'])} |"
         )
     return [*lines, ""]

@@ -244,13 +244,13 @@ PROFILES["gpu-fullscale-fp8"] = _fullscale((1, 10), _FP8_KV, bursts=False)
 PROFILES["gpu-fullscale-fp8-mid"] = _fullscale((3, 7), _FP8_KV, bursts=False)
 # The returning phases on the whole GPU: 100 sessions sharing a 1,500-token system prompt, each
 # returning once, every session at the same moment (round-2 prompts ~7x the GPU's KV cache);
-# returning without the tier, returning_offload with it (the worker's default size, or 40 GiB).
-PROFILES["gpu-returning"] = Profile(
-    PROFILES["gpu"].engine_overrides, capacity_engine=dict(_FULLSCALE), capacity_offload_gib=None
-)
-PROFILES["gpu-returning-40"] = Profile(
-    PROFILES["gpu"].engine_overrides, capacity_engine=dict(_FULLSCALE), capacity_offload_gib=40.0
-)
-PROFILES["gpu-returning-fp8"] = Profile(
-    PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_FP8_KV}, capacity_offload_gib=None
-)
+# returning without the tier, returning_offload with it (the worker's default size, 40 GiB, or the
+# default with FP8 KV).
+for _name, _gib, _kv in (
+    ("gpu-returning", None, {}),
+    ("gpu-returning-40", 40.0, {}),
+    ("gpu-returning-fp8", None, _FP8_KV),
+):
+    PROFILES[_name] = Profile(
+        PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_kv}, capacity_offload_gib=_gib
+    )
