@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
+from typing import get_args
 from wsgiref.simple_server import WSGIServer
 
 from loguru import logger
@@ -30,6 +31,7 @@ from ..config.models import StatsConfig
 from ..core.stats import StatsCollector
 from ..engine.port import EngineStats
 from ..protocol.messages import ErrorCode, Latency, Usage
+from ..tools.port import Outcome
 
 PREFIX = "mqtt_vllm_worker"
 
@@ -41,7 +43,7 @@ FINISH_OUTCOMES = {
     "reasoning_budget": "reasoning_budget",
     "cancelled": "cancelled",
 }
-TOOL_OUTCOMES = ("ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped")
+TOOL_OUTCOMES: tuple[str, ...] = get_args(Outcome)  # every label exported from the start
 OUTCOMES: tuple[str, ...] = (
     "replied",
     "length",
