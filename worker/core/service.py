@@ -131,6 +131,8 @@ class Service:
             toolbox=toolbox,
             tools_config=config.tools,
             journal=self.sessions,
+            # A share group's members answer each other's redeliveries: the group, not the member.
+            call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",
         )
 
     @property

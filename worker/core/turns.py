@@ -77,6 +77,7 @@ from .tools import (
     MarkupHold,
     ToolPlan,
     apply_results,
+    call_key,
     check_calls,
     close_unanswered,
     escape_raw_controls,
@@ -360,7 +361,10 @@ class TurnRunner:
         toolbox: Toolbox | None = None,
         tools_config: ToolsConfig | None = None,
         journal: ProgressJournal | None = None,
+        call_scope: str = "",
     ) -> None:
+        """``call_scope``: what makes the ids of this worker's calls its own among workers
+        (the topic prefix and the share group, or the worker id: see ``call_key``)."""
         self.engine = engine
         self.renderer = renderer
         self.generation = generation
@@ -376,6 +380,11 @@ class TurnRunner:
         self.toolbox = toolbox
         self.tools_config = tools_config or ToolsConfig()
         self.journal = journal
+        self.call_scope = call_scope
+
+    def call_key(self, turn: PendingTurn) -> str:
+        """What the ids of the request's calls derive from (core/tools.py ``call_key``)."""
+        return call_key(self.call_scope, str(turn.address), turn.key)
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
         """Answer the request on ``history``, a draft of the session (its system prompt, tools,
@@ -405,7 +414,7 @@ class TurnRunner:
         if progress is not None:
             # A redelivery goes on where the first delivery stopped: its rounds so far count
             # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
-            loop.generations = loop.rounds = rounds_of_request(turn.key, progress)
+            loop.generations = loop.rounds = rounds_of_request(self.call_key(turn), progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
         if to_run:  # the calls the client approved
             await self._save_progress(loop)  # before any is sent: never sent twice
@@ -827,7 +836,9 @@ class TurnRunner:
         parser = self.tools.parser
         assert parser is not None
         parsed = parser.parse(outcome.text, specs)
-        checked = check_calls(outcome.text, parsed, specs, key=turn.key, round_=round_, validate_all=bool(plan.forced))
+        checked = check_calls(
+            outcome.text, parsed, specs, key=self.call_key(turn), round_=round_, validate_all=bool(plan.forced)
+        )
         if checked.error is not None:
             logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
             outcome.tool_parse_error = checked.error
@@ -969,9 +980,9 @@ class TurnRunner:
 
 
 def rounds_of_request(key: str, progress: Progress) -> int:
-    """How many rounds of worker calls the request ``key`` itself generated, in its stored
-    progress (a toolResults request's progress also holds the calls it approved, which an
-    earlier request generated)."""
+    """How many rounds of worker calls the request itself generated (``key``: its
+    ``call_key``), in its stored progress (a toolResults request's progress also holds the
+    calls it approved, which an earlier request generated)."""
     rounds = {record.round for record in progress.calls.values()}
     return sum(1 for r in rounds if any(call_id.startswith(round_prefix(key, r)) for call_id in progress.calls))
 
