@@ -14,6 +14,7 @@ real devices:
 
 from __future__ import annotations
 
+import functools
 import json
 import threading
 import uuid
@@ -109,8 +110,7 @@ def test_the_same_request_id_from_two_users_and_two_sessions_runs_each_call_once
         # The device got this session's arguments under this session's id.
         (seen,) = [c for c in devices.calls if c["toolCallId"] == worker_call["id"]]
         assert json.loads(seen["payload"]) == arguments
-        name = f"{user}/{session}"
-        (turn,) = live.call(lambda: live.service.sessions.get(name).turns)
+        (turn,) = live.call(functools.partial(live.service.sessions.get, f"{user}/{session}")).turns
         assert json.loads(turn.messages[2]["content"]) == result
     assert devices.lamp_on in (True, False) and 1 <= devices.actuations <= 2  # both switches ran
 

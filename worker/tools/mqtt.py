@@ -8,7 +8,8 @@ call), ``requestId`` and ``toolCallId`` as user properties (the device deduplica
 ``toolCallId``: a call repeated after a worker restart must not actuate twice) and Content Type
 application/json. The device answers on the ResponseTopic with the same CorrelationData; the
 answer's payload (UTF-8) is the result the model gets. A user property ``outcome=error`` marks
-it a failure.
+it a failure. An answer published with the retain flag is refused (the call ends as an error):
+the broker would keep it and replay it to every later subscription.
 
 The worker publishes only to configured topics: the model chooses a tool name and arguments,
 never a topic. No MQTT library here: the transport's Messaging port (transport/port.py).
@@ -206,6 +207,17 @@ class DeviceTools:
             )
         finally:
             self._pending.pop(correlation, None)
+        if delivery.retain:
+            # A retained answer stays on the broker and is replayed to every later subscription
+            # of the response topic: never taken as a result (a replay names no pending call
+            # and is dropped; this one, live, ends its call as an error, not a 5 s wait).
+            counts.errors += 1
+            logger.warning("Device tool {} call {}: the answer was published retained; refused", tool, ref)
+            return ToolOutcome(
+                f"Error: the device's answer was refused: it was published with the retain flag, "
+                f"and a device tool's answer must not be retained ({tool}).",
+                "error",
+            )
         content = delivery.payload.decode("utf-8", errors="replace")
         logger.debug("Device tool {} call {} answered: {}", tool, ref, content[:2000])
         if ("outcome", "error") in delivery.user_properties:
@@ -222,6 +234,7 @@ class DeviceTools:
         waiting = self._pending.get(correlation) if correlation is not None else None
         if waiting is None or waiting.done():
             # Late (its call timed out), for another run's call, or no correlation data at all.
+            # A retained answer replayed at a (re)subscription lands here too: its call is long gone.
             logger.debug("Dropping a device answer on {} that no call waits for", delivery.topic)
             return
         waiting.set_result(delivery)
