@@ -404,3 +404,30 @@ def test_an_approved_call_is_on_record_before_it_runs(tmp_path: Any, tokenizer: 
     ask(h, "v", {"toolResults": [approval], "requestId": "v2"})
     (at_call,) = seen
     assert at_call is not None and asked["toolCalls"][0]["id"] in at_call
+
+
+def test_a_request_cancelled_before_its_approved_calls_ran_sends_none(
+    tokenizer: ChatTokenizer, box: FakeToolbox
+) -> None:
+    """An approval cancelled while it waits for its turn: the approved call is not sent and the
+    session is as it was (the call still pending, so a later approval runs it, once)."""
+    h = make(tokenizer, box)
+    h.engine.rounds["q1"] = [call("door_open")]
+    (asked,) = ask(h, "q", {"message": "Open", "requestId": "q1", "workerTools": ["*"]})
+    approval = {"toolCallId": asked["toolCalls"][0]["id"], "approved": True}
+
+    async def scenario() -> None:
+        # The cancel is dispatched right after the approval, before its turn starts.
+        h.transport.deliver("chat/u/q/request", {"toolResults": [approval], "requestId": "q2"})
+        h.transport.deliver("chat/u/q/control", {"action": "cancel", "requestId": "q2"})
+        await h.run_until(lambda: len(h.transport.replies("q")) == 2)
+
+    asyncio.run(scenario())
+    cancelled = h.transport.replies("q")[-1]
+    assert cancelled["requestId"] == "q2" and cancelled["finishReason"] == "cancelled", cancelled
+    assert not box.calls
+    session = h.service.sessions.get("u/q")
+    assert session.open_turn is not None and [c.name for c in session.open_turn.pending_calls()] == ["door_open"]
+    h.engine.rounds["q3"] = ["Opened."]
+    (done,) = ask(h, "q", {"toolResults": [approval], "requestId": "q3"})
+    assert done["reply"] == "Opened." and [n for n, _, _ in box.calls] == ["door_open"]

@@ -439,7 +439,9 @@ class Service:
             logger.info("Cancelling running request {} of {}", log_ref(key), address)
             self._spawn(self.engine.abort(runtime.running[key]))
         elif key in runtime.messages:
-            logger.info("Cancelling queued request {} of {}", log_ref(key), address)
+            # Queued, or between its generations (its worker calls are out): it stops at the
+            # next generation, which is not made.
+            logger.info("Cancelling request {} of {} (queued, or running worker calls)", log_ref(key), address)
             runtime.cancelled.add(key)
         else:
             logger.info("Cancel for {} of {}: nothing in flight", log_ref(key), address)

@@ -416,6 +416,10 @@ class TurnRunner:
             # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
             loop.generations = loop.rounds = rounds_of_request(self.call_key(turn), progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
+        if to_run and turn.key in turn.runtime.cancelled:
+            # Cancelled while queued: the approved calls are not sent, and nothing changes (they
+            # stay pending; the client may approve them again).
+            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         if to_run:  # the calls the client approved
             await self._save_progress(loop)  # before any is sent: never sent twice
             await self._run_calls(loop, to_run, rounds_in(current) - 1)
@@ -569,8 +573,12 @@ class TurnRunner:
 
     def _cancelled(self, loop: _Loop, outcome: Outcome) -> TurnAnswer:
         """A cancel: nothing changes, unless the worker ran calls in this request; then the
-        turn is kept as far as it came (what the devices did stays in the history), closed with
-        the text generated so far."""
+        turn is kept as far as it came, closed with the text generated so far, and committed
+        with the cancelled reply as its answer. A device may have acted: a history without the
+        call would tell the model the lamp is still off, and a redelivery, finding no answer,
+        would go on from the progress with the calls' outcomes unknown. So the calls and their
+        results stay, a redelivery gets the stored reply, and nothing is sent twice
+        (docs/protocol.md, control)."""
         if not loop.progress.calls:
             return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), None)
         loop.current.messages.append(assistant_message(outcome.text))
