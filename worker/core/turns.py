@@ -407,7 +407,7 @@ class TurnRunner:
             history.worker_tools = self._choose_worker_tools(request.worker_tools, address.user)
         worker = self._offered_worker_tools(history, address.user)
         loop = _Loop(turn, history, worker, self.tools_config.max_tool_time)
-        progress = await self._load_progress(turn)
+        progress = await self._load_progress(turn, history)
         current, to_run = self._current_turn(turn, history, worker, progress)
         loop.current = current
         loop.progress = Progress(current, progress.calls if progress else {})
@@ -490,8 +490,11 @@ class TurnRunner:
             )
         return offered
 
-    async def _load_progress(self, turn: PendingTurn) -> Progress | None:
-        if self.journal is None:
+    async def _load_progress(self, turn: PendingTurn, history: SessionHistory) -> Progress | None:
+        """The request's stored progress. Only a request that may have run worker calls can
+        have one: in a session with workerTools, or approving calls (toolResults); the others
+        make no store call for it (one round trip to the store's thread less per request)."""
+        if self.journal is None or not (history.worker_tools or turn.request.tool_results is not None):
             return None
         progress = await self.journal.aload_progress(str(turn.address), turn.key)
         if progress is not None:
