@@ -1,6 +1,7 @@
 """What a user gets at the defaults, through real workers: the real small model's replies in the
-terminal chat (as scripts/chat-demo.sh runs it) and in the browser page are English, with the
-sampling the model's generation_config.json recommends; and the warm-up logs no ERROR line.
+terminal chat and in the browser page are English, with the sampling the model's
+generation_config.json recommends; and the warm-up logs no ERROR line. (scripts/chat-demo.sh
+asks for more: greedy replies with a repetition penalty, docs/benchmarks/demo-model.md.)
 
 The demo model (SmolLM2-135M-Instruct, prepared by ``python -m worker.prepare_model``) at the
 worker's built-in temperature 0.7 drifted into word salad and French; its card recommends 0.2
@@ -238,8 +239,8 @@ def page_replies(driver: Any, page: str, ws_port: int, user: str, session: str) 
 
 
 def chat_replies(port: int, session: str) -> list[str]:
-    """The terminal chat as scripts/chat-demo.sh runs it (per-turn stats, a reply length and
-    nothing else), each prompt the first of a conversation (/reset after each reply); the
+    """The terminal chat as a user starts it (per-turn stats, a reply length and nothing
+    else: the model's sampling), each prompt the first of a conversation (/reset after each reply); the
     replies it showed."""
     chat = Chat(port, "--topic-prefix", REAL_PREFIX, "--show-stats", "--max-tokens", str(MAX_TOKENS))
     chat.child.timeout = 180
