@@ -99,7 +99,9 @@ def build_toolbox(
     if config.mqtt:
         from .mqtt import DeviceTools
 
-        providers.append(DeviceTools(config.mqtt, messaging, response_topic))
+        providers.append(
+            DeviceTools(config.mqtt, messaging, response_topic, max_result_bytes=config.max_tool_result_bytes)
+        )
     if config.mcp:
         from .mcp import McpServerTools
 
