@@ -7,9 +7,11 @@ a 10 MB answer counted on the event loop held every session for 20-51 s), its re
 tools, vLLM's hermes parser reading the fake engine's call; a device in this test answers
 every call with 10 MB of multi-byte text. A second session sends one-token requests one after
 the other from before the big answer until after its reply, and each round trip (publish to
-reply, at the client) is measured: the slowest must be within 200 ms. Without the byte bound
-the first ping after the answer waits for the whole count (over a minute here), and the test
-fails on its 5 s wait for a reply."""
+reply, at the client) is measured and printed; what is asserted is the worker's own part,
+robust on a loaded 2-core machine: every ping is answered, and no step of the worker's event
+loop took over 200 ms (asyncio's debug mode times each). Without the byte bound the first ping
+after the answer waits for the whole count (over a minute here): the test fails on its 5 s
+wait for a reply."""
 
 from __future__ import annotations
 
