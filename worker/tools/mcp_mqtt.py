@@ -61,7 +61,7 @@ from loguru import logger
 from ..config.models import McpMqttConfig
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed
 from .mcp import result_outcome
-from .port import CallContext, ToolOutcome, WorkerTool
+from .port import CallContext, ToolOutcome, WorkerTool, error_message
 
 PROTOCOL_VERSION = "2025-06-18"  # the MCP revision the specification is written against
 INIT_TIMEOUT = 30.0  # the specification's recommended timeouts for initialize and tools/list
@@ -75,6 +75,18 @@ class RpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def rpc_error(error: Any) -> RpcError:
+    """A JSON-RPC error object as a server sent it, whatever its shape: a code that is not an
+    integer is -32603 (internal error), a message that is missing, not a string or huge is
+    replaced or cut, ``data`` is not used."""
+    body = error if isinstance(error, dict) else {}
+    code = body.get("code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        code = -32603
+    fallback = f"the MCP server answered with a JSON-RPC error (code {code})"
+    return RpcError(code, error_message(body.get("message"), fallback))
 
 
 class ServerGone(Exception):
@@ -178,6 +190,9 @@ class McpOverMqtt:
         except (ServerGone, PublishFailed):
             return ToolOutcome(f"Error: the MCP server {server.name} is not available.", "unavailable")
         except RpcError as exc:
+            # The server's words may quote the arguments: DEBUG only, like user text.
+            logger.info("MCP over MQTT: {} of {} answered a JSON-RPC error ({})", tool, server.name, exc.code)
+            logger.debug("MCP over MQTT: {} of {} failed: {}", tool, server.name, exc.message)
             return ToolOutcome(f"Error: {exc.message}", "error")
         return result_outcome(result if isinstance(result, dict) else {})
 
@@ -241,9 +256,8 @@ class McpOverMqtt:
             pending = self._pending.get(request_id) if isinstance(request_id, int) else None
             if pending is None or pending[:2] != (name, instance) or pending[2].done():
                 return
-            error = message.get("error")
-            if isinstance(error, dict):
-                pending[2].set_exception(RpcError(int(error.get("code", -32603)), str(error.get("message", "error"))))
+            if "error" in message:  # an error of any shape ends this request, never the server
+                pending[2].set_exception(rpc_error(message["error"]))
             else:
                 pending[2].set_result(message.get("result"))
         elif method == "notifications/disconnected":
@@ -309,7 +323,8 @@ class McpOverMqtt:
             raise
         except Exception as exc:
             # The instance stays recorded: a new presence (the server restarting) tries again.
-            logger.warning("MCP over MQTT: cannot initialize {} ({}): {}", server.name, instance, exc)
+            logger.warning("MCP over MQTT: cannot initialize {} ({}): {}", server.name, instance, type(exc).__name__)
+            logger.debug("MCP over MQTT: initializing {} ({}) failed: {}", server.name, instance, exc)
             if server.active == instance:
                 server.active, server.ready = None, False
                 with contextlib.suppress(ValueError):
@@ -326,7 +341,8 @@ class McpOverMqtt:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.warning("MCP over MQTT: cannot list the tools of {} again: {}", server.name, exc)
+            logger.warning("MCP over MQTT: cannot list the tools of {} again ({})", server.name, type(exc).__name__)
+            logger.debug("MCP over MQTT: listing the tools of {} failed: {}", server.name, exc)
 
     async def _list(self, server: _Server) -> None:
         listed: list[dict[str, Any]] = []
