@@ -46,6 +46,7 @@ from ..protocol.messages import (
     Usage,
     WorkerCallOut,
     log_ref,
+    log_text,
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
@@ -445,12 +446,13 @@ class TurnRunner:
         for name in names:
             if name not in allowed:
                 configured = self.toolbox.known(name) is not None
+                # The name is the client's text: at DEBUG only (the reason is the operator's).
                 logger.info(
-                    "workerTools of {} refused: {} ({})",
+                    "workerTools of {} refused: a name {}",
                     user,
-                    name,
                     "not allowed for this namespace" if configured else "not configured",
                 )
+                logger.debug("workerTools of {} refused: {}", user, log_text(name))
                 raise RequestError(
                     ErrorCode.INVALID_REQUEST,
                     f"workerTools: {name!r} is not a worker tool that this user namespace may use",
@@ -848,7 +850,10 @@ class TurnRunner:
         parsed = parser.parse(outcome.text, specs)
         checked = check_calls(outcome.text, parsed, specs, key=turn.key, round_=round_, validate_all=bool(plan.forced))
         if checked.error is not None:
-            logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
+            # The reason quotes the model's call (its arguments, what the schema says of them):
+            # the reply's toolParseError has it; the log at INFO says only that it happened.
+            logger.info("Request {} of {}: tool call not taken (toolParseError)", log_ref(turn.key), turn.address)
+            logger.debug("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
             outcome.tool_parse_error = checked.error
         elif checked.calls:
             outcome.text, outcome.tool_calls = checked.content.strip(), checked.calls
