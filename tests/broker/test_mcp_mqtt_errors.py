@@ -79,6 +79,13 @@ def test_json_rpc_errors_of_any_shape_end_that_call_only(broker: Mosquitto) -> N
                 raw = '{"jsonrpc": "2.0", "id": @ID@, "result": {"content": [{"type": "text", "text": "21 \\ud800C"}]}}'
                 surrogate = await provider.call(prefix + "raw", {"payload": raw}, CTX)
                 assert surrogate == ToolOutcome("21 \ud800C", "ok")
+                # An answer over max_message_bytes (1 MiB here) is not parsed: its call ends now.
+                huge = raw.replace("21 \\ud800C", "x" * 2_000_000)
+                started = time.monotonic()
+                too_large = await provider.call(prefix + "raw", {"payload": huge}, CTX)
+                assert too_large.outcome == "error", too_large.content[:300]
+                assert "over the 1048576 this worker reads" in too_large.content
+                assert time.monotonic() - started < 10
                 assert prefix + "add" in {t.name for t in provider.tools()}  # still offered
                 assert await provider.call(prefix + "add", {"a": 1, "b": 1}, CTX) == ToolOutcome("2", "ok")
             finally:

@@ -68,6 +68,7 @@ INIT_TIMEOUT = 30.0  # the specification's recommended timeouts for initialize a
 LIST_TIMEOUT = 30.0
 
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
+_ID = re.compile(rb'"id"\s*:\s*(\d{1,15})\b')
 
 
 class RpcError(Exception):
@@ -109,12 +110,18 @@ class McpOverMqtt:
     """A ToolProvider for every MCP server on the broker whose server-name matches
     ``config.server_filter``."""
 
-    def __init__(self, config: McpMqttConfig, messaging: Messaging, client_id: str) -> None:
+    def __init__(
+        self, config: McpMqttConfig, messaging: Messaging, client_id: str, *, max_message_bytes: int = 1 << 20
+    ) -> None:
         if any(c in client_id for c in "/+#") or not client_id:
             raise ValueError(f"the mcp-client-id {client_id!r} must be non-empty, without '/', '+' or '#'")
         self.config = config
         self.messaging = messaging
         self.client_id = client_id
+        # A message over this is not parsed (_too_large): Python's json holds the GIL for the
+        # whole parse, in a thread too (10 MB of escapes: 0.33 s on a busy 2-core machine),
+        # and a result the model gets is cut to max_tool_result_bytes anyway.
+        self.max_message_bytes = max_message_bytes
         self.name = "mcp-mqtt"
         root = config.topic_root
         self._server_root = f"{root}-server"
@@ -242,6 +249,9 @@ class McpOverMqtt:
         if len(parts) != 4 or _from_client(delivery):
             return  # our own requests, back from the broker (no No Local through the port)
         instance, name = parts[2], parts[3]
+        if len(delivery.payload) > self.max_message_bytes:
+            self._too_large(delivery.payload, name, instance)
+            return
         try:
             message = json.loads(delivery.payload)
         except ValueError:
@@ -276,6 +286,21 @@ class McpOverMqtt:
             else:
                 answer["error"] = {"code": -32601, "message": f"the worker does not offer {str(method)[:80]}"}
             self._send(delivery.topic, answer)
+
+    def _too_large(self, payload: bytes, name: str, instance: str) -> None:
+        """A message over max_message_bytes is not parsed: the request it answers (its id,
+        found near its start or end, where a JSON-RPC response has it) ends now as an error
+        that says so, instead of waiting out its timeout."""
+        size, limit = len(payload), self.max_message_bytes
+        logger.warning(
+            "MCP over MQTT: a message of {} bytes from {} ({}) not read (over {})", size, name, instance, limit
+        )
+        for found in _ID.finditer(payload[:512] + b" " + payload[-512:]):
+            pending = self._pending.get(int(found.group(1)))
+            if pending is not None and pending[:2] == (name, instance) and not pending[2].done():
+                message = f"the MCP server's answer was {size} bytes, over the {limit} this worker reads"
+                pending[2].set_exception(RpcError(-32603, message))
+                return
 
     # -- sessions ---------------------------------------------------------------------
 
