@@ -78,6 +78,7 @@ from .tools import (
     MarkupHold,
     ToolPlan,
     apply_results,
+    call_key,
     check_calls,
     close_unanswered,
     escape_raw_controls,
@@ -361,7 +362,10 @@ class TurnRunner:
         toolbox: Toolbox | None = None,
         tools_config: ToolsConfig | None = None,
         journal: ProgressJournal | None = None,
+        call_scope: str = "",
     ) -> None:
+        """``call_scope``: what makes the ids of this worker's calls its own among workers
+        (the topic prefix and the share group, or the worker id: see ``call_key``)."""
         self.engine = engine
         self.renderer = renderer
         self.generation = generation
@@ -377,6 +381,11 @@ class TurnRunner:
         self.toolbox = toolbox
         self.tools_config = tools_config or ToolsConfig()
         self.journal = journal
+        self.call_scope = call_scope
+
+    def call_key(self, turn: PendingTurn) -> str:
+        """What the ids of the request's calls derive from (core/tools.py ``call_key``)."""
+        return call_key(self.call_scope, str(turn.address), turn.key)
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
         """Answer the request on ``history``, a draft of the session (its system prompt, tools,
@@ -399,15 +408,19 @@ class TurnRunner:
             history.worker_tools = self._choose_worker_tools(request.worker_tools, address.user)
         worker = self._offered_worker_tools(history, address.user)
         loop = _Loop(turn, history, worker, self.tools_config.max_tool_time)
-        progress = await self._load_progress(turn)
+        progress = await self._load_progress(turn, history)
         current, to_run = self._current_turn(turn, history, worker, progress)
         loop.current = current
         loop.progress = Progress(current, progress.calls if progress else {})
         if progress is not None:
             # A redelivery goes on where the first delivery stopped: its rounds so far count
             # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
-            loop.generations = loop.rounds = rounds_of_request(turn.key, progress)
+            loop.generations = loop.rounds = rounds_of_request(self.call_key(turn), progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
+        if to_run and turn.key in turn.runtime.cancelled:
+            # Cancelled while queued: the approved calls are not sent, and nothing changes (they
+            # stay pending; the client may approve them again).
+            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         if to_run:  # the calls the client approved
             await self._save_progress(loop)  # before any is sent: never sent twice
             await self._run_calls(loop, to_run, rounds_in(current) - 1)
@@ -479,8 +492,11 @@ class TurnRunner:
             )
         return offered
 
-    async def _load_progress(self, turn: PendingTurn) -> Progress | None:
-        if self.journal is None:
+    async def _load_progress(self, turn: PendingTurn, history: SessionHistory) -> Progress | None:
+        """The request's stored progress. Only a request that may have run worker calls can
+        have one: in a session with workerTools, or approving calls (toolResults); the others
+        make no store call for it (one round trip to the store's thread less per request)."""
+        if self.journal is None or not (history.worker_tools or turn.request.tool_results is not None):
             return None
         progress = await self.journal.aload_progress(str(turn.address), turn.key)
         if progress is not None:
@@ -562,8 +578,12 @@ class TurnRunner:
 
     def _cancelled(self, loop: _Loop, outcome: Outcome) -> TurnAnswer:
         """A cancel: nothing changes, unless the worker ran calls in this request; then the
-        turn is kept as far as it came (what the devices did stays in the history), closed with
-        the text generated so far."""
+        turn is kept as far as it came, closed with the text generated so far, and committed
+        with the cancelled reply as its answer. A device may have acted: a history without the
+        call would tell the model the lamp is still off, and a redelivery, finding no answer,
+        would go on from the progress with the calls' outcomes unknown. So the calls and their
+        results stay, a redelivery gets the stored reply, and nothing is sent twice
+        (docs/protocol.md, control)."""
         if not loop.progress.calls:
             return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), None)
         loop.current.messages.append(assistant_message(outcome.text))
@@ -848,7 +868,9 @@ class TurnRunner:
         parser = self.tools.parser
         assert parser is not None
         parsed = parser.parse(outcome.text, specs)
-        checked = check_calls(outcome.text, parsed, specs, key=turn.key, round_=round_, validate_all=bool(plan.forced))
+        checked = check_calls(
+            outcome.text, parsed, specs, key=self.call_key(turn), round_=round_, validate_all=bool(plan.forced)
+        )
         if checked.error is not None:
             # The reason quotes the model's call (its arguments, what the schema says of them):
             # the reply's toolParseError has it; the log at INFO says only that it happened.
@@ -993,9 +1015,9 @@ class TurnRunner:
 
 
 def rounds_of_request(key: str, progress: Progress) -> int:
-    """How many rounds of worker calls the request ``key`` itself generated, in its stored
-    progress (a toolResults request's progress also holds the calls it approved, which an
-    earlier request generated)."""
+    """How many rounds of worker calls the request itself generated (``key``: its
+    ``call_key``), in its stored progress (a toolResults request's progress also holds the
+    calls it approved, which an earlier request generated)."""
     rounds = {record.round for record in progress.calls.values()}
     return sum(1 for r in rounds if any(call_id.startswith(round_prefix(key, r)) for call_id in progress.calls))
 

@@ -9,7 +9,8 @@ call), ``requestId`` and ``toolCallId`` as user properties (the device deduplica
 application/json. The device answers on the ResponseTopic with the same CorrelationData; the
 answer's payload (UTF-8; invalid bytes become U+FFFD, and it is cut to max_tool_result_bytes
 before it is decoded) is the result the model gets. A user property ``outcome=error`` marks
-it a failure.
+it a failure. An answer published with the retain flag is refused (the call ends as an error):
+the broker would keep it and replay it to every later subscription.
 
 The worker publishes only to configured topics: the model chooses a tool name and arguments,
 never a topic. No MQTT library here: the transport's Messaging port (transport/port.py).
@@ -217,6 +218,17 @@ class DeviceTools:
             )
         finally:
             self._pending.pop(correlation, None)
+        if delivery.retain:
+            # A retained answer stays on the broker and is replayed to every later subscription
+            # of the response topic: never taken as a result (a replay names no pending call
+            # and is dropped; this one, live, ends its call as an error, not a 5 s wait).
+            counts.errors += 1
+            logger.warning("Device tool {} call {}: the answer was published retained; refused", tool, ref)
+            return ToolOutcome(
+                f"Error: the device's answer was refused: it was published with the retain flag, "
+                f"and a device tool's answer must not be retained ({tool}).",
+                "error",
+            )
         # Bytes that are not UTF-8 become U+FFFD; a long answer is cut on a character boundary.
         content, cut = cut_utf8(delivery.payload, self.max_result_bytes)
         size = len(delivery.payload) if cut else None
@@ -235,6 +247,7 @@ class DeviceTools:
         waiting = self._pending.get(correlation) if correlation is not None else None
         if waiting is None or waiting.done():
             # Late (its call timed out), for another run's call, or no correlation data at all.
+            # A retained answer replayed at a (re)subscription lands here too: its call is long gone.
             logger.debug("Dropping a device answer on {} that no call waits for", delivery.topic)
             return
         waiting.set_result(delivery)
