@@ -711,6 +711,15 @@ class ToolsConfig(Section):
         flag="--max-tool-result-tokens",
         ge=16,
     )
+    max_tool_result_bytes: int = opt(
+        65536,
+        "Largest worker tool result (a device's answer, an MCP server's result) in bytes of UTF-8: a "
+        "longer one is cut on a character boundary before its tokens are counted, and the cut is said to "
+        "the model; then max_tool_result_tokens applies. Bounds the work one result costs (a 10 MB answer "
+        "is never tokenized). Not limits.max_tool_result_bytes, which refuses a client's toolResults entry.",
+        flag="--tools-max-tool-result-bytes",
+        ge=256,
+    )
 
     @model_validator(mode="after")
     def _unique_names(self) -> ToolsConfig:

@@ -46,6 +46,7 @@ from ..protocol.messages import (
     Usage,
     WorkerCallOut,
     log_ref,
+    log_text,
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
@@ -62,7 +63,7 @@ from ..session import (
     calls_of,
     tool_message,
 )
-from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool
+from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool, cut_utf8, safe_text, utf8_size
 from ..transport.port import InboundMessage, Publisher
 from .history import (
     HistoryLimits,
@@ -458,12 +459,13 @@ class TurnRunner:
         for name in names:
             if name not in allowed:
                 configured = self.toolbox.known(name) is not None
+                # The name is the client's text: at DEBUG only (the reason is the operator's).
                 logger.info(
-                    "workerTools of {} refused: {} ({})",
+                    "workerTools of {} refused: a name {}",
                     user,
-                    name,
                     "not allowed for this namespace" if configured else "not configured",
                 )
+                logger.debug("workerTools of {} refused: {}", user, log_text(name))
                 raise RequestError(
                     ErrorCode.INVALID_REQUEST,
                     f"workerTools: {name!r} is not a worker tool that this user namespace may use",
@@ -629,7 +631,7 @@ class TurnRunner:
             except TimeoutError:
                 result = ToolOutcome("Error: the request's time for tool calls ran out during this call.", "timeout")
         seconds = time.monotonic() - started
-        content = self._cut_result(result.content)
+        content = await self._cut_result(result)
         loop.current.messages.append(tool_message(call.id, call.name, content))
         loop.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
         self.stats.record_tool_call(call.name, result.outcome, seconds)
@@ -657,24 +659,43 @@ class TurnRunner:
                 )
             )
 
-    def _cut_result(self, content: str) -> str:
+    async def _cut_result(self, result: ToolOutcome) -> str:
         """A worker tool's result as the model gets it: control tokens are defused by the
-        template renderer like any text; here it is cut to max_tool_result_tokens, and the cut
-        is said."""
-        limit = self.tools_config.max_tool_result_tokens
-        if len(content.encode()) <= limit:  # a token covers at least one byte
-            return content
-        total = self.renderer.count_text(content)
-        if total <= limit:
-            return content
-        low, high = 0, min(len(content), limit * 32)  # the longest start of at most limit tokens
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.renderer.count_text(content[:middle]) <= limit:
-                low = middle
-            else:
-                high = middle - 1
-        return f"{content[:low]}\n[The result was cut: it had {total} tokens; the first {limit} are shown.]"
+        template renderer like any text; here invalid text is repaired (a lone surrogate
+        becomes U+FFFD), the result is cut to max_tool_result_bytes on a character boundary,
+        then to max_tool_result_tokens, and the cut is said.
+
+        A short result is done here; a longer one in a thread, since counting its tokens grows
+        with its size (a 10 MB answer tokenized on the event loop stalled every session for
+        20-51 s; bounded first, the thread's work is at most a few counts of 64 KiB, and the
+        tokenizer gives up the GIL while it counts)."""
+        small = min(self.tools_config.max_tool_result_bytes, self.tools_config.max_tool_result_tokens)
+        if result.size is None and len(result.content) * 4 <= small:
+            return safe_text(result.content)  # 4 bytes a character at most, a token at least one byte
+        return await asyncio.to_thread(self._fit_result, result.content, result.size)
+
+    def _fit_result(self, content: str, size: int | None) -> str:
+        """_cut_result's work (in a thread; the renderer's count_text is safe there)."""
+        max_bytes, max_tokens = self.tools_config.max_tool_result_bytes, self.tools_config.max_tool_result_tokens
+        text, cut = cut_utf8(content, max_bytes)
+        if cut:
+            size = utf8_size(content)
+        shown = len(text.encode("utf-8"))
+        if shown > max_tokens and (total := self.renderer.count_text(text)) > max_tokens:
+            low, high = 0, min(len(text), max_tokens * 32)  # the longest start of at most max_tokens tokens
+            while low < high:
+                middle = (low + high + 1) // 2
+                if self.renderer.count_text(text[:middle]) <= max_tokens:
+                    low = middle
+                else:
+                    high = middle - 1
+            if size is not None:
+                note = f"it had {size} bytes; the first {max_tokens} tokens are shown"
+                return f"{text[:low]}\n[The result was cut: {note}.]"
+            return f"{text[:low]}\n[The result was cut: it had {total} tokens; the first {max_tokens} are shown.]"
+        if size is not None:
+            return f"{text}\n[The result was cut: it had {size} bytes; the first {shown} are shown.]"
+        return text
 
     async def _generate(self, loop: _Loop, *, final: bool) -> Outcome:
         """One generation of the loop: the prompt (history, the turn so far), the engine's
@@ -851,7 +872,10 @@ class TurnRunner:
             outcome.text, parsed, specs, key=self.call_key(turn), round_=round_, validate_all=bool(plan.forced)
         )
         if checked.error is not None:
-            logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
+            # The reason quotes the model's call (its arguments, what the schema says of them):
+            # the reply's toolParseError has it; the log at INFO says only that it happened.
+            logger.info("Request {} of {}: tool call not taken (toolParseError)", log_ref(turn.key), turn.address)
+            logger.debug("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
             outcome.tool_parse_error = checked.error
         elif checked.calls:
             outcome.text, outcome.tool_calls = checked.content.strip(), checked.calls
