@@ -13,7 +13,9 @@ model's end token, which dummy weights draw about once in 150k tokens: the table
 tokens each side generated).
 
 Reported per N and side: tokens/s (all generated tokens over the time from the first request
-sent to the last reply), TTFT p50/p95 (the worker's: to the first stream delta at the client),
+sent to the last reply), TTFT p50/p95 (the worker's: its replies are not streamed, as the one
+benchmark client receiving every stream delta of 1,000 sessions was what limited the first
+runs; the client's time to the reply less the worker's time from the first token on),
 latency p50/p95, and admission: the time until the last request reached the engine (raw: its
 ``add_request`` returned; the worker: its reply's ``queueMs`` after the client's send,
 measured as the client's time to the reply less the worker's time from handing it to the
@@ -80,11 +82,17 @@ def worker_outcome(record: Record) -> Outcome:
     client's time to the reply less what the worker spent from handing it to the engine on,
     which leaves the hop there and the worker's queue; every request of a burst is sent within
     a few ms of the first)."""
-    admitted = None
+    admitted = ttft = None
     if record.worker_total_ms is not None and record.worker_queue_ms is not None:
         admitted = max(0.0, record.client_ms - (record.worker_total_ms - record.worker_queue_ms)) / 1000
+    if record.client_ttft_ms is not None:
+        ttft = record.client_ttft_ms / 1000
+    elif record.worker_total_ms is not None and record.worker_ttft_ms is not None:
+        # Without stream deltas: the client's time to the reply less the worker's from the
+        # first token on (the hops there and back stay in, as in a streamed TTFT).
+        ttft = max(0.0, record.client_ms - (record.worker_total_ms - record.worker_ttft_ms)) / 1000
     return Outcome(
-        ttft_s=record.client_ttft_ms / 1000 if record.client_ttft_ms is not None else None,
+        ttft_s=ttft,
         total_s=record.client_ms / 1000,
         completion_tokens=record.completion_tokens,
         prompt_tokens=record.prompt_tokens,
@@ -107,6 +115,12 @@ def burst_workload(profile: Profile, count_tokens: Any, render_length: Any) -> W
     overhead = render_length(base, 0) - count_tokens(base.user_message(0, 0, count_tokens))
     user = max(1, profile.burst_prompt_tokens - overhead)
     return dataclasses.replace(base, user_tokens=(user, user), seed=31)
+
+
+def _seeded(workload: Workload, count: int) -> Workload:
+    """Other messages for each burst (the warm-up's: 0): a burst must compute its prompts, not
+    find them in the prefix cache from the one before."""
+    return dataclasses.replace(workload, seed=workload.seed + 1 + count)
 
 
 def _merge(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
@@ -160,11 +174,15 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     driver = MqttDriver("127.0.0.1", broker.port)
     runs: dict[str, Any] = {"worker": {}, "raw": {}}
     try:
-        driver.run_concurrent("burst-warm", workload, tokenizer.count_text, sessions=min(sizes or [1]), turns=1)
+        driver.run_concurrent(
+            "burst-warm", _seeded(workload, 0), tokenizer.count_text, sessions=min(sizes or [1]), turns=1, stream=False
+        )
         for count in sizes:
             before = len(driver.stats)
             started = time.perf_counter()
-            records = driver.run_concurrent(f"burst-{name}", workload, tokenizer.count_text, sessions=count, turns=1)
+            records = driver.run_concurrent(
+                f"burst-{name}", _seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
+            )
             wall = time.perf_counter() - started
             time.sleep(1.5)  # the stats message covering the burst's end
             stats = driver.stats[before:]
@@ -180,17 +198,15 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         driver.close()
         worker.stop(STOP_TIMEOUT)
         broker.stop()
+
     # Raw vLLM in this process, the same engine arguments (the worker's engine_arguments).
-    prompts = {
-        n: [
-            tokenizer.render(
-                history_messages(workload, [], workload.user_message(i, 0, tokenizer.count_text)),
-                add_generation_prompt=True,
-            )
-            for i in range(n)
-        ]
-        for n in {*sizes, min(sizes or [1])}
-    }
+    def rendered(seed_count: int, sessions: int) -> list[list[int]]:
+        seeded = _seeded(workload, seed_count)
+        messages = (seeded.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
+        return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+
+    prompts = {n: rendered(n, n) for n in sizes}
+    prompts[0] = rendered(0, min(sizes or [1]))  # the warm-up burst's
     raw = asyncio.run(_raw_side(EngineConfig(model=str(model), **settings), tokenizer, prompts, sizes, profile, name))
     runs["raw"] = raw.pop("runs")
     result.update(raw)
@@ -218,7 +234,7 @@ async def _raw_side(
         "runs": {},
     }
     try:
-        await raw_burst(engine.llm, prompts[min(sizes or [1])], profile.burst_max_tokens)  # the same warm-up burst
+        await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
         for count in sizes:
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
             result["runs"][count] = burst_summary(outcomes, wall)
