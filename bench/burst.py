@@ -13,9 +13,10 @@ model's end token, which dummy weights draw about once in 150k tokens: the table
 tokens each side generated).
 
 Reported per N and side: tokens/s (all generated tokens over the time from the first request
-sent to the last reply), TTFT p50/p95 (the worker's: its replies are not streamed, as the one
-benchmark client receiving every stream delta of 1,000 sessions was what limited the first
-runs; the client's time to the reply less the worker's time from the first token on),
+sent to the last reply; each request's times are kept as ``outcomes``: TTFT, total, tokens,
+prompt tokens, admitted, in seconds from the burst's start), TTFT p50/p95 (the worker's: its
+replies are not streamed, as the one benchmark client receiving every stream delta of 1,000
+sessions was what limited the first runs; the client's time to the reply less the worker's time from the first token on),
 latency p50/p95, and admission: the time until the last request reached the engine (raw: its
 ``add_request`` returned; the worker: its reply's ``queueMs`` after the client's send,
 measured as the client's time to the reply less the worker's time from handing it to the
@@ -137,6 +138,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     from worker.config.models import EngineConfig
     from worker.engine.tokenizer import ChatTokenizer
 
+    from .harness import profile_worker
     from .mqtt_driver import MqttDriver
     from .runs import STOP_TIMEOUT, start_broker, start_worker
 
@@ -179,15 +181,22 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         )
         for count in sizes:
             before = len(driver.stats)
-            started = time.perf_counter()
+            # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the largest burst.
+            profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if count == max(sizes) else None
             records = driver.run_concurrent(
                 f"burst-{name}", _seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
             )
-            wall = time.perf_counter() - started
+            # From the first request sent to the last reply: run_concurrent renders every
+            # message before it sends the first (seconds for 1,000), which is no part of it.
+            wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+            if profiler is not None:
+                profiler.wait(120)
             time.sleep(1.5)  # the stats message covering the burst's end
             stats = driver.stats[before:]
+            outcomes = [worker_outcome(r) for r in records]
             runs["worker"][count] = {
-                **burst_summary([worker_outcome(r) for r in records], wall),
+                **burst_summary(outcomes, wall),
+                "outcomes": [dataclasses.astuple(o) for o in outcomes],
                 "send_s": round(driver.last_send_s, 3),
                 "max_running": max((s.get("maxRunning", 0) for s in stats), default=None),
                 "max_waiting": max((s.get("waiting", 0) for s in stats), default=None),
@@ -237,7 +246,10 @@ async def _raw_side(
         await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
         for count in sizes:
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
-            result["runs"][count] = burst_summary(outcomes, wall)
+            result["runs"][count] = {
+                **burst_summary(outcomes, wall),
+                "outcomes": [dataclasses.astuple(o) for o in outcomes],
+            }
             print(f"burst {name} raw {count}: {_line(result['runs'][count])}", flush=True)
     finally:
         engine.shutdown()
