@@ -16,7 +16,8 @@ Reported per N and side: tokens/s (all generated tokens over the time from the f
 sent to the last reply; each request's times are kept as ``outcomes``: TTFT, total, tokens,
 prompt tokens, admitted, in seconds from the burst's start), TTFT p50/p95 (the worker's: its
 replies are not streamed, as the one benchmark client receiving every stream delta of 1,000
-sessions was what limited the first runs; the client's time to the reply less the worker's time from the first token on),
+sessions was what limited the first runs; the client's time to the reply less the worker's
+time from the first token on),
 latency p50/p95, and admission: the time until the last request reached the engine (raw: its
 ``add_request`` returned; the worker: its reply's ``queueMs`` after the client's send,
 measured as the client's time to the reply less the worker's time from handing it to the
