@@ -305,3 +305,32 @@ def test_engine_arguments_on_a_gpu_host(tmp_path: Any) -> None:
     assert "max_num_seqs 64 (configuration: set)" in limit_lines[1]
     assert "max_num_batched_tokens 4096 (configuration: set)" in limit_lines[2]
     assert "max_num_seqs vLLM's default (vLLM: CPU backend)" in limit_lines[3]
+
+
+def test_the_start_refuses_idle_gpus_before_the_model_load(tmp_path: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The server's check (after vLLM's import, before the model load): refused with the
+    commands, exit code 2 by CannotStart; --allow-idle-gpus starts with a warning."""
+    import json
+
+    from loguru import logger
+
+    import worker.engine.vllm as adapter
+    from worker.config.models import EngineConfig, WorkerConfig
+    from worker.server import CannotStart, Server
+
+    (tmp_path / "config.json").write_text(json.dumps(geometry(2048, 28, 16, 8, 6144, 151936, True)))
+    four = adapter.Host(cpu_backend=False, memory_gib=500.0, gpus=4, gpu=H100, devices=("0", "1", "2", "3"))
+    monkeypatch.setattr(adapter, "host_facts", lambda: four)
+    refused = Server(WorkerConfig(engine=EngineConfig(model=str(tmp_path))))
+    with pytest.raises(CannotStart, match=r"Cannot start: 4 GPUs visible \(0,1,2,3\)") as caught:
+        refused._check_parallelism()
+    assert "--visible-devices 3 --share-group gpus" in str(caught.value)
+    lines: list[str] = []
+    sink = logger.add(lines.append, format="{level} {message}", level="WARNING")
+    try:
+        Server(WorkerConfig(engine=EngineConfig(model=str(tmp_path), allow_idle_gpus=True)))._check_parallelism()
+        Server(WorkerConfig(engine=EngineConfig(model=str(tmp_path), tensor_parallel_size=4)))._check_parallelism()
+    finally:
+        logger.remove(sink)
+    assert any(line.startswith("WARNING GPUs: 3 of the 4 visible GPUs") for line in lines)
+    assert any("tensor parallel 4" in line and "1.4-2.3x" in line for line in lines)
