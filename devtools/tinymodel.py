@@ -37,7 +37,7 @@ letter n-grams (and their merges) to exactly the geometry's ``vocab_size``, so
 every id a dummy-weight model can sample decodes.
 
 Usage: ``python -m devtools.tinymodel OUTDIR [--vocab-size N] [--think]``
-or ``python -m devtools.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen2.5-7b,qwq-32b} [--think]``.
+or ``python -m devtools.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen3-1.7b,qwen2.5-7b,qwq-32b} [--think]``.
 """
 
 from __future__ import annotations
@@ -275,6 +275,9 @@ def generate_tiny_model(
 # name: (hidden, layers, attention heads, KV heads, intermediate, vocab, tied embeddings)
 GEOMETRIES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    # Qwen3-1.7B's sizes (1.72 B parameters; issue 31's "2B geometry of 28 layers, hidden 2048"),
+    # run as the Qwen2 architecture (no QK norm: the same shapes and cost to within a few %).
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144, 151936, True),
     "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False),
     "qwq-32b": (5120, 64, 40, 8, 27648, 152064, False),
 }
