@@ -26,8 +26,6 @@ from pydantic.json_schema import JsonSchemaMode
 
 from ..config.models import GenerationConfig, LimitsConfig
 from .messages import (
-    MAX_SCHEMA_DEPTH,
-    MAX_SCHEMA_NODES,
     ChatReply,
     ChatRequest,
     ControlReply,
@@ -36,6 +34,7 @@ from .messages import (
     StatsReport,
     StreamDelta,
 )
+from .schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .topics import WORKER_NAMESPACE, Inbound
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"
