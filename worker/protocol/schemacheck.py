@@ -196,8 +196,8 @@ class _Graph:
         if self._loops():
             raise SchemaUnusable(
                 "has references that loop",
-                "schema has references that lead back to where they start without going into the value "
-                "(a $ref to itself, or through allOf/anyOf/oneOf/not/if): no value could ever be checked",
+                "schema has references that loop: they lead back to where they start without going into "
+                "the value (a $ref to itself, or through allOf/anyOf/oneOf/not/if), so no value could be checked",
             )
 
     def _in_place(self, node: dict[str, Any]) -> Iterator[Any]:
