@@ -7,8 +7,6 @@ into a prompt without an error."""
 from __future__ import annotations
 
 import json
-import socket
-import threading
 from collections.abc import Iterator
 from typing import Any
 
@@ -18,6 +16,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from loguru import logger
 
+from devtools.net import ConnectionRecorder
 from worker.config.models import McpMqttConfig, McpServerConfig, MqttToolConfig
 from worker.core.history import user_message
 from worker.core.tools import check_calls, forced_call_schema, schema_violation
@@ -38,44 +37,9 @@ HERMES = ToolCallFormat(
 # -- nothing is fetched ------------------------------------------------------------------
 
 
-class Recorder:
-    """A TCP listener on a free loopback port that records every connection it gets (and
-    answers none: a fetch would hang, as the issue's attacker's server did)."""
-
-    def __init__(self) -> None:
-        self.sock = socket.socket()
-        self.sock.bind(("127.0.0.1", 0))
-        self.sock.listen(16)
-        self.sock.settimeout(0.2)
-        self.port = self.sock.getsockname()[1]
-        self.connections = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._accept, daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stop.is_set():
-            try:
-                conn, _ = self.sock.accept()
-            except TimeoutError:
-                continue
-            except OSError:
-                return
-            self.connections += 1
-            conn.close()
-
-    def url(self, path: str = "x.json") -> str:
-        return f"http://127.0.0.1:{self.port}/{path}"
-
-    def close(self) -> None:
-        self._stop.set()
-        self._thread.join(5)
-        self.sock.close()
-
-
 @pytest.fixture
-def recorder() -> Iterator[Recorder]:
-    server = Recorder()
+def recorder() -> Iterator[ConnectionRecorder]:
+    server = ConnectionRecorder()
     yield server
     server.close()
 
@@ -97,7 +61,7 @@ def request(**fields: Any) -> bytes:
     return json.dumps({"message": "hi", **fields}).encode()
 
 
-def test_no_entry_point_fetches_a_remote_reference(recorder: Recorder) -> None:
+def test_no_entry_point_fetches_a_remote_reference(recorder: ConnectionRecorder) -> None:
     """Client tools, responseFormat, an MCP server's and an MCP-over-MQTT server's tools, a
     device tool's parameters, and a forced call's validation: each schema that refers to the
     recorder's URL is refused or left out, and the recorder never gets a connection."""

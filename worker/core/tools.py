@@ -264,7 +264,10 @@ def forced_call_schema(tools: Sequence[ToolSpec], form: ToolCallFormat) -> dict[
     options: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for index, tool in enumerate(tools):
-        arguments, tool_defs = grammar_schema(tool.arguments_schema(), prefix=f"t{index}_")
+        try:
+            arguments, tool_defs = grammar_schema(tool.arguments_schema(), prefix=f"t{index}_")
+        except SchemaUnusable as exc:  # a session stored before its tools were checked this way
+            raise RequestError(ErrorCode.INVALID_SCHEMA, f"tool {tool.name!r}: parameters: {exc.message}") from None
         defs.update(tool_defs)
         options.append(
             {
