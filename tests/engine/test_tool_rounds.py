@@ -151,10 +151,11 @@ def test_forced_calls_parse_for_every_local_reference_form(shared_worker: Worker
     '#/$defs/...', ~1 ~0 and %20 escapes, an anchor), all sent at once: each is a call that
     parses and validates against the tool's own parameters. Before the fix, '#' broke about one
     call in four and the others were refused as invalid_schema."""
-    tools = [
-        {"type": "function", "function": {"name": f"ref_{form}", "parameters": schema}}
+    # One tool per request: the prompt stays short enough for the recursive form's maxTokens.
+    tools = {
+        form: [{"type": "function", "function": {"name": f"ref_{form}", "parameters": schema}}]
         for form, schema in REF_FORMS.items()
-    ]
+    }
     started = time.monotonic()
     depths: Counter[int] = Counter()
     sessions: list[tuple[str, str]] = []
@@ -165,7 +166,7 @@ def test_forced_calls_parse_for_every_local_reference_form(shared_worker: Worker
             choice = {"type": "function", "function": {"name": f"ref_{form}"}}
             client.publish(
                 f"chat/tools/{session}/request",
-                {"message": f"Do {i}.", "tools": tools, "toolChoice": choice, "maxTokens": MAX_TOKENS[form]},
+                {"message": f"Do {i}.", "tools": tools[form], "toolChoice": choice, "maxTokens": MAX_TOKENS[form]},
             )
     for session, form in sessions:
         reply = reply_of(client, session)
