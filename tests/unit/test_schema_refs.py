@@ -23,7 +23,7 @@ from worker.core.tools import check_calls, forced_call_schema, schema_violation
 from worker.engine.port import ParsedTools, ToolCallFormat
 from worker.engine.tokenizer import ChatTokenizer
 from worker.protocol.messages import ErrorCode, RequestError, parse_chat_request
-from worker.protocol.schemacheck import SchemaUnusable, check_parameters, grammar_document, valid_text
+from worker.schemacheck import SchemaUnusable, check_parameters, grammar_document, valid_text
 from worker.session import ToolSpec
 from worker.tools.mcp import McpServerTools
 from worker.tools.mcp_mqtt import McpOverMqtt, _Server

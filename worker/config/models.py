@@ -26,7 +26,7 @@ from pydantic import (
     model_validator,
 )
 
-from ..protocol.schemacheck import SchemaUnusable, check_parameters, is_valid_text
+from ..schemacheck import SchemaUnusable, check_parameters, is_valid_text
 
 TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENV_PREFIX = "WORKER_"

@@ -28,7 +28,7 @@ from ..protocol.messages import (
     ToolResult,
     ToolSpecIn,
 )
-from ..protocol.schemacheck import SchemaUnusable, grammar_schema, validator
+from ..schemacheck import SchemaUnusable, grammar_schema, validator
 from ..session import DECLINED_RESULT, NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, calls_of, tool_message
 from .history import partial_tag_suffix
 

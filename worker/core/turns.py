@@ -48,8 +48,8 @@ from ..protocol.messages import (
     log_ref,
 )
 from ..protocol.packets import split_to_fit
-from ..protocol.schemacheck import grammar_document
 from ..protocol.topics import SessionAddress, Topics
+from ..schemacheck import grammar_document
 from ..session import (
     THINK_CLOSE,
     UNKNOWN_RESULT,

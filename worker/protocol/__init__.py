@@ -5,5 +5,4 @@ functions, no I/O, no paho.
 - ``topics.py``: the topic layout and its parsing
 - ``packets.py``: fitting an answer into the broker's maximum packet size
 - ``schemas.py``: the JSON Schemas in docs/schemas (``python -m worker.protocol.schemas``)
-- ``schemacheck.py``: the JSON Schemas clients and servers send, checked (nothing fetched)
 """

@@ -16,9 +16,9 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-from .schemacheck import MAX_SCHEMA_DEPTH as MAX_SCHEMA_DEPTH  # the schema caps, as they were named here
-from .schemacheck import MAX_SCHEMA_NODES as MAX_SCHEMA_NODES
-from .schemacheck import (
+from ..schemacheck import MAX_SCHEMA_DEPTH as MAX_SCHEMA_DEPTH  # the schema caps, as they were named here
+from ..schemacheck import MAX_SCHEMA_NODES as MAX_SCHEMA_NODES
+from ..schemacheck import (
     SchemaUnusable,
     check_parameters,
     check_schema,

@@ -25,6 +25,7 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
 from ..config.models import GenerationConfig, LimitsConfig
+from ..schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .messages import (
     ChatReply,
     ChatRequest,
@@ -34,7 +35,6 @@ from .messages import (
     StatsReport,
     StreamDelta,
 )
-from .schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .topics import WORKER_NAMESPACE, Inbound
 
 DRAFT = "https://json-schema.org/draft/2020-12/schema"

@@ -2,7 +2,7 @@
 the boundary, before the model or the grammar backend sees it. No I/O but the log.
 
 - The input schema must be usable as a client tool's parameters are
-  (protocol/schemacheck.py: valid, only local references that resolve, within the size caps,
+  (worker/schemacheck.py: valid, only local references that resolve, within the size caps,
   valid Unicode, a JSON object): a tool whose schema is not is left out, with one WARNING
   that names the server and the tool (never the schema, which is the server's text), once
   per server, tool and schema: a server that lists again does not repeat it.
@@ -25,7 +25,7 @@ from typing import Any
 from loguru import logger
 
 from ..protocol.messages import log_text
-from ..protocol.schemacheck import SchemaUnusable, check_parameters, is_valid_text, valid_text
+from ..schemacheck import SchemaUnusable, check_parameters, is_valid_text, valid_text
 
 __all__ = ["OfferWarnings", "SchemaUnusable", "description", "schema_problem", "screen"]
 
