@@ -271,6 +271,18 @@ def check_schema(schema: Any) -> None:
             "refers to another document",
             f"schema has a {keyword} to another document; only local references (#/...) are allowed",
         )
+    try:
+        _check_against_metaschema_and_refs(schema)
+    except SchemaUnusable:
+        raise
+    except Exception as exc:  # urllib on an "$id": "http://[x", an "id" that is not a string where a ref leads
+        raise SchemaUnusable(
+            "is not a valid JSON Schema",
+            "schema is not a valid JSON Schema: an identifier or a reference cannot be read",
+        ) from exc
+
+
+def _check_against_metaschema_and_refs(schema: dict[str, Any]) -> None:
     cls = validator_class(schema)
     try:
         meta = cls(cls.META_SCHEMA, registry=REGISTRY, format_checker=cls.FORMAT_CHECKER)

@@ -23,7 +23,7 @@ from worker.core.tools import check_calls, forced_call_schema, schema_violation
 from worker.engine.port import ParsedTools, ToolCallFormat
 from worker.engine.tokenizer import ChatTokenizer
 from worker.protocol.messages import ErrorCode, RequestError, parse_chat_request
-from worker.schemacheck import SchemaUnusable, check_parameters, grammar_document, valid_text
+from worker.schemacheck import SchemaUnusable, check_parameters, check_schema, grammar_document, valid_text
 from worker.session import ToolSpec
 from worker.tools.mcp import McpServerTools
 from worker.tools.mcp_mqtt import McpOverMqtt, _Server
@@ -371,3 +371,52 @@ def test_an_unusable_server_schema_is_warned_once_per_server_tool_and_schema() -
     assert len(lines) == 2, lines
     assert all("home/x" in line and " t " in line and secret not in line for line in lines), lines
     assert "refers to another document" in lines[0] and "not a valid JSON Schema" in lines[1]
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "$id": "http://[bad"},
+        {"$schema": "http://[bad", "type": "object"},
+        {"$schema": 5, "type": "object"},
+        {"type": "object", "properties": {"a": {"$ref": "#/%zz"}}},
+    ],
+)
+def test_unreadable_identifiers_are_invalid_schema_not_internal_errors(schema: dict[str, Any]) -> None:
+    with pytest.raises(RequestError) as refused:
+        parse_chat_request(request(responseFormat={"type": "json_schema", "schema": schema}), "s", 1 << 20)
+    assert refused.value.code == ErrorCode.INVALID_SCHEMA
+
+
+SCHEMA_KEYS = ["$id", "$ref", "$anchor", "$dynamicRef", "$dynamicAnchor", "$recursiveRef", "$recursiveAnchor"]
+SCHEMA_KEYS += ["$schema", "$defs", "definitions", "properties", "items", "prefixItems", "allOf", "anyOf", "not"]
+SCHEMA_KEYS += ["type", "id", "a"]
+SCHEMA_VALUES: list[Any] = ["#", "#/", "#/properties", "#/properties/a", "#a", "http://[bad", "#%zz", "#/$defs/a"]
+SCHEMA_VALUES += ["#/items/0", "a", "#/allOf/0", "#/allOf/x", "http://json-schema.org/draft-07/schema#"]
+SCHEMA_VALUES += ["http://json-schema.org/draft-04/schema#", "https://json-schema.org/draft/2019-09/schema"]
+SCHEMA_VALUES += ["urn:x", "object", 5, True, None]
+schema_keys = st.sampled_from(SCHEMA_KEYS)
+schema_like = st.dictionaries(
+    schema_keys,
+    st.recursive(
+        st.sampled_from(SCHEMA_VALUES),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(schema_keys, inner, max_size=4),
+        max_leaves=15,
+    ),
+    max_size=5,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(schema=schema_like)
+def test_any_schema_is_refused_or_usable_all_through(schema: dict[str, Any]) -> None:
+    """Schema-shaped JSON full of references, identifiers, anchors and dialects: refused with
+    SchemaUnusable, or checked, validated against and rewritten for the grammar without an
+    error (an exception here is an internal_error in the worker)."""
+    try:
+        check_schema(schema)
+    except SchemaUnusable:
+        return
+    grammar_document(schema)
+    schema_violation({"a": 1}, schema)
+    forced_call_schema([ToolSpec("t", None, schema)], HERMES)
