@@ -14,9 +14,12 @@ import time
 import uuid
 from collections.abc import Awaitable, Callable
 
+from loguru import logger
+
 from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, transport_on
+from devtools.net import ConnectionRecorder
 from worker.config.models import McpMqttConfig
 from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.port import CallContext, ToolOutcome
@@ -137,6 +140,53 @@ def test_a_crashed_server_is_withdrawn_by_its_will_and_list_changed_is_followed(
                 await provider.close()
 
     run(scenario)
+
+
+def test_a_tool_with_a_remote_ref_is_left_out_once_and_nothing_is_fetched(broker: Mosquitto) -> None:
+    """Anyone who may publish a presence is an MCP server to the worker (issue 30, point 2): a
+    tool whose input schema names a URL (the recorder's, on loopback) is left out with one
+    WARNING naming the server and the tool, however often the server lists again; the other
+    tools are offered, a lone surrogate in a description arrives repaired, and nothing ever
+    connects to the URL."""
+    suffix = uuid.uuid4().hex[:6]
+    name = f"evil-{suffix}/probe"
+    recorder = ConnectionRecorder()
+    server = McpMqttServer(broker.port, name)
+    remote = {"type": "object", "properties": {"a": {"$ref": recorder.url()}}, "required": ["a"]}
+    server.tools = [
+        {"name": "fetch", "description": "Fetches.", "inputSchema": remote},
+        {"name": "echo", "description": "Echo \ud800 text.", "inputSchema": {"type": "object"}},
+    ]
+    lines: list[str] = []
+    handler = logger.add(lambda m: lines.append(str(m)), level="WARNING", format="{message}")
+    server.start()
+
+    async def scenario() -> None:
+        async with transport_on(broker.port) as messaging:
+            provider = McpOverMqtt(McpMqttConfig(server_filter=f"evil-{suffix}/#", users=["*"]), messaging, "w-evil")
+            await provider.start()
+            prefix = f"evil-{suffix}_probe_"
+            try:
+                await eventually(lambda: prefix + "echo" in names(provider), "the server is discovered")
+                for count in range(3):  # listed again: no second warning
+                    server.add_tool({"name": f"extra{count}", "inputSchema": {"type": "object"}})
+                    await eventually(lambda c=count: f"{prefix}extra{c}" in names(provider), "listed again")
+                assert prefix + "fetch" not in names(provider)
+                echo = next(t for t in provider.tools() if t.name == prefix + "echo")
+                assert echo.description == "Echo \ufffd text."
+            finally:
+                await provider.close()
+
+    try:
+        run(scenario)
+    finally:
+        logger.remove(handler)
+        server.stop()
+        recorder.close()
+    left_out = [line for line in lines if "is not offered" in line]
+    assert len(left_out) == 1 and name in left_out[0] and "fetch" in left_out[0], lines
+    assert recorder.url() not in "".join(lines)
+    assert recorder.connections == 0
 
 
 def test_no_filter_no_discovery(broker: Mosquitto) -> None:

@@ -7,6 +7,7 @@ validate against the tool's parameters."""
 from __future__ import annotations
 
 import json
+import time
 import uuid
 from collections import Counter
 from typing import Any
@@ -90,6 +91,96 @@ def test_forced_calls_always_parse_and_validate(shared_worker: WorkerProcess, cl
         outcomes[name] += 1
     assert sum(outcomes.values()) == FORCED_CALLS and set(outcomes) == set(SCHEMAS)
     print(f"forced calls: {FORCED_CALLS} of {FORCED_CALLS} parsed and valid; by tool: {dict(outcomes)}")
+
+
+# A tool's parameters with each form of local reference (issue 30, point 6): in a forced call the
+# arguments schema is no longer the root, so each must still lead where it led. The random model
+# recurses into "#" often (10 levels and more, ~7 tokens each): its calls get 1024 tokens.
+LEAF = {"type": "object", "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["v"]}
+REF_FORMS: dict[str, dict[str, Any]] = {
+    "root": {
+        "type": "object",
+        "properties": {"v": {"type": "integer", "minimum": 0, "maximum": 9}, "next": {"$ref": "#"}},
+        "required": ["v"],
+        "additionalProperties": False,
+    },
+    "properties": {
+        "type": "object",
+        "properties": {"a": {"enum": ["x", "y"]}, "b": {"$ref": "#/properties/a"}},
+        "required": ["a", "b"],
+        "additionalProperties": False,
+    },
+    "defs_nested": {
+        "type": "object",
+        "$defs": {"leaf": LEAF, "pair": {"type": "array", "items": {"$ref": "#/$defs/leaf"}, "maxItems": 2}},
+        "properties": {"p": {"$ref": "#/$defs/pair"}, "q": {"$ref": "#/$defs/pair/items"}},
+        "required": ["p", "q"],
+        "additionalProperties": False,
+    },
+    "escaped": {
+        "type": "object",
+        "properties": {
+            "a/b": {"type": "integer", "minimum": 0, "maximum": 9},
+            "c~d": {"type": "boolean"},
+            "e f": {"enum": ["x", "y"]},
+            "r1": {"$ref": "#/properties/a~1b"},
+            "r2": {"$ref": "#/properties/c~0d"},
+            "r3": {"$ref": "#/properties/e%20f"},
+        },
+        "required": ["r1", "r2", "r3"],
+        "additionalProperties": False,
+    },
+    "anchor": {
+        "type": "object",
+        "$defs": {"leaf": {"$anchor": "leaf", **LEAF, "additionalProperties": False}},
+        "properties": {"p": {"$ref": "#leaf"}},
+        "required": ["p"],
+        "additionalProperties": False,
+    },
+}
+CALLS_PER_FORM = 50
+MAX_TOKENS = {form: 1024 if form == "root" else 160 for form in REF_FORMS}
+
+
+def depth(value: Any) -> int:
+    return 1 + depth(value["next"]) if isinstance(value, dict) and "next" in value else 0
+
+
+def test_forced_calls_parse_for_every_local_reference_form(shared_worker: WorkerProcess, client: Client) -> None:
+    """CALLS_PER_FORM forced calls per form of local reference ('#', '#/properties/...', nested
+    '#/$defs/...', ~1 ~0 and %20 escapes, an anchor), all sent at once: each is a call that
+    parses and validates against the tool's own parameters. Before the fix, '#' broke about one
+    call in four and the others were refused as invalid_schema."""
+    # One tool per request: the prompt stays short enough for the recursive form's maxTokens.
+    tools = {
+        form: [{"type": "function", "function": {"name": f"ref_{form}", "parameters": schema}}]
+        for form, schema in REF_FORMS.items()
+    }
+    started = time.monotonic()
+    depths: Counter[int] = Counter()
+    sessions: list[tuple[str, str]] = []
+    for form in REF_FORMS:
+        for i in range(CALLS_PER_FORM):
+            session = f"refs-{form.replace('_', '-')}-{uuid.uuid4().hex[:8]}-{i}"
+            sessions.append((session, form))
+            choice = {"type": "function", "function": {"name": f"ref_{form}"}}
+            client.publish(
+                f"chat/tools/{session}/request",
+                {"message": f"Do {i}.", "tools": tools[form], "toolChoice": choice, "maxTokens": MAX_TOKENS[form]},
+            )
+    for session, form in sessions:
+        reply = reply_of(client, session)
+        assert "error" not in reply, (form, reply)
+        assert reply["finishReason"] == "tool_calls" and "toolParseError" not in reply, (form, reply)
+        (call,) = reply["toolCalls"]
+        assert call["function"]["name"] == f"ref_{form}"
+        arguments = json.loads(call["function"]["arguments"])
+        jsonschema.validate(arguments, REF_FORMS[form])
+        if form == "root":
+            depths[depth(arguments)] += 1
+    took = time.monotonic() - started
+    print(f"forced calls per reference form: {CALLS_PER_FORM} x {len(REF_FORMS)} valid in {took:.1f} s")
+    print(f"recursion depths of the '#' form's calls: {dict(sorted(depths.items()))}")
 
 
 def test_a_client_tool_round_streams_no_markup_and_reuses_the_prefix(

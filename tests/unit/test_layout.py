@@ -75,6 +75,7 @@ PURE = [
     "worker.core.sessions",
     "worker.core.tools",
     "worker.session",
+    "worker.schemacheck",
     "worker.store.memory",
     "worker.intake.group",
 ]

@@ -26,6 +26,8 @@ from pydantic import (
     model_validator,
 )
 
+from ..schemacheck import SchemaUnusable, check_parameters, is_valid_text
+
 TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 ENV_PREFIX = "WORKER_"
 
@@ -628,7 +630,22 @@ class MqttToolConfig(Section):
     @field_validator("parameters", mode="before")
     @classmethod
     def _parameters(cls, value: Any) -> Any:
-        return _json_object(value, "parameters")
+        value = _json_object(value, "parameters")
+        if value is not None:
+            # Checked as a client tool's parameters are: a bad schema is a config error at
+            # start, never a request that fails later (and no reference is ever fetched).
+            try:
+                check_parameters(value)
+            except SchemaUnusable as exc:
+                raise ValueError(f"parameters: {exc.message}") from None
+        return value
+
+    @field_validator("description")
+    @classmethod
+    def _description(cls, value: str | None) -> str | None:
+        if value is not None and not is_valid_text(value):
+            raise ValueError("description is not valid Unicode (a lone surrogate)")
+        return value
 
     @field_validator("topic")
     @classmethod

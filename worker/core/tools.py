@@ -10,7 +10,6 @@ on as calls. The reply then carries the model's text and says what was wrong.
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 from collections.abc import Collection, Sequence
@@ -28,6 +27,7 @@ from ..protocol.messages import (
     ToolResult,
     ToolSpecIn,
 )
+from ..schemacheck import SchemaUnusable, grammar_schema, validator
 from ..session import DECLINED_RESULT, NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, calls_of, tool_message
 from .history import partial_tag_suffix
 
@@ -251,52 +251,39 @@ def check_calls(
 
 
 def schema_violation(value: Any, schema: dict[str, Any]) -> str | None:
+    """Why ``value`` breaks ``schema`` (None: it does not). References resolve only within the
+    schema (schemacheck.REGISTRY): nothing is fetched, whatever the schema says."""
     try:
-        error = jsonschema.exceptions.best_match(jsonschema.validators.validator_for(schema)(schema).iter_errors(value))
-    except jsonschema.exceptions.SchemaError as exc:  # checked on the way in: should not happen
-        return f"unusable schema: {exc.message[:200]}"
+        error = jsonschema.exceptions.best_match(validator(schema).iter_errors(value))
+    except RecursionError:
+        return "unusable schema: it nests too deep to check"
+    except Exception as exc:  # checked when the tool was declared or offered: should not happen
+        return f"unusable schema: {str(getattr(exc, 'message', exc))[:200]}"
     if error is None:
         return None
     where = error.json_path if error.json_path != "$" else "the arguments"
     return f"{where}: {error.message[:200]}"
 
 
-_DEF_KEYS = ("$defs", "definitions")
-
-
-def _rebase_refs(node: Any, prefix: str) -> Any:
-    """A copy of a schema whose local references point under the combined schema's $defs."""
-    if isinstance(node, dict):
-        out = {}
-        for key, value in node.items():
-            if key == "$ref" and isinstance(value, str):
-                for defs in _DEF_KEYS:
-                    if value.startswith(f"#/{defs}/"):
-                        value = f"#/$defs/{prefix}{value[len(defs) + 3 :]}"
-                        break
-            out[key] = _rebase_refs(value, prefix)
-        return out
-    if isinstance(node, list):
-        return [_rebase_refs(item, prefix) for item in node]
-    return node
-
-
 def forced_call_schema(tools: Sequence[ToolSpec], form: ToolCallFormat) -> dict[str, Any]:
     """The JSON Schema of one call in the model's own format ({"name": ..., "arguments": ...}
-    for Hermes): what a forced call's JSON is constrained to. Each tool's $defs move to the
-    root (its references follow), since the arguments schema is no longer the root."""
+    for Hermes): what a forced call's JSON is constrained to. Each tool's arguments schema is
+    no longer the root here, so its references are rewritten (schemacheck.grammar_schema):
+    each subschema a reference leads to (``#``, ``#/properties/...``, ``#/$defs/...``, an
+    anchor) moves to the combined schema's $defs as ``t<tool>_<n>``, and every reference
+    points there."""
     options: list[dict[str, Any]] = []
     defs: dict[str, Any] = {}
     for index, tool in enumerate(tools):
-        schema = copy.deepcopy(tool.arguments_schema())
-        prefix = f"t{index}_"
-        for key in _DEF_KEYS:
-            for name, definition in (schema.pop(key, None) or {}).items():
-                defs[prefix + name] = _rebase_refs(definition, prefix)
+        try:
+            arguments, tool_defs = grammar_schema(tool.arguments_schema(), prefix=f"t{index}_")
+        except SchemaUnusable as exc:  # a session stored before its tools were checked this way
+            raise RequestError(ErrorCode.INVALID_SCHEMA, f"tool {tool.name!r}: parameters: {exc.message}") from None
+        defs.update(tool_defs)
         options.append(
             {
                 "type": "object",
-                "properties": {"name": {"const": tool.name}, form.arguments_key: _rebase_refs(schema, prefix)},
+                "properties": {"name": {"const": tool.name}, form.arguments_key: arguments},
                 "required": ["name", form.arguments_key],
                 "additionalProperties": False,
             }

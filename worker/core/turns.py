@@ -50,6 +50,7 @@ from ..protocol.messages import (
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
+from ..schemacheck import grammar_document
 from ..session import (
     THINK_CLOSE,
     UNKNOWN_RESULT,
@@ -267,7 +268,9 @@ def structured_output(request: ChatRequest) -> StructuredOutput | None:
     if request.response_format is None:
         return None
     if isinstance(request.response_format, JsonSchemaFormat):
-        return StructuredOutput(json_schema=request.response_format.json_schema)
+        # References rewritten to plain #/$defs/<name>: the grammar backend resolves neither
+        # escaped pointers (~1, %20) nor anchors (schemacheck.grammar_schema).
+        return StructuredOutput(json_schema=grammar_document(request.response_format.json_schema))
     return StructuredOutput()
 
 

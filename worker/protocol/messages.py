@@ -13,14 +13,17 @@ import secrets
 from enum import Enum
 from typing import Annotated, Any, Literal
 
-import jsonschema
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 from pydantic.alias_generators import to_camel
 
-# A responseFormat schema's sanity caps, checked before it reaches the engine: nesting of
-# objects and arrays, and JSON values in all (the payload size is capped separately).
-MAX_SCHEMA_DEPTH = 32
-MAX_SCHEMA_NODES = 4096
+from ..schemacheck import MAX_SCHEMA_DEPTH as MAX_SCHEMA_DEPTH  # the schema caps, as they were named here
+from ..schemacheck import MAX_SCHEMA_NODES as MAX_SCHEMA_NODES
+from ..schemacheck import (
+    SchemaUnusable,
+    check_parameters,
+    check_schema,
+)
+
 # Tools: OpenAI's limits on names and on how many a request may declare.
 TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_TOOLS = 128
@@ -381,13 +384,9 @@ def check_tools(tools: list[ToolSpecIn]) -> None:
         if parameters is None:
             continue
         try:
-            check_json_schema(parameters)
-        except RequestError as exc:
-            raise RequestError(exc.code, f"tool {name!r}: parameters: {exc.message}") from None
-        if parameters.get("type", "object") != "object":
-            raise RequestError(
-                ErrorCode.INVALID_SCHEMA, f"tool {name!r}: parameters must describe a JSON object (type object)"
-            )
+            check_parameters(parameters)
+        except SchemaUnusable as exc:
+            raise RequestError(ErrorCode.INVALID_SCHEMA, f"tool {name!r}: parameters: {exc.message}") from None
 
 
 def check_tool_results(results: list[ToolResult]) -> None:
@@ -410,67 +409,15 @@ def check_tool_results(results: list[ToolResult]) -> None:
             )
 
 
-def _schema_shape(schema: Any) -> tuple[int, int]:
-    """(depth, values) of a JSON document: how deep objects and arrays nest, how many values."""
-    depth = values = 0
-    level = [schema]
-    while level:
-        values += len(level)
-        containers = [node for node in level if isinstance(node, (dict, list))]
-        if not containers:
-            break
-        depth += 1
-        if depth > MAX_SCHEMA_DEPTH or values > MAX_SCHEMA_NODES:
-            break  # already over a cap: stop walking
-        level = [child for node in containers for child in (node.values() if isinstance(node, dict) else node)]
-    return depth, values
-
-
-REFERENCE_KEYWORDS = ("$ref", "$dynamicRef", "$recursiveRef")
-
-
-def _non_local_reference(node: Any) -> str | None:
-    """The first reference keyword in a schema whose value is not a local JSON pointer or
-    anchor ("#..."): one that names another document, which would have to be fetched."""
-    stack = [node]
-    while stack:
-        current = stack.pop()
-        if isinstance(current, dict):
-            for name in REFERENCE_KEYWORDS:
-                value = current.get(name)
-                # Not a string: a property named "$ref" (its value is a schema), or an invalid
-                # reference that the metaschema check refuses.
-                if isinstance(value, str) and not value.startswith("#"):
-                    return name
-            stack.extend(current.values())
-        elif isinstance(current, list):
-            stack.extend(current)
-    return None
-
-
 def check_json_schema(schema: dict[str, Any]) -> None:
-    """Refuse (invalid_schema) a responseFormat schema that is not a valid JSON Schema, that
-    refers to another document (only local references, "#/$defs/..." or "#anchor", are
-    allowed: nothing is ever fetched), or that is too large or deep to be compiled into a
-    grammar in reasonable time."""
-    depth, values = _schema_shape(schema)
-    if depth > MAX_SCHEMA_DEPTH:
-        raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema nests deeper than {MAX_SCHEMA_DEPTH} levels")
-    if values > MAX_SCHEMA_NODES:
-        raise RequestError(ErrorCode.INVALID_SCHEMA, f"schema has more than {MAX_SCHEMA_NODES} values")
-    keyword = _non_local_reference(schema)
-    if keyword is not None:
-        raise RequestError(
-            ErrorCode.INVALID_SCHEMA,
-            f"schema has a {keyword} to another document; only local references (#/...) are allowed",
-        )
+    """Refuse (invalid_schema) a schema the worker cannot use (schemacheck.check_schema): not
+    a valid JSON Schema, a reference to another document (only local references, "#/..." or
+    "#anchor", are allowed: nothing is ever fetched) or one that does not resolve, text that
+    is not valid Unicode, or too large or deep to be compiled into a grammar in reasonable time."""
     try:
-        jsonschema.validators.validator_for(schema).check_schema(schema)
-    except jsonschema.SchemaError as exc:
-        where = exc.json_path if exc.json_path != "$" else "the top level"
-        raise RequestError(
-            ErrorCode.INVALID_SCHEMA, f"schema is not a valid JSON Schema at {where}: {exc.message[:300]}"
-        ) from None
+        check_schema(schema)
+    except SchemaUnusable as exc:
+        raise RequestError(ErrorCode.INVALID_SCHEMA, exc.message) from None
 
 
 def parse_control(payload: bytes, max_payload_bytes: int) -> ControlRequest:

@@ -25,9 +25,8 @@ from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
 from ..config.models import GenerationConfig, LimitsConfig
+from ..schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .messages import (
-    MAX_SCHEMA_DEPTH,
-    MAX_SCHEMA_NODES,
     ChatReply,
     ChatRequest,
     ControlReply,

@@ -29,6 +29,7 @@ from typing import Any
 from loguru import logger
 
 from ..config.models import McpServerConfig
+from . import offer
 from .port import CallContext, ToolOutcome, WorkerTool, error_message, safe_json
 
 INSTALL_HINT = "pip install 'mqtt-vllm-worker[mcp]'"
@@ -91,6 +92,7 @@ class McpServerTools:
         self._lost: str | None = None
         self._stopping = False
         self._up: bool | None = None  # None: no attempt ended yet
+        self._warnings = offer.OfferWarnings("MCP server")
 
     # -- ToolProvider -------------------------------------------------------------------
 
@@ -289,25 +291,35 @@ class McpServerTools:
             cursor = data.get("nextCursor")
             if not cursor:
                 break
-        self._offer(listed)
+        allowed = [item for item in listed if self._allowed(item)]
+        self._offer(allowed, await asyncio.to_thread(offer.screen, allowed))
 
-    def _offer(self, listed: list[dict[str, Any]]) -> None:
+    def _allowed(self, item: dict[str, Any]) -> bool:
+        real = str(item.get("name", ""))
+        return bool(real) and ("*" in self.config.allow or real in self.config.allow)
+
+    def _offer(self, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None) -> None:
+        """Offer the listed tools that ``allow`` names and whose name and schema can be used
+        (``problems``: offer.screen's verdicts, computed here when not given)."""
         config = self.config
+        listed = [item for item in listed if self._allowed(item)] if problems is None else listed
+        problems = offer.screen(listed) if problems is None else problems
         offered: dict[str, tuple[WorkerTool, str]] = {}
-        for item in listed:
+        for item, problem in zip(listed, problems, strict=True):
             real = str(item.get("name", ""))
-            if not real or ("*" not in config.allow and real not in config.allow):
+            schema = item.get("inputSchema")
+            if problem is not None:
+                self._warnings.left_out(config.name, real, schema, problem)
                 continue
             name = self._prefix + _NOT_NAME.sub("_", real)
             if len(name) > 64 or name in offered:
                 logger.warning("MCP server {}: tool {!r} is not offered (name too long or clashing)", config.name, real)
                 continue
-            schema = item.get("inputSchema")
             offered[name] = (
                 WorkerTool(
                     name=name,
-                    description=item.get("description"),
-                    parameters=schema if isinstance(schema, dict) else None,
+                    description=offer.description(item.get("description")),
+                    parameters=schema,
                     users=tuple(config.users),
                     confirm=config.confirm,
                     timeout=config.timeout,

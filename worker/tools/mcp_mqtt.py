@@ -60,6 +60,7 @@ from loguru import logger
 
 from ..config.models import McpMqttConfig
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed
+from . import offer
 from .mcp import result_outcome
 from .port import CallContext, ToolOutcome, WorkerTool, error_message
 
@@ -139,6 +140,7 @@ class McpOverMqtt:
         self._listeners: list[Callable[[], None]] = []
         self._watching: list[str] = []
         self._closing = False
+        self._warnings = offer.OfferWarnings("MCP over MQTT: server")
 
     # -- ToolProvider -------------------------------------------------------------------
 
@@ -380,26 +382,38 @@ class McpOverMqtt:
             cursor = page.get("nextCursor")
             if not cursor:
                 break
-        self._offer(server, listed)
+        allowed = [item for item in listed if self._allowed(item)]
+        self._offer(server, allowed, await asyncio.to_thread(offer.screen, allowed))
 
-    def _offer(self, server: _Server, listed: list[dict[str, Any]]) -> None:
+    def _allowed(self, item: dict[str, Any]) -> bool:
+        real = str(item.get("name", ""))
+        return bool(real) and ("*" in self.config.allow or real in self.config.allow)
+
+    def _offer(
+        self, server: _Server, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None
+    ) -> None:
+        """Offer the listed tools that ``allow`` names and whose name and schema can be used
+        (``problems``: offer.screen's verdicts, computed here when not given)."""
         config = self.config
         prefix = _NOT_NAME.sub("_", server.name) + "_"
+        listed = [item for item in listed if self._allowed(item)] if problems is None else listed
+        problems = offer.screen(listed) if problems is None else problems
         offered: dict[str, tuple[WorkerTool, str]] = {}
-        for item in listed:
+        for item, problem in zip(listed, problems, strict=True):
             real = str(item.get("name", ""))
-            if not real or ("*" not in config.allow and real not in config.allow):
+            schema = item.get("inputSchema")
+            if problem is not None:
+                self._warnings.left_out(server.name, real, schema, problem)
                 continue
             name = prefix + _NOT_NAME.sub("_", real)
             if len(name) > 64 or name in offered:
                 logger.warning("MCP over MQTT: tool {!r} of {} not offered (too long or clashing)", real, server.name)
                 continue
-            schema = item.get("inputSchema")
             offered[name] = (
                 WorkerTool(
                     name=name,
-                    description=item.get("description") if isinstance(item.get("description"), str) else None,
-                    parameters=schema if isinstance(schema, dict) else None,
+                    description=offer.description(item.get("description")),
+                    parameters=schema,
                     users=tuple(config.users),
                     confirm=config.confirm,
                     timeout=config.timeout,
