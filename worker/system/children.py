@@ -53,7 +53,6 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
-import logging
 import multiprocessing
 import os
 import shlex
@@ -169,29 +168,23 @@ def exit_without_teardown(code: int) -> NoReturn:
 
 
 def skip_teardown_at_exit() -> None:
-    """In an engine process: once multiprocessing's ``spawn_main`` has ended the process's
-    work (the target returned or raised, ``threading._shutdown`` and multiprocessing's
-    finalizers ran) and the atexit handlers registered after this one have run, end the
-    process with the status ``spawn_main`` gave to ``sys.exit``. The handlers registered
-    before this one (vLLM applies its logging config after importing torch) are flushes and
-    caches, except logging's, which runs here. A process not ended by ``sys.exit`` (none of
-    vLLM's) has the usual teardown."""
-    statuses: list[str | int | None] = []
-    system_exit = sys.exit
+    """In an engine process: end it without the interpreter's teardown once its work is done,
+    that is when multiprocessing's ``spawn_main`` calls ``sys.exit`` with the process's exit
+    status (the target has returned or raised, ``threading._shutdown`` and multiprocessing's
+    finalizers have run): every atexit handler runs, then ``os._exit`` with that status
+    (``exit_without_teardown``). ``sys.exit`` is wrapped for that one call (Python hands the
+    status to no hook); called from anywhere else, it raises SystemExit as always."""
+    from multiprocessing import spawn
 
-    def recording_exit(status: str | int | None = None, /) -> NoReturn:
-        statuses[:] = [status]
+    system_exit = sys.exit
+    end_of_spawned_process = spawn.spawn_main.__code__
+
+    def exit_(status: str | int | None = None, /) -> NoReturn:
+        if sys._getframe(1).f_code is end_of_spawned_process:
+            exit_without_teardown(exit_status(status))
         system_exit(status)
 
-    def end_now() -> None:
-        if statuses:
-            code = exit_status(statuses[0])
-            logging.shutdown()
-            _flush_standard_streams()
-            os._exit(code)
-
-    sys.exit = recording_exit
-    atexit.register(end_now)
+    sys.exit = exit_
 
 
 def _flush_standard_streams() -> None:
