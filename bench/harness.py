@@ -18,6 +18,9 @@ not fit one command continues where it stopped):
   returning  sessions sharing a long system prompt that all send a first turn at once, then all
              a second: the second round's reuse against the all-resident case (bench/capacity.py)
   returning_offload  the same with the host-memory KV tier
+  burst_old  one-turn sessions all at once (320, 1,000, 2,000), through the worker and raw
+             AsyncLLM, at the limits the worker had before (128 seqs, 2048 tokens; bench/burst.py)
+  burst_new  the same at the limits the worker chooses now
 """
 
 from __future__ import annotations
@@ -310,6 +313,12 @@ def _fp8(run: PhaseRun) -> dict[str, Any]:
     return fp8_phase(run.profile, run.model, run.out, run.mosquitto)
 
 
+def _burst(run: PhaseRun, *, name: str) -> dict[str, Any]:
+    from .burst import burst_phase
+
+    return burst_phase(run.profile, run.model, run.out, run.mosquitto, name)
+
+
 # The phases, in the order of the module's docstring: each returns what OUT/<phase>.json holds
 # (None: the phase writes its own files). --phases takes these names only.
 PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
@@ -323,9 +332,13 @@ PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
     "fp8": _fp8,
     "returning": functools.partial(_returning, offload=False),
     "returning_offload": functools.partial(_returning, offload=True),
+    "burst_old": functools.partial(_burst, name="old"),
+    "burst_new": functools.partial(_burst, name="new"),
 }
 # The phases whose results capacity.md reports (and that need no report of their own).
 CAPACITY_PHASES = ("capacity", "capacity_offload", "fp8", "returning", "returning_offload")
+# The phases whose results burst.md and burst.png report.
+BURST_PHASES = ("burst_old", "burst_new")
 
 
 def stamped(result: dict[str, Any]) -> dict[str, Any]:
@@ -386,7 +399,11 @@ def main(argv: list[str] | None = None) -> int:
         from .capacity import capacity_markdown
 
         (out / "capacity.md").write_text(capacity_markdown(capacity))
-    if set(args.phases) - set(CAPACITY_PHASES):
+    if set(args.phases) & set(BURST_PHASES):
+        from .burst import write_burst_report
+
+        write_burst_report(out, [phase.removeprefix("burst_") for phase in BURST_PHASES])
+    if set(args.phases) - set(CAPACITY_PHASES) - set(BURST_PHASES):
         from .report import write_report
 
         write_report(out)

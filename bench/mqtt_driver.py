@@ -34,6 +34,7 @@ class MqttDriver:
         self.client = connect(port, subscriptions, on_message=self._on_message, host=host, keepalive=60)
         self.run_id = uuid.uuid4().hex[:6]
         self._runs = 0
+        self.last_send_s = 0.0  # how long run_concurrent's last run took to send its first turns
 
     def _session_names(self, label: str, sessions: int) -> list[str]:
         """Names no earlier run used: a repeated request id would be answered from history."""
@@ -134,6 +135,7 @@ class MqttDriver:
                 heapq.heappush(due, (start + think_time(think_s, index_of[name], 0), name))
             else:
                 sent_at[name] = self._send(name, {**payloads[(index_of[name], 0)], "requestId": f"{name}-t0"})
+        self.last_send_s = time.perf_counter() - start
         while len(records) < sessions * turns:
             now = time.perf_counter()
             while due and due[0][0] <= now:

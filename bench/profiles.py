@@ -9,6 +9,13 @@ from typing import Any
 
 from worker.config.models import EngineConfig, flag_for
 
+# The limits of the burst phases: the worker's before issue 31 (vLLM's library defaults, which
+# an AsyncLLM outside a usage context gets), and what it chooses now (nothing set).
+BURST_LIMITS: dict[str, dict[str, Any]] = {
+    "old": {"max_num_seqs": 128, "max_num_batched_tokens": 2048},
+    "new": {},
+}
+
 
 @dataclass(frozen=True)
 class Profile:
@@ -55,6 +62,14 @@ class Profile:
     returning_user_tokens: tuple[int, int] = (750, 850)  # two turns stay under max_history_tokens
     returning_max_tokens: int = 128
     fp8_engine: dict[str, Any] = field(default_factory=lambda: {"quantization": "fp8", "kv_cache_dtype": "fp8"})
+    # The burst phases (bench/burst.py): one-turn sessions all at once, through the worker and
+    # through raw AsyncLLM, at each limits setting of burst_limits (engine settings over
+    # engine_overrides and burst_engine), at each N of burst_sessions the KV cache holds.
+    burst_sessions: tuple[int, ...] = (320, 1000, 2000)
+    burst_prompt_tokens: int = 300
+    burst_max_tokens: int = 128
+    burst_limits: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BURST_LIMITS))
+    burst_engine: dict[str, Any] = field(default_factory=dict)
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -140,6 +155,9 @@ PROFILES: dict[str, Profile] = {
         returning_system_tokens=100,
         returning_user_tokens=(10, 20),
         returning_max_tokens=8,
+        burst_sessions=(2, 4),
+        burst_prompt_tokens=60,
+        burst_max_tokens=8,
     ),
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.

@@ -176,6 +176,8 @@ class SlowStore(MemoryStore):
     Records each call (``calls``: method and session, as it starts) and the threads they ran
     on."""
 
+    waits = True  # it does: on the store's thread, as SQLite's calls
+
     def __init__(self, seconds: float = 1.0) -> None:
         super().__init__()
         self.seconds = seconds

@@ -15,6 +15,7 @@ from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
 from worker.config.models import WorkerConfig
+from worker.core.history import PromptRenderer
 from worker.engine.port import ToolSupport
 from worker.store import open_store
 from worker.transport.mqtt import MqttSettings, MqttTransport
@@ -51,11 +52,12 @@ class RecordingTransport(MqttTransport):
 
 class LiveWorker:
     """``LiveWorker(port, limits={...})``: config sections as keyword arguments. Its topic
-    prefix is its own, so workers sharing a broker never see each other's requests. Its
-    sessions are in memory unless a test names another store (``history={"store": "redis"}``:
-    a member of a group on the shared Redis, with its intake, as a real worker). ``tool_support``: how
-    the model calls tools (worker.engine.vllm.tool_support; the fake engine writes the calls'
-    markup), for the tool loop with its [tools] section."""
+        prefix is its own, so workers sharing a broker never see each other's requests. Its
+        sessions are in memory unless a test names another store (``history={"store": "redis"}``:
+        a member of a group on the shared Redis, with its intake, as a real worker). ``tool_support``: how
+        the model calls tools (worker.engine.vllm.tool_support; the fake engine writes the calls'
+        markup), for the tool loop with its [tools] section. ``renderer``: the prompt renderer (the
+    model's ChatTokenizer where a test measures what tokenizing costs; one token a word else)."""
 
     def __init__(
         self,
@@ -63,6 +65,7 @@ class LiveWorker:
         *,
         engine: FakeEngine | None = None,
         tool_support: ToolSupport | None = None,
+        renderer: PromptRenderer | None = None,
         **sections: dict[str, Any],
     ) -> None:
         n = next(_ids)
@@ -79,6 +82,7 @@ class LiveWorker:
         self.prefix = self.config.mqtt.topic_prefix  # the service's, where a test gives its own
         self.engine = engine or FakeEngine()
         self.tool_support = tool_support  # how the model calls tools (None: it does not)
+        self.renderer = renderer or WordRenderer()  # the model's tokenizer, where its cost matters
         self.stop_codes: list[int] = []
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
@@ -93,7 +97,7 @@ class LiveWorker:
         parts = wire(
             config,
             self.engine,
-            WordRenderer(),
+            self.renderer,
             store,
             self.stop_codes.append,
             tools=self.tool_support,

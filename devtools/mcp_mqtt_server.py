@@ -10,6 +10,10 @@ publishes ``notifications/server/online`` retained on ``R-server/presence/S/N``,
 ``MCP-MQTT-CLIENT-ID`` user property), then ``tools/list``, ``tools/call`` and ``ping`` on
 ``R-rpc/C/S/N`` (subscribed with No Local). ``stop()`` clears the presence first, as the
 specification requires; ``crash()`` drops the connection so that the broker sends the will.
+
+For the fault tests, two tools misbehave on demand when a test lists them (``tools``):
+``fail {"error": <any JSON>}`` answers with that JSON-RPC ``error`` member as is, ``raw
+{"payload": "..."}`` publishes the payload as is (``@ID@``: the call's id).
 """
 
 from __future__ import annotations
@@ -188,7 +192,15 @@ class McpMqttServer:
             answer["result"] = {"tools": self.tools}
         elif method == "tools/call":
             params = message.get("params") or {}
-            answer["result"] = self._call(str(params.get("name")), params.get("arguments") or {})
+            arguments = params.get("arguments") or {}
+            if params.get("name") == "fail":  # answers the error member it is given, as is
+                answer["error"] = arguments.get("error")
+            elif params.get("name") == "raw":  # publishes the payload it is given, "@ID@" the call's id
+                payload = str(arguments.get("payload", "")).replace("@ID@", json.dumps(message["id"]))
+                self._publish_raw(msg.topic, payload.encode("utf-8", errors="surrogatepass"))
+                return
+            else:
+                answer["result"] = self._call(str(params.get("name")), arguments)
         else:
             answer["error"] = {"code": -32601, "message": f"method not found: {method}"}
         self._publish(msg.topic, answer)

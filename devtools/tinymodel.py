@@ -37,7 +37,7 @@ letter n-grams (and their merges) to exactly the geometry's ``vocab_size``, so
 every id a dummy-weight model can sample decodes.
 
 Usage: ``python -m devtools.tinymodel OUTDIR [--vocab-size N] [--think]``
-or ``python -m devtools.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen2.5-7b,qwq-32b} [--think]``.
+or ``python -m devtools.tinymodel OUTDIR --geometry {qwen2.5-0.5b,qwen3-1.7b,qwen2.5-7b,qwq-32b} [--think]``.
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ import string
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from worker.prepare_model import QWEN25_TOOL_RESULT, tools_chat_template
 
 DEFAULT_VOCAB_SIZE = 3072
 SEED = 1234
@@ -67,77 +69,18 @@ ADDED_TOKENS = (THINK_OPEN, THINK_CLOSE, *TOOL_TOKENS)
 
 # Qwen2.5-Instruct's chat template (tokenizer_config.json of Qwen/Qwen2.5-*-Instruct), as
 # published: tools in the system message, calls as <tool_call> JSON, results grouped in a
-# user message of <tool_response> blocks. QWEN_DEFAULT_SYSTEM is what it says when a
-# conversation has no system message; the tiny model's template leaves that line out (a test
-# prompt is then exactly its messages), which is the only difference.
+# user message of <tool_response> blocks. The one copy is worker/prepare_model.py's
+# tools_chat_template (the demo model's is the same but for how it writes tool results).
+# QWEN_DEFAULT_SYSTEM is what it says when a conversation has no system message; the tiny
+# model's template leaves that line out (a test prompt is then exactly its messages), which is
+# the only difference.
 QWEN_DEFAULT_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
-_QWEN25_TEMPLATE = r"""{%- if tools %}
-    {{- '<|im_start|>system\n' }}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- messages[0]['content'] }}
-    {%- else %}
-        {{- '@DEFAULT_SYSTEM@' }}
-    {%- endif %}
-    {{- "\n\n# Tools\n\nYou may call one or more functions to assist with the user query.\n\nYou are provided with function signatures within <tools></tools> XML tags:\n<tools>" }}
-    {%- for tool in tools %}
-        {{- "\n" }}
-        {{- tool | tojson }}
-    {%- endfor %}
-    {{- "\n</tools>\n\nFor each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|im_end|>\n" }}
-{%- else %}
-    {%- if messages[0]['role'] == 'system' %}
-        {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
-    {%- else %}
-        {{- '@DEFAULT_SYSTEM_TURN@' }}
-    {%- endif %}
-{%- endif %}
-{%- for message in messages %}
-    {%- if (message.role == "user") or (message.role == "system" and not loop.first) or (message.role == "assistant" and not message.tool_calls) %}
-        {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
-    {%- elif message.role == "assistant" %}
-        {{- '<|im_start|>' + message.role }}
-        {%- if message.content %}
-            {{- '\n' + message.content }}
-        {%- endif %}
-        {%- for tool_call in message.tool_calls %}
-            {%- if tool_call.function is defined %}
-                {%- set tool_call = tool_call.function %}
-            {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
-        {%- endfor %}
-        {{- '<|im_end|>\n' }}
-    {%- elif message.role == "tool" %}
-        {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
-            {{- '<|im_start|>user' }}
-        {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
-        {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
-        {%- endif %}
-    {%- endif %}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n@THINK@' }}
-{%- endif %}
-"""
 
 
 def qwen25_chat_template(*, default_system: str | None = QWEN_DEFAULT_SYSTEM, think: bool = False) -> str:
     """Qwen2.5-Instruct's tools chat template; ``default_system`` None leaves out the system
     message it adds to a conversation that has none; ``think`` opens <think> (like QwQ)."""
-    return (
-        _QWEN25_TEMPLATE.replace("@DEFAULT_SYSTEM@", default_system or "")
-        .replace(
-            "@DEFAULT_SYSTEM_TURN@", f"<|im_start|>system\\n{default_system}<|im_end|>\\n" if default_system else ""
-        )
-        .replace("@THINK@", "<think>\\n" if think else "")
-    )
+    return tools_chat_template(default_system, tool_result=QWEN25_TOOL_RESULT, think=think)
 
 
 # Same regex as transformers' Qwen2Tokenizer (PRETOKENIZE_REGEX).
@@ -332,6 +275,9 @@ def generate_tiny_model(
 # name: (hidden, layers, attention heads, KV heads, intermediate, vocab, tied embeddings)
 GEOMETRIES: dict[str, tuple[int, int, int, int, int, int, bool]] = {
     "qwen2.5-0.5b": (896, 24, 14, 2, 4864, 151936, True),
+    # Qwen3-1.7B's sizes (1.72 B parameters; issue 31's "2B geometry of 28 layers, hidden 2048"),
+    # run as the Qwen2 architecture (no QK norm: the same shapes and cost to within a few %).
+    "qwen3-1.7b": (2048, 28, 16, 8, 6144, 151936, True),
     "qwen2.5-7b": (3584, 28, 28, 4, 18944, 152064, False),
     "qwq-32b": (5120, 64, 40, 8, 27648, 152064, False),
 }

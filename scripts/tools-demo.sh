@@ -11,7 +11,8 @@
 #   scripts/tools-demo.sh --web    the chat page instead (worker/web): open the address it
 #                                  prints, tick "Use the worker's tools"; Ctrl-C stops it all
 #
-# This 135M model rarely calls a tool on its own: the conversation forces each call with
+# This 135M model calls a tool only when forced (it never called one on its own in the
+# measurements, docs/benchmarks/demo-model.md): the conversation forces each call with
 # --tool-choice (a forced choice applies to the first round of a message only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -126,7 +127,9 @@ if [ -n "$WEB" ]; then
   setsid .venv/bin/python -m worker.web --port "$PAGE_PORT" >"$RUN/web.log" 2>&1 &
   PAGE=$!
   echo
-  echo "==> the chat page: http://127.0.0.1:$PAGE_PORT/?broker=ws%3A%2F%2F127.0.0.1%3A$WS_PORT&user=demo"
+  # temperature=0 and maxTokens=96: the page asks what the terminal conversation below asks
+  # (greedy: the demo model answers in English, docs/benchmarks/demo-model.md).
+  echo "==> the chat page: http://127.0.0.1:$PAGE_PORT/?broker=ws%3A%2F%2F127.0.0.1%3A$WS_PORT&user=demo&temperature=0&maxTokens=96"
   echo "    Options: tick \"Use the worker's tools\"; Tool choice \"required\" makes the model call one."
   echo "    Ask e.g. \"Is anyone in the room?\". Ctrl-C stops everything; then the devices' log is printed."
   # Until Ctrl-C (the INT trap exits; the devices' log is printed by the EXIT path below).

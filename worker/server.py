@@ -92,6 +92,7 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
         json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
         progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
         sampling=config.generation.engine_sampling(),
+        session_tokens=config.history.max_history_tokens + config.generation.max_tokens,
     )
 
 
@@ -434,6 +435,19 @@ class Server:
             from .engine.vllm import unknown_engine_arguments  # imports vLLM (and torch): after CUDA_VISIBLE_DEVICES
         if unknown := unknown_engine_arguments(self.config.engine.extra):
             raise CannotStart(f"Cannot start the engine: {'; '.join(unknown)}")
+        self._check_parallelism()
+
+    def _check_parallelism(self) -> None:
+        """Several visible GPUs and a model that fits one: refused before the model load, with
+        the commands that use every GPU (engine/limits.py parallelism_plan); tensor parallel
+        for such a model: a warning with its measured cost."""
+        from .engine.vllm import host_facts, plan_parallelism
+
+        plan = plan_parallelism(self.config.engine, host_facts(), self.config.mqtt.share_group)
+        if plan.refuse:
+            raise CannotStart(f"Cannot start: {plan.refuse}")
+        if plan.warning:
+            logger.warning("GPUs: {}", plan.warning)
 
     def _open_metrics(self) -> None:
         """The Prometheus endpoint, where ``stats.metrics_port`` is set: before the model load,

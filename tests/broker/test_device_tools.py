@@ -1,7 +1,8 @@
 """Device tools (issue 23): the worker's MqttTransport (Messaging: send with MQTT 5 properties,
 watch) and DeviceTools calling the simulated devices of devtools/devices.py through a real
 mosquitto: a round trip with its properties, timeouts, late answers, a publish the broker's ACL
-refuses, the response topic after a broker restart, concurrent calls."""
+refuses, the response topic after a broker restart, concurrent calls, an answer published
+retained."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from loguru import logger
 from devtools.acl import PASSWORDS, documented_acl_broker
 from devtools.devices import SENSOR, SimulatedDevices
 from devtools.mosquitto import Mosquitto
-from devtools.mqtt_client import Client, transport_on
+from devtools.mqtt_client import Client, asking, connect, transport_on
 from worker.config.models import MqttToolConfig
 from worker.tools.mqtt import DeviceTools, response_topic_for
 from worker.tools.port import CallContext
@@ -255,3 +256,57 @@ def test_answers_are_acknowledged_by_the_transport_at_once(broker: Mosquitto) ->
                 assert transport.inbox.empty()
 
     asyncio.run(run())
+
+
+def test_a_retained_answer_is_refused_live_and_dropped_when_replayed(broker: Mosquitto) -> None:
+    """A device that publishes its answer retained: the broker would keep it and replay it to
+    every later subscription of the response topic. The live answer ends its call as an error
+    at once (with a WARNING that quotes none of it); the replay a new subscription gets names
+    no pending call and is dropped."""
+    p = prefix()
+    response_topic = f"{p}/_tools/gpu-1/responses"  # its own: the retained answer stays there
+    warnings: list[str] = []
+    dropped: list[str] = []
+    sinks = [
+        logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING"),
+        logger.add(lambda m: dropped.append(m), level="DEBUG", filter=lambda r: "Dropping" in r["message"]),
+    ]
+
+    def answer_retained(message: Any) -> None:
+        props = asking(message.properties.ResponseTopic, message.properties.CorrelationData)
+        device.publish(message.properties.ResponseTopic, b'{"secret": "kept on the broker"}', 1, True, props)
+
+    device = connect(broker.port, [f"{p}/lamp/get"], on_message=answer_retained)
+
+    async def run() -> None:
+        async with transport_on(broker.port) as transport:
+            tools = DeviceTools([tool("lamp_get", f"{p}/lamp/get", timeout=20)], transport, response_topic)
+            await tools.start()
+            try:
+                outcome = await asyncio.wait_for(tools.call("lamp_get", {}, context(1)), 10)  # not the 20 s timeout
+                assert outcome.outcome == "error" and "retain" in outcome.content, outcome
+                assert "secret" not in outcome.content
+                assert tools.counts["lamp_get"] == {"calls": 1, "timeouts": 0, "errors": 1}
+            finally:
+                await tools.close()
+        # A later subscription (another start) gets the retained answer replayed: dropped.
+        async with transport_on(broker.port) as transport:
+            tools = DeviceTools([tool("lamp_get", f"{p}/lamp/get")], transport, response_topic)
+            await tools.start()
+            try:
+                while not dropped:
+                    await asyncio.sleep(0.02)
+                assert tools.pending == 0 and transport.inbox.empty()
+            finally:
+                await tools.close()
+
+    try:
+        asyncio.run(asyncio.wait_for(run(), 60))
+    finally:
+        device.publish(response_topic, b"", 1, True).wait_for_publish(5)  # clear it
+        device.disconnect()
+        device.loop_stop()
+        for sink in sinks:
+            logger.remove(sink)
+    refused = [w for w in warnings if "retained" in w]
+    assert len(refused) == 1 and "secret" not in refused[0], warnings

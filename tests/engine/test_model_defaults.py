@@ -1,6 +1,7 @@
 """What a user gets at the defaults, through real workers: the real small model's replies in the
-terminal chat (as scripts/chat-demo.sh runs it) and in the browser page are English, with the
-sampling the model's generation_config.json recommends; and the warm-up logs no ERROR line.
+terminal chat and in the browser page are English, with the sampling the model's
+generation_config.json recommends; and the warm-up logs no ERROR line. (scripts/chat-demo.sh
+asks for more: greedy replies with a repetition penalty, docs/benchmarks/demo-model.md.)
 
 The demo model (SmolLM2-135M-Instruct, prepared by ``python -m worker.prepare_model``) at the
 worker's built-in temperature 0.7 drifted into word salad and French; its card recommends 0.2
@@ -29,6 +30,7 @@ from devtools.chat_terminal import Chat
 from devtools.fakes import FakeEngine
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.replies import ENGLISH_SHARE, english_share
 from devtools.warmup_check import warmup_problems
 from devtools.worker_process import REAL_PREFIX, WorkerProcess
 from worker.config.models import WorkerConfig
@@ -63,30 +65,7 @@ PROMPTS = [
 ]
 MAX_TOKENS = 32  # about 25 words: enough to tell the language, short enough for 40 replies
 
-# The most common English words (function words and everyday verbs, nouns, adjectives).
-COMMON_ENGLISH = set(
-    """the be to of and a in that have i it for not on with he as you do at this but his by from
-    they we say her she or an will my one all would there their what so up out if about who get
-    which go me when make can like time no just him know take people into year your good some
-    could them see other than then now look only come its over think also back after use two how
-    our work first well way even new want because any these give day most us is are was were has
-    had been am does did can't don't i'm it's that's there's you're i'll i'd let's here more very
-    many much such may might should must own same few each both while where why yes really always
-    never often sometimes something someone anything everything great best better little long high
-    old big small help try find tell ask need feel seem leave call keep start show hear play run
-    move live believe bring happen write sit stand lose pay meet include continue set learn change
-    lead understand watch follow stop create speak read allow add spend grow open walk win offer
-    remember love consider appear buy wait serve die send expect build stay fall cut reach remain
-    suggest raise pass sell require report decide pull""".split()
-)
-ENGLISH_SHARE = 0.25  # a reply at or above it is English
 ENGLISH_REPLIES = 17  # of 20: one prompt (France's capital) starts in French at about 0.4 odds
-
-
-def english_share(text: str) -> float:
-    """The share of the text's words that are common English words (0 for no words)."""
-    words = re.findall(r"[a-z']+", text.lower())
-    return sum(word in COMMON_ENGLISH for word in words) / len(words) if words else 0.0
 
 
 def test_the_judge_tells_english_from_what_the_model_said_otherwise() -> None:
@@ -260,8 +239,8 @@ def page_replies(driver: Any, page: str, ws_port: int, user: str, session: str) 
 
 
 def chat_replies(port: int, session: str) -> list[str]:
-    """The terminal chat as scripts/chat-demo.sh runs it (per-turn stats, a reply length and
-    nothing else), each prompt the first of a conversation (/reset after each reply); the
+    """The terminal chat as a user starts it (per-turn stats, a reply length and nothing
+    else: the model's sampling), each prompt the first of a conversation (/reset after each reply); the
     replies it showed."""
     chat = Chat(port, "--topic-prefix", REAL_PREFIX, "--show-stats", "--max-tokens", str(MAX_TOKENS))
     chat.child.timeout = 180

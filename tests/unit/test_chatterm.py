@@ -81,6 +81,24 @@ def test_a_spent_thinking_budget_is_said() -> None:
     )
 
 
+def test_a_reply_cut_at_its_length_is_said() -> None:
+    """In the terminal as in one-shot mode (tests/broker/test_chat_one_shot.py): a reply that
+    ended on its length says it was cut, and how to get a longer one; one that ended by itself
+    says nothing more."""
+    for max_tokens, limit in ((9, "--max-tokens 9"), (None, "the worker's default maxTokens")):
+        term, out = terminal(max_tokens=max_tokens)
+        pending = Pending("r", time.monotonic(), time.monotonic())
+        term.on_delta(pending, "high-performance, low-latency,", None)
+        term.finish(pending, reply("high-performance, low-latency,", finish_reason="length"))
+        assert out.getvalue() == (
+            f"high-performance, low-latency,\n[the reply was cut at 9 tokens, its length limit ({limit}); "
+            "ask for a longer one with --max-tokens N]\n"
+        )
+    term, out = terminal(max_tokens=9)
+    term.finish(Pending("r", time.monotonic(), time.monotonic()), reply("Done."))
+    assert out.getvalue() == "Done.\n"
+
+
 # ---- tool calls: what the terminal shows and sends, and the one-shot flags (the client
 # against a real worker: test_chat.py)
 

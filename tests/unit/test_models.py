@@ -142,7 +142,8 @@ TIME_TOOL = {
 
 def test_the_template_renders_plain_chats_as_the_models_own_and_tools_as_qwen25(real_model: Path) -> None:
     """Without tools: the GGUF's template, byte for byte (the model answers as it was trained).
-    With tools: Qwen2.5-Instruct's published template, with SmolLM2's default system prompt."""
+    With tools: Qwen2.5-Instruct's published template, with SmolLM2's default system prompt,
+    but for a tool round, which it writes in words (the next test)."""
     from transformers import AutoTokenizer
 
     from devtools.tinymodel import qwen25_chat_template
@@ -167,11 +168,44 @@ def test_the_template_renders_plain_chats_as_the_models_own_and_tools_as_qwen25(
             assert ours == hf.apply_chat_template(
                 chat, chat_template=GGUF_TEMPLATE, tokenize=False, add_generation_prompt=generation
             )
-        for chat in (*chats, tool_round):
+        for chat in chats:
             ours = hf.apply_chat_template(chat, tools=[TIME_TOOL], tokenize=False, add_generation_prompt=generation)
             assert ours == hf.apply_chat_template(
                 chat, tools=[TIME_TOOL], chat_template=qwen, tokenize=False, add_generation_prompt=generation
             )
+        ours = hf.apply_chat_template(tool_round, tools=[TIME_TOOL], tokenize=False, add_generation_prompt=generation)
+        qwen25 = hf.apply_chat_template(
+            tool_round, tools=[TIME_TOOL], chat_template=qwen, tokenize=False, add_generation_prompt=generation
+        )
+        start = qwen25.index("<|im_start|>user\nWhat time is it?")
+        assert ours[:start] == qwen25[:start]  # the system message with the tools, as Qwen2.5's
+
+
+def test_a_tool_round_is_written_in_words_for_the_demo_model(real_model: Path) -> None:
+    """Shown its call as <tool_call> JSON and the result as a <tool_response> block, the 135M
+    model's final reply repeated the block (22 of 24 tools-demo rounds); with the round in
+    words and the user's question asked again it says a sentence (no markup in 24 of 24;
+    docs/benchmarks/demo-model.md). Several results in one message, one line each."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(real_model), local_files_only=True)
+    calls = [
+        {"id": f"c{i}", "type": "function", "function": {"name": "get_local_time", "arguments": {}}} for i in (1, 2)
+    ]
+    chat = [
+        {"role": "user", "content": "What time is it?"},
+        {"role": "assistant", "content": "Let me look.", "tool_calls": calls},
+        {"role": "tool", "tool_call_id": "c1", "name": "get_local_time", "content": "14:35"},
+        {"role": "tool", "tool_call_id": "c2", "name": "get_local_time", "content": "14:36"},
+    ]
+    text = hf.apply_chat_template(chat, tools=[TIME_TOOL], tokenize=False, add_generation_prompt=True)
+    assert text.endswith(
+        "<|im_start|>user\nWhat time is it?<|im_end|>\n"
+        "<|im_start|>assistant\nLet me look.\nI call get_local_time.\nI call get_local_time.<|im_end|>\n"
+        "<|im_start|>user\nThe tool get_local_time returned: 14:35\nThe tool get_local_time returned: 14:36\n\n"
+        "With this, answer in one sentence: What time is it?<|im_end|>\n<|im_start|>assistant\n"
+    ), text
+    assert "<tool_response>" not in text
 
 
 def test_the_demo_model_calls_tools_in_plain_text_markup(real_model: Path) -> None:

@@ -153,3 +153,74 @@ def test_a_stop_while_the_store_waits_drains_the_request_it_was_dispatching() ->
         assert store.count_delivery("u/s", "r1") == 1  # the stop did not count as a try
 
     asyncio.run(scenario())
+
+
+def test_the_sessions_of_waiting_requests_are_read_in_one_go_before_any_other_store_work() -> None:
+    """Twenty requests of twenty sessions not in memory, all waiting in the inbox: their
+    sessions are read together (one call on the store's thread), before any delivery count or
+    commit, not one round trip per message (docs/performance.md, "Taking requests in")."""
+
+    async def scenario() -> None:
+        store = SlowStore()
+        h = harness(store)
+        for n in range(20):
+            h.transport.deliver(f"chat/u/s{n}/request", request(f"r{n}"))
+        await h.run_until(lambda: len(h.transport.acked) == 20)
+        assert [method for method, _ in store.calls[:20]] == ["load"] * 20
+        assert sorted(session for _, session in store.calls[:20]) == sorted(f"u/s{n}" for n in range(20))
+
+    asyncio.run(scenario())
+
+
+def test_messages_taken_with_a_batch_go_back_to_the_inbox_when_the_consumer_stops() -> None:
+    """The consumer is cancelled while the batch's sessions are read: the messages it took
+    are back at the front of the inbox, in order, before one that arrived meanwhile, and the
+    next consumer answers each once."""
+
+    async def scenario() -> None:
+        store = SlowStore(0.3)
+        store.slow.add("u/b")
+        h = harness(store)
+        mids = [h.transport.deliver(f"chat/u/{s}/request", request(f"r-{s}")) for s in "abc"]
+        consumer = asyncio.ensure_future(h.service.consume())
+        while ("load", "u/b") not in store.calls:  # reading the batch's sessions
+            await asyncio.sleep(0.01)
+        late = h.transport.deliver("chat/u/d/request", request("r-d"))
+        consumer.cancel()
+        await asyncio.gather(consumer, return_exceptions=True)
+        assert [h.transport.inbox.get_nowait().mid for _ in range(4)] == [*mids, late]
+        for s in "abcd":
+            h.transport.deliver(f"chat/u/{s}/request", request(f"r-{s}"))
+        await h.run_until(lambda: len(h.transport.acked) == 4)
+        assert sorted(p["requestId"] for _, p in h.transport.published) == ["r-a", "r-b", "r-c", "r-d"]
+
+    asyncio.run(scenario())
+
+
+def test_store_calls_queued_together_run_in_order_and_answer_their_own_callers() -> None:
+    """Calls made while the store's thread is busy run as one batch: in the order they were
+    made, each result (or error) to its own caller."""
+    from worker.core.sessions import SessionCache
+    from worker.store.port import StoreUnavailable
+
+    class Failing(SlowStore):
+        def load(self, session: str) -> Any:
+            if session == "u/bad":
+                self._enter("load", session)
+                raise StoreUnavailable("down")
+            return super().load(session)
+
+    async def scenario() -> None:
+        store = Failing(0.2)
+        store.slow.add("u/first")
+        cache = SessionCache(store, 100)
+        first = asyncio.ensure_future(cache.aget("u/first"))  # holds the thread 0.2 s
+        await asyncio.sleep(0.05)
+        results = await asyncio.gather(
+            *(cache.aget(name) for name in ("u/a", "u/bad", "u/c")), first, return_exceptions=True
+        )
+        kinds = [type(r).__name__ for r in results]
+        assert kinds == ["SessionHistory", "StoreUnavailable", "SessionHistory", "SessionHistory"]
+        assert [session for _, session in store.calls] == ["u/first", "u/a", "u/bad", "u/c"]
+
+    asyncio.run(scenario())

@@ -296,10 +296,30 @@ async def _save_state(h: Harness, **session: Any) -> None:
 
 
 def test_context_ids_are_stable_for_a_redelivery() -> None:
-    from worker.core.tools import call_id
+    from worker.core.tools import call_id, call_key
 
-    assert call_id("r1", 0, 0) == call_id("r1", 0, 0) != call_id("r1", 1, 0)
-    assert CallContext("r1", call_id("r1", 0, 0), "u/s").tool_call_id.startswith("call_")
+    request = call_key("chat/gpu-1", "u/s", "r1")
+    assert call_id(request, 0, 0) == call_id(call_key("chat/gpu-1", "u/s", "r1"), 0, 0) != call_id(request, 1, 0)
+    assert CallContext("r1", call_id(request, 0, 0), "u/s").tool_call_id.startswith("call_")
+
+
+def test_call_ids_are_unique_across_users_sessions_and_workers() -> None:
+    """The same requestId in another namespace, another session or another worker (group)
+    names other calls; parts cannot run into each other."""
+    from worker.core.tools import call_id, call_key
+
+    keys = [
+        call_key("chat/gpu-1", "alice/s1", "h1"),
+        call_key("chat/gpu-1", "bob/s1", "h1"),
+        call_key("chat/gpu-1", "alice/s2", "h1"),
+        call_key("chat/gpu-2", "alice/s1", "h1"),
+        call_key("other/gpu-1", "alice/s1", "h1"),
+        call_key("chat/gpu-1", "alice/s1", "h2"),
+        call_key("chat/gpu-1", "alice/s1h", "1"),
+        call_key("chat/gpu-1", "alice/s1", "\ud800"),  # any text encodes
+    ]
+    ids = {call_id(key, round_, index) for key in keys for round_ in range(3) for index in range(3)}
+    assert len(ids) == len(keys) * 9
 
 
 def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: Any, tmp_path: Any) -> None:
@@ -347,12 +367,12 @@ def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: A
 def test_a_redelivery_does_not_force_its_first_round_again(tmp_path: Any, tokenizer: ChatTokenizer) -> None:
     """The forced first round happened before the crash (its call is in the progress): the
     redelivered request goes on with the next round, generated freely, not forced again."""
-    from worker.core.tools import call_id
+    from worker.core.tools import call_id, call_key
 
     store = SqliteStore(tmp_path)
     box = FakeToolbox(SENSOR)
     h = make(tokenizer, box, store=store)
-    first = call_id("g1", 0, 0)
+    first = call_id(call_key(h.service.turns.call_scope, "u/g", "g1"), 0, 0)  # as the first delivery named it
     turn = Turn("g1", [user_message("Anyone in?")])
     turn.messages.append(assistant_message("", [ToolCall(first, "sensor_read", {})]))
     turn.messages.append(tool_message(first, "sensor_read", '{"occupied": false}'))
@@ -384,3 +404,30 @@ def test_an_approved_call_is_on_record_before_it_runs(tmp_path: Any, tokenizer: 
     ask(h, "v", {"toolResults": [approval], "requestId": "v2"})
     (at_call,) = seen
     assert at_call is not None and asked["toolCalls"][0]["id"] in at_call
+
+
+def test_a_request_cancelled_before_its_approved_calls_ran_sends_none(
+    tokenizer: ChatTokenizer, box: FakeToolbox
+) -> None:
+    """An approval cancelled while it waits for its turn: the approved call is not sent and the
+    session is as it was (the call still pending, so a later approval runs it, once)."""
+    h = make(tokenizer, box)
+    h.engine.rounds["q1"] = [call("door_open")]
+    (asked,) = ask(h, "q", {"message": "Open", "requestId": "q1", "workerTools": ["*"]})
+    approval = {"toolCallId": asked["toolCalls"][0]["id"], "approved": True}
+
+    async def scenario() -> None:
+        # The cancel is dispatched right after the approval, before its turn starts.
+        h.transport.deliver("chat/u/q/request", {"toolResults": [approval], "requestId": "q2"})
+        h.transport.deliver("chat/u/q/control", {"action": "cancel", "requestId": "q2"})
+        await h.run_until(lambda: len(h.transport.replies("q")) == 2)
+
+    asyncio.run(scenario())
+    cancelled = h.transport.replies("q")[-1]
+    assert cancelled["requestId"] == "q2" and cancelled["finishReason"] == "cancelled", cancelled
+    assert not box.calls
+    session = h.service.sessions.get("u/q")
+    assert session.open_turn is not None and [c.name for c in session.open_turn.pending_calls()] == ["door_open"]
+    h.engine.rounds["q3"] = ["Opened."]
+    (done,) = ask(h, "q", {"toolResults": [approval], "requestId": "q3"})
+    assert done["reply"] == "Opened." and [n for n, _, _ in box.calls] == ["door_open"]

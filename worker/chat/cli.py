@@ -50,7 +50,7 @@ from .client import (
     Ready,
     Refused,
 )
-from .terminal import Terminal, budget_note, printable, usage_line
+from .terminal import Terminal, budget_note, length_note, printable, usage_line
 from .tools import (
     Results,
     ToolCommand,
@@ -72,6 +72,13 @@ EXIT_OK, EXIT_ERROR_REPLY, EXIT_USAGE, EXIT_NO_ANSWER, EXIT_TOOL_CALLS, EXIT_INT
 # that no worker would answer is not sent: the client says so instead of waiting --timeout.
 CONNECT_TIMEOUT = 3.0
 STATUS_WAIT = 1.5
+# One-shot mode's maxTokens when --max-tokens is not given: a one-line question's answer with
+# room to spare (a line of text is about 20 tokens, two sentences 40-60). A model that repeats
+# itself instead stops after 96 tokens, in seconds (the worker's default, 256 tokens of
+# repetition, took 113 s on 2 CPU cores), and the note on stderr says the reply was cut.
+# Interactive chats keep the worker's default: a person sees the reply as it streams and can
+# cancel it.
+ONE_SHOT_MAX_TOKENS = 96
 ENV_PREFIX = "CHAT_"
 # The worker's connection settings that a client shares (same flags, its own environment).
 CONNECTION_KEYS = (
@@ -166,7 +173,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="Show a reasoning model's thinking as it streams (/reasoning); in one-shot mode on stderr.",
     )
-    parser.add_argument("--max-tokens", type=int, help="maxTokens of each request (default: the worker's).")
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help=f"maxTokens of each request (default: {ONE_SHOT_MAX_TOKENS} with --message or stdin, for a one-line "
+        "answer; interactively the worker's). A reply cut at it is said on stderr.",
+    )
     parser.add_argument("--temperature", type=float, help="Sampling temperature (default: the worker's).")
     parser.add_argument("--system-prompt", help="The session's system prompt (sent with each request).")
     parser.add_argument(
@@ -400,6 +412,8 @@ def one_shot(
                 if reply.tool_parse_error:
                     err(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
                 print(reply.reply, flush=True)
+                if reply.finish_reason == "length":  # a script's reader should know it is cut
+                    err(length_note(reply, args.max_tokens))
                 if reply.finish_reason == "cancelled":
                     err("the reply was cancelled")
                     return EXIT_ERROR_REPLY
@@ -474,6 +488,8 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
     answering = args.message is None and bool(args.tool_result)
     interactive = args.message is None and not answering and sys.stdin.isatty()
     message = args.message
+    if not interactive and args.max_tokens is None:
+        args.max_tokens = ONE_SHOT_MAX_TOKENS
     if message is None and not interactive and not answering:
         message = sys.stdin.read().rstrip("\n")
     if message is not None and not message.strip():

@@ -97,6 +97,15 @@ def budget_note(reply: ChatReply) -> str:
     return f"the thinking budget ran out after {spent} tokens, before an answer; ask again (e.g. 'answer briefly')"
 
 
+def length_note(reply: ChatReply, max_tokens: int | None) -> str:
+    """What to say of a reply that ended on its length (finishReason ``length``): it is cut."""
+    limit = f"--max-tokens {max_tokens}" if max_tokens is not None else "the worker's default maxTokens"
+    return (
+        f"the reply was cut at {reply.usage.completion_tokens} tokens, its length limit ({limit}); "
+        "ask for a longer one with --max-tokens N"
+    )
+
+
 def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:
     usage, latency = reply.usage, reply.latency
     text = (
@@ -344,6 +353,8 @@ class Terminal:
                 self.write(f"[{printable(call_line(call))}]\n")
             if reply.finish_reason == "truncated":
                 self.note("the reply was cut to fit the broker's maximum packet size")
+            elif reply.finish_reason == "length":
+                self.note(length_note(reply, self.args.max_tokens))
             if reply.tool_parse_error:
                 self.note(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
         if self.verbose:

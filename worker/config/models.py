@@ -180,7 +180,29 @@ class EngineConfig(Section):
         ge=16,
     )
     max_num_seqs: int | None = opt(
-        None, "Most requests batched in one engine step. Default: vLLM's.", flag="--max-num-seqs", ge=1
+        None,
+        "Most requests running in the engine at once (its batch). Default (unset): chosen at start from the GPU: "
+        "1024 on a GPU of 70 GiB or more other than an A100 (H100, H200), 256 on others (what vllm serve "
+        "chooses there; vLLM's library default is 128), and more (powers of two, up to 4x that) where the KV cache "
+        "holds more sessions of max_history_tokens + max_tokens at once; on the CPU backend vLLM's default. The "
+        'start log says the value and where it came from (docs/performance.md, "Engine limits").',
+        flag="--max-num-seqs",
+        ge=1,
+    )
+    max_num_batched_tokens: int | None = opt(
+        None,
+        "Most tokens one engine step computes (prefill chunks and decodes together). Default (unset): 8192 on a "
+        "GPU of 70 GiB or more other than an A100, 2048 on others (vllm serve's; vLLM's library default is 2048), "
+        "at least max_num_seqs; on the CPU backend vLLM's default.",
+        flag="--max-num-batched-tokens",
+        ge=1,
+    )
+    allow_idle_gpus: bool = opt(
+        False,
+        "Start with several visible GPUs, no tensor parallel and a model that fits one GPU, using one of them. "
+        "Off: such a start is refused with the commands that run one worker per GPU in one share group "
+        '(docs/operations.md, "Several GPUs on one host").',
+        flag="--allow-idle-gpus",
     )
     enforce_eager: bool = opt(False, "Disable CUDA graphs (slower decode; faster start).", flag="--enforce-eager")
     block_size: int | None = opt(
@@ -710,6 +732,15 @@ class ToolsConfig(Section):
         "noted to the model.",
         flag="--max-tool-result-tokens",
         ge=16,
+    )
+    max_tool_result_bytes: int = opt(
+        65536,
+        "Largest worker tool result (a device's answer, an MCP server's result) in bytes of UTF-8: a "
+        "longer one is cut on a character boundary before its tokens are counted, and the cut is said to "
+        "the model; then max_tool_result_tokens applies. Bounds the work one result costs (a 10 MB answer "
+        "is never tokenized). Not limits.max_tool_result_bytes, which refuses a client's toolResults entry.",
+        flag="--tools-max-tool-result-bytes",
+        ge=256,
     )
 
     @model_validator(mode="after")

@@ -56,6 +56,9 @@ from .stats import StatsCollector
 from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
 
 DISPATCH_TRIES = 60
+# At most this many messages waiting in the inbox are taken at once, their sessions read in one
+# store call.
+PREFETCH = 256
 
 
 def store_refusal(exc: StoreError) -> RequestError:
@@ -131,6 +134,8 @@ class Service:
             toolbox=toolbox,
             tools_config=config.tools,
             journal=self.sessions,
+            # A share group's members answer each other's redeliveries: the group, not the member.
+            call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",
         )
 
     @property
@@ -140,26 +145,74 @@ class Service:
     # -- main loops ---------------------------------------------------------------------
 
     async def consume(self) -> None:
+        inbox = self.transport.inbox
         while True:
-            message = await self.transport.inbox.get()
-            async with self._dispatching:
-                if self._draining:
-                    # Left unacknowledged: the broker delivers it again after the restart.
-                    logger.info("Stopping: a message left unacknowledged for the next start")
-                    continue
-                self.in_flight.dispatching = 1
-                try:
-                    await self.dispatch(message)
-                except StoreUnavailable as exc:  # from the intake only: its entry is tried again
-                    self._after_failure(message, exc)
-                except Exception as exc:  # one bad message must not stop the worker
-                    logger.exception("Unexpected error handling a message")
-                    self._after_failure(message, exc)
-                else:
-                    if self._failures and message.entry is not None:
-                        self._failures.pop(message.entry, None)
-                finally:
-                    self.in_flight.dispatching = 0
+            batch = [await inbox.get()]
+            if not self.sessions.store.shared:
+                # The messages already waiting too: the sessions they need that are not in
+                # memory are read in one call on the store's thread, not one round trip per
+                # message (docs/performance.md, "Taking requests in"). A shared store is read
+                # for every request anyway, message by message.
+                while len(batch) < PREFETCH and not inbox.empty():
+                    batch.append(inbox.get_nowait())
+            done = 0  # messages of the batch dispatched, or being dispatched
+            try:
+                self.in_flight.dispatching = len(batch)
+                if len(batch) > 1:
+                    await self._prefetch(batch)
+                for message in batch:
+                    done += 1
+                    await self._dispatch_one(message, left=len(batch) - done)
+            except asyncio.CancelledError:
+                self._put_back(batch[done:])
+                raise
+            finally:
+                self.in_flight.dispatching = 0
+
+    async def _dispatch_one(self, message: InboundMessage, *, left: int) -> None:
+        """Dispatch one message; ``left``: the messages taken with it still to come, counted
+        as dispatching (the Redis intake reads no more than the room left)."""
+        async with self._dispatching:
+            if self._draining:
+                # Left unacknowledged: the broker delivers it again after the restart.
+                logger.info("Stopping: a message left unacknowledged for the next start")
+                return
+            try:
+                await self.dispatch(message)
+            except StoreUnavailable as exc:  # from the intake only: its entry is tried again
+                self._after_failure(message, exc)
+            except Exception as exc:  # one bad message must not stop the worker
+                logger.exception("Unexpected error handling a message")
+                self._after_failure(message, exc)
+            else:
+                if self._failures and message.entry is not None:
+                    self._failures.pop(message.entry, None)
+            finally:
+                self.in_flight.dispatching = left
+
+    async def _prefetch(self, batch: list[InboundMessage]) -> None:
+        """Read the sessions of the batch's requests that are not in memory, in one store call."""
+        names = []
+        for message in batch:
+            try:
+                address, kind = self.topics.parse(message.topic)
+            except InvalidTopic:
+                continue
+            if kind is Inbound.REQUEST and not message.retain:
+                names.append(str(address))
+        await self.sessions.aprefetch(names)
+
+    def _put_back(self, messages: list[InboundMessage]) -> None:
+        """Messages taken from the inbox and not dispatched (the consumer was cancelled) go
+        back to its front, in their order: as if never taken."""
+        if not messages:
+            return
+        inbox = self.transport.inbox
+        rest = []
+        while not inbox.empty():
+            rest.append(inbox.get_nowait())
+        for message in [*messages, *rest]:
+            inbox.put_nowait(message)
 
     def _after_failure(self, message: InboundMessage, exc: Exception) -> None:
         """A message whose handling raised unexpectedly. From the Redis intake, with tries
@@ -236,7 +289,8 @@ class Service:
 
     async def dispatch(self, message: InboundMessage) -> None:
         """Handle one message: answer it, or start its turn. It waits only for the session
-        store (its reads and the delivery count, on the store's thread); the next message is
+        store, where the session is not in memory (or the store is shared) and for an intake
+        entry's delivery count, on the store's thread; the next message is
         dispatched once this one is, so that requests take their places in their sessions'
         queues, and in the pending count, in the order they arrived."""
         try:
@@ -332,30 +386,41 @@ class Service:
             self._check_rate(address)
             request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
             self._admit(request, runtime)
-            deliveries = await self._count_delivery(name, key)
+            # The delivery is counted by its turn, when it starts (the count only has to be on
+            # record before the generation): a dispatch then makes no store call for a
+            # session in memory, where it waited for a round trip to the store's thread for
+            # each request (measured in docs/performance.md, "Taking requests in"). An
+            # intake entry is counted here: a store away makes its dispatch fail and be tried
+            # again (_after_failure), which its turn could not do.
+            deliveries = await self._count_delivery(name, key) if message.entry is not None else None
         except (RequestError, StoreError) as exc:
             if message.entry is not None and isinstance(exc, StoreUnavailable):
                 raise
             refusal = store_refusal(exc) if isinstance(exc, StoreError) else exc
             self._answer_error(message, address, target, key, refusal)
             return False
-        poison = None
-        if deliveries > self.config.limits.max_deliveries:
-            # Delivered again and again without an answer: it crashed the worker (or its
-            # engine) each time. A final error ends the loop, stored as its answer in the
-            # session's turn (its lock): with the session's own commits in order.
-            logger.error(
-                "Request {} of {} is poison ({} deliveries without an answer)", log_ref(key), address, deliveries - 1
-            )
-            poison = RequestError(
-                ErrorCode.ENGINE_ERROR,
-                f"the request was tried {deliveries - 1} times and never completed; it is not tried again",
-            )
         runtime.messages[key] = [message]
         deadline = self._deadline(message)
         turn = PendingTurn(message, address, target, key, request, runtime, deadline)
-        self._spawn(self._run_turn(turn, poison), request=True)
+        self._spawn(self._run_turn(turn, deliveries), request=True)
         return True
+
+    def _poison(self, turn: PendingTurn, deliveries: int) -> RequestError | None:
+        """The final error of a request delivered again and again without an answer: it
+        crashed the worker (or its engine) each time. It ends the loop, stored as its answer in
+        the session's turn (its lock): with the session's own commits in order."""
+        if deliveries <= self.config.limits.max_deliveries:
+            return None
+        logger.error(
+            "Request {} of {} is poison ({} deliveries without an answer)",
+            log_ref(turn.key),
+            turn.address,
+            deliveries - 1,
+        )
+        return RequestError(
+            ErrorCode.ENGINE_ERROR,
+            f"the request was tried {deliveries - 1} times and never completed; it is not tried again",
+        )
 
     async def _count_delivery(self, name: str, key: str) -> int:
         try:
@@ -437,7 +502,9 @@ class Service:
             logger.info("Cancelling running request {} of {}", log_ref(key), address)
             self._spawn(self.engine.abort(runtime.running[key]))
         elif key in runtime.messages:
-            logger.info("Cancelling queued request {} of {}", log_ref(key), address)
+            # Queued, or between its generations (its worker calls are out): it stops at the
+            # next generation, which is not made.
+            logger.info("Cancelling request {} of {} (queued, or running worker calls)", log_ref(key), address)
             runtime.cancelled.add(key)
         else:
             logger.info("Cancel for {} of {}: nothing in flight", log_ref(key), address)
@@ -468,27 +535,39 @@ class Service:
 
     # -- one turn -----------------------------------------------------------------------
 
-    async def _run_turn(self, turn: PendingTurn, poison: RequestError | None = None) -> None:
-        """Generate, commit the answered turn with its answer (one transaction), publish the
-        answer, and acknowledge the request only once the broker has the answer. ``poison``:
-        a request delivered too often gets this final error instead, stored as its answer."""
+    async def _run_turn(self, turn: PendingTurn, deliveries: int | None = None) -> None:
+        """Count the delivery (unless ``deliveries`` says it was counted at dispatch), generate,
+        commit the answered turn with its answer (one transaction), publish the answer, and
+        acknowledge the request only once the broker has the answer. A request delivered too
+        often gets a final error instead, stored as its answer."""
         message, address, target, key, runtime = turn.message, turn.address, turn.target, turn.key, turn.runtime
         name = str(address)
         settled = False  # the delivery has its outcome: an answer committed, or a refusal
+        counted = deliveries is not None
         try:
             async with runtime.lock:
                 runtime.waiting -= 1
-                if poison is None:
-                    payload = await self._answer_turn(turn, name)
-                else:
-                    payload = await self._final_error(turn, name, poison)
-                settled = True
+                if deliveries is None:
+                    try:
+                        deliveries = await self._count_delivery(name, key)
+                        counted = True
+                    except StoreError as exc:
+                        deliveries = 0
+                        payload = self._error_payload(address, key, store_refusal(exc))
+                        settled = True
+                if not settled:
+                    poison = self._poison(turn, deliveries)
+                    if poison is None:
+                        payload = await self._answer_turn(turn, name)
+                    else:
+                        payload = await self._final_error(turn, name, poison)
+                    settled = True
             await self._confirmed_answer(runtime.messages.get(key, [message]), target, payload)
         except asyncio.CancelledError:
             # Shutting down: the work was interrupted and has no answer yet (or its answer is
             # stored but not confirmed). Left unacknowledged, the broker redelivers it after
             # the restart; a stop is not the request's fault, so it does not count as a try.
-            if not settled:
+            if counted and not settled:
                 await self._uncount_delivery(name, key)
             raise
         except EngineDead:

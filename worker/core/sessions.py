@@ -7,19 +7,24 @@ The store's calls run on a thread of their own, never on the event loop: a store
 requests that need it, not every session's stream. One thread, one store: its calls run one
 at a time in the order they were made (SQLite's connection is used from that thread only,
 and a session's writes are committed in the order its turns made them), while the event loop
-goes on streaming."""
+goes on streaming. The calls made while the thread is busy run as one batch on its next turn,
+and their results come back to the loop together: one hop between the threads for many calls.
+The intake makes as few as it can: the sessions of the requests waiting in the inbox are read
+together (``aprefetch``), and a delivery is counted by its turn, not by its dispatch."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
+import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..session import Progress, SessionHistory
-from ..store.port import HistoryStore, decode_progress, encode_progress
+from ..store.port import HistoryStore, StoreError, decode_progress, encode_progress
 
 T = TypeVar("T")
 
@@ -29,6 +34,17 @@ def _retrieve(done: asyncio.Future[Any]) -> None:
     error, if any, is the store's to log, not asyncio's ("exception was never retrieved")."""
     if not done.cancelled():
         done.exception()
+
+
+def _settle(results: list[tuple[asyncio.Future[Any], Any, BaseException | None]]) -> None:
+    """On the event loop: hand a batch's results to their callers."""
+    for done, value, error in results:
+        if done.done():
+            continue
+        if error is None:
+            done.set_result(value)
+        else:
+            done.set_exception(error)
 
 
 class SessionCache:
@@ -47,19 +63,58 @@ class SessionCache:
         self._sessions: OrderedDict[str, SessionHistory] = OrderedDict()
         # One worker thread: the calls run one at a time, in order. Its thread ends when the
         # cache is collected (concurrent.futures wakes an idle worker whose executor is gone).
-        # Every store goes through it, the memory store too (one path, the one the tests run).
-        # The hop costs little beside what it saves: a fake engine's requests through the
-        # service on 2 cores, 2,600/s with the memory store here against 7,000/s inline, and
-        # 2,200-2,400/s with SQLite against 1,700-3,900/s inline; a GPU worker serves 10-60.
+        # Every store that may wait goes through it; the memory store's calls (dict
+        # operations) are made on the event loop: a hop would cost more than the call
+        # (``HistoryStore.waits``).
+        # The calls waiting when the thread takes work run as one batch, their results handed
+        # back to the loop at once: one thread hop for many calls. A hop per call cost the
+        # intake 2-3 ms a request on a loaded 2-core machine (each waits for the other
+        # thread's turn on the CPU and the GIL), ten times the work itself
+        # (docs/performance.md, "Taking requests in").
         self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="session-store")
+        self._queue: list[tuple[Callable[[], Any], asyncio.Future[Any]]] = []
+        self._queue_lock = threading.Lock()  # held only to append or take the list: never waits
+        self._draining = False  # a batch is scheduled on the thread and will take what is queued
 
     async def _call(self, call: Callable[..., T], *args: object) -> T:
-        """``call(*args)`` on the store's thread. Once made, a call runs to its end even if the
-        caller is cancelled (a stop): a commit is never cut off halfway, and the calls made
-        after it (an uncounted delivery, say) find it done."""
-        done = asyncio.get_running_loop().run_in_executor(self._thread, functools.partial(call, *args))
+        """``call(*args)`` on the store's thread (on the loop for a store that never waits).
+        Once made, a call runs to its end even if the caller is cancelled (a stop): a commit is
+        never cut off halfway, and the calls made after it (an uncounted delivery, say) find it
+        done."""
+        if not self.store.waits:
+            return call(*args)  # the memory store: a dict, never waits
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future[T] = loop.create_future()
         done.add_done_callback(_retrieve)
+        with self._queue_lock:
+            self._queue.append((functools.partial(call, *args), done))
+            start = not self._draining
+            self._draining = True
+        if start:
+            try:
+                self._thread.submit(self._run_queued, loop)
+            except RuntimeError as exc:  # the executor was shut down (the interpreter exits)
+                with self._queue_lock:
+                    queued, self._queue, self._draining = self._queue, [], False
+                _settle([(waiting, None, exc) for _, waiting in queued])
         return await asyncio.shield(done)
+
+    def _run_queued(self, loop: asyncio.AbstractEventLoop) -> None:
+        """On the store's thread: run what is queued, in order, batch by batch, until nothing is."""
+        while True:
+            with self._queue_lock:
+                batch, self._queue = self._queue, []
+                if not batch:
+                    self._draining = False
+                    return
+            results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+            for call, done in batch:
+                try:
+                    results.append((done, call(), None))
+                except BaseException as exc:  # the caller's to handle, as from run_in_executor
+                    results.append((done, None, exc))
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these
+                loop.call_soon_threadsafe(_settle, results)
 
     def _cached(self, name: str) -> SessionHistory | None:
         """The session in memory, or None when it must be read from the store (not in memory,
@@ -82,6 +137,28 @@ class SessionCache:
         if history is None:
             history = await self._call(self.store.load, name) or SessionHistory()
         return self._remember(name, history)
+
+    async def aprefetch(self, names: Iterable[str]) -> None:
+        """Read the sessions of ``names`` that are not in memory, in one call on the store's
+        thread (a store shared with other workers is read for every request anyway: nothing).
+        What cannot be read is left out: ``aget`` reads it again and answers for it. At most
+        half the capacity, so that what is read stays in memory until it is used."""
+        if self.store.shared:
+            return
+        wanted = [name for name in dict.fromkeys(names) if name not in self._sessions]
+        wanted = wanted[: max(1, self.capacity // 2)]
+        if not wanted:
+            return
+        for name, history in await self._call(self._load_many, wanted):
+            if name not in self._sessions:  # else a commit or a read meanwhile put it there
+                self._remember(name, history)
+
+    def _load_many(self, names: list[str]) -> list[tuple[str, SessionHistory]]:
+        loaded = []
+        for name in names:
+            with contextlib.suppress(StoreError):  # logged by the store (or unreadable: aget says so)
+                loaded.append((name, self.store.load(name) or SessionHistory()))
+        return loaded
 
     def get(self, name: str) -> SessionHistory:
         """``aget`` on the caller's thread."""

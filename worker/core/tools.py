@@ -36,15 +36,27 @@ def specs_from_request(tools: Sequence[ToolSpecIn]) -> list[ToolSpec]:
     return [ToolSpec(t.function.name, t.function.description, t.function.parameters, t.function.strict) for t in tools]
 
 
-def call_id(key: str, round_: int, index: int) -> str:
-    """A call's id, derived from the request key, the round and the call's place in it: the
-    same request (a redelivery) names its calls the same way."""
-    return f"{round_prefix(key, round_)}{index}"
+def call_key(scope: str, session: str, key: str) -> str:
+    """What a request's call ids are derived from: the deployment's ``scope`` (the topic
+    prefix and the worker's share group, or its id), the ``session`` (``user/session``) and the
+    request's ``key``. The key alone is the client's ``requestId``, which any client may
+    choose: two users, or two sessions, sending ``"requestId": "h1"`` would name their calls
+    alike, and a device that deduplicates by ``toolCallId`` would answer one with the other's
+    result. With the namespace and the session in it, no client can name another's calls; a
+    redelivery of the same request (the same scope, session and key) names them as before.
+    JSON: the parts cannot run into each other, and any text encodes."""
+    return json.dumps([scope, session, key])
 
 
-def round_prefix(key: str, round_: int) -> str:
-    """What the ids of a round's calls begin with."""
-    digest = hashlib.sha256(f"{key}\x00{round_}".encode()).hexdigest()[:16]
+def call_id(request: str, round_: int, index: int) -> str:
+    """A call's id, derived from the request's ``call_key``, the round and the call's place
+    in it: the same request (a redelivery) names its calls the same way."""
+    return f"{round_prefix(request, round_)}{index}"
+
+
+def round_prefix(request: str, round_: int) -> str:
+    """What the ids of a round's calls begin with (``request``: its ``call_key``)."""
+    digest = hashlib.sha256(f"{request}\x00{round_}".encode()).hexdigest()[:16]
     return f"call_{digest}_"
 
 
@@ -207,9 +219,10 @@ class CheckedCalls:
 def check_calls(
     text: str, parsed: ParsedTools, tools: Sequence[ToolSpec], *, key: str, round_: int, validate_all: bool
 ) -> CheckedCalls:
-    """The parser's calls, checked: each names a declared tool and has a JSON object as its
-    arguments; for strict tools (and every tool when ``validate_all``: a forced call) the
-    arguments also validate against the tool's parameters. Any failure: no calls, the text as
+    """The parser's calls, checked, and named by ``key`` (the request's ``call_key``): each
+    names a declared tool and has a JSON object as its arguments; for strict tools (and every
+    tool when ``validate_all``: a forced call) the arguments also validate against the tool's
+    parameters. Any failure: no calls, the text as
     the model wrote it, and the reason."""
     if not parsed.calls:
         if parsed.markup:

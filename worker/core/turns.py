@@ -46,6 +46,7 @@ from ..protocol.messages import (
     Usage,
     WorkerCallOut,
     log_ref,
+    log_text,
 )
 from ..protocol.packets import split_to_fit
 from ..protocol.topics import SessionAddress, Topics
@@ -62,7 +63,7 @@ from ..session import (
     calls_of,
     tool_message,
 )
-from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool
+from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool, cut_utf8, safe_text, utf8_size
 from ..transport.port import InboundMessage, Publisher
 from .history import (
     HistoryLimits,
@@ -77,6 +78,7 @@ from .tools import (
     MarkupHold,
     ToolPlan,
     apply_results,
+    call_key,
     check_calls,
     close_unanswered,
     escape_raw_controls,
@@ -360,7 +362,10 @@ class TurnRunner:
         toolbox: Toolbox | None = None,
         tools_config: ToolsConfig | None = None,
         journal: ProgressJournal | None = None,
+        call_scope: str = "",
     ) -> None:
+        """``call_scope``: what makes the ids of this worker's calls its own among workers
+        (the topic prefix and the share group, or the worker id: see ``call_key``)."""
         self.engine = engine
         self.renderer = renderer
         self.generation = generation
@@ -376,6 +381,11 @@ class TurnRunner:
         self.toolbox = toolbox
         self.tools_config = tools_config or ToolsConfig()
         self.journal = journal
+        self.call_scope = call_scope
+
+    def call_key(self, turn: PendingTurn) -> str:
+        """What the ids of the request's calls derive from (core/tools.py ``call_key``)."""
+        return call_key(self.call_scope, str(turn.address), turn.key)
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
         """Answer the request on ``history``, a draft of the session (its system prompt, tools,
@@ -398,15 +408,19 @@ class TurnRunner:
             history.worker_tools = self._choose_worker_tools(request.worker_tools, address.user)
         worker = self._offered_worker_tools(history, address.user)
         loop = _Loop(turn, history, worker, self.tools_config.max_tool_time)
-        progress = await self._load_progress(turn)
+        progress = await self._load_progress(turn, history)
         current, to_run = self._current_turn(turn, history, worker, progress)
         loop.current = current
         loop.progress = Progress(current, progress.calls if progress else {})
         if progress is not None:
             # A redelivery goes on where the first delivery stopped: its rounds so far count
             # (a forced toolChoice applied to its first, and max_tool_rounds counts them all).
-            loop.generations = loop.rounds = rounds_of_request(turn.key, progress)
+            loop.generations = loop.rounds = rounds_of_request(self.call_key(turn), progress)
         loop.stream = _DeltaStream(self, turn) if request.stream else None
+        if to_run and turn.key in turn.runtime.cancelled:
+            # Cancelled while queued: the approved calls are not sent, and nothing changes (they
+            # stay pending; the client may approve them again).
+            return TurnAnswer(self.reply(turn, Outcome(submitted=time.monotonic(), finish_reason="cancelled")), None)
         if to_run:  # the calls the client approved
             await self._save_progress(loop)  # before any is sent: never sent twice
             await self._run_calls(loop, to_run, rounds_in(current) - 1)
@@ -445,12 +459,13 @@ class TurnRunner:
         for name in names:
             if name not in allowed:
                 configured = self.toolbox.known(name) is not None
+                # The name is the client's text: at DEBUG only (the reason is the operator's).
                 logger.info(
-                    "workerTools of {} refused: {} ({})",
+                    "workerTools of {} refused: a name {}",
                     user,
-                    name,
                     "not allowed for this namespace" if configured else "not configured",
                 )
+                logger.debug("workerTools of {} refused: {}", user, log_text(name))
                 raise RequestError(
                     ErrorCode.INVALID_REQUEST,
                     f"workerTools: {name!r} is not a worker tool that this user namespace may use",
@@ -477,8 +492,11 @@ class TurnRunner:
             )
         return offered
 
-    async def _load_progress(self, turn: PendingTurn) -> Progress | None:
-        if self.journal is None:
+    async def _load_progress(self, turn: PendingTurn, history: SessionHistory) -> Progress | None:
+        """The request's stored progress. Only a request that may have run worker calls can
+        have one: in a session with workerTools, or approving calls (toolResults); the others
+        make no store call for it (one round trip to the store's thread less per request)."""
+        if self.journal is None or not (history.worker_tools or turn.request.tool_results is not None):
             return None
         progress = await self.journal.aload_progress(str(turn.address), turn.key)
         if progress is not None:
@@ -560,8 +578,12 @@ class TurnRunner:
 
     def _cancelled(self, loop: _Loop, outcome: Outcome) -> TurnAnswer:
         """A cancel: nothing changes, unless the worker ran calls in this request; then the
-        turn is kept as far as it came (what the devices did stays in the history), closed with
-        the text generated so far."""
+        turn is kept as far as it came, closed with the text generated so far, and committed
+        with the cancelled reply as its answer. A device may have acted: a history without the
+        call would tell the model the lamp is still off, and a redelivery, finding no answer,
+        would go on from the progress with the calls' outcomes unknown. So the calls and their
+        results stay, a redelivery gets the stored reply, and nothing is sent twice
+        (docs/protocol.md, control)."""
         if not loop.progress.calls:
             return TurnAnswer(self.reply(loop.turn, loop.reply_outcome(outcome)), None)
         loop.current.messages.append(assistant_message(outcome.text))
@@ -609,7 +631,7 @@ class TurnRunner:
             except TimeoutError:
                 result = ToolOutcome("Error: the request's time for tool calls ran out during this call.", "timeout")
         seconds = time.monotonic() - started
-        content = self._cut_result(result.content)
+        content = await self._cut_result(result)
         loop.current.messages.append(tool_message(call.id, call.name, content))
         loop.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
         self.stats.record_tool_call(call.name, result.outcome, seconds)
@@ -637,24 +659,43 @@ class TurnRunner:
                 )
             )
 
-    def _cut_result(self, content: str) -> str:
+    async def _cut_result(self, result: ToolOutcome) -> str:
         """A worker tool's result as the model gets it: control tokens are defused by the
-        template renderer like any text; here it is cut to max_tool_result_tokens, and the cut
-        is said."""
-        limit = self.tools_config.max_tool_result_tokens
-        if len(content.encode()) <= limit:  # a token covers at least one byte
-            return content
-        total = self.renderer.count_text(content)
-        if total <= limit:
-            return content
-        low, high = 0, min(len(content), limit * 32)  # the longest start of at most limit tokens
-        while low < high:
-            middle = (low + high + 1) // 2
-            if self.renderer.count_text(content[:middle]) <= limit:
-                low = middle
-            else:
-                high = middle - 1
-        return f"{content[:low]}\n[The result was cut: it had {total} tokens; the first {limit} are shown.]"
+        template renderer like any text; here invalid text is repaired (a lone surrogate
+        becomes U+FFFD), the result is cut to max_tool_result_bytes on a character boundary,
+        then to max_tool_result_tokens, and the cut is said.
+
+        A short result is done here; a longer one in a thread, since counting its tokens grows
+        with its size (a 10 MB answer tokenized on the event loop stalled every session for
+        20-51 s; bounded first, the thread's work is at most a few counts of 64 KiB, and the
+        tokenizer gives up the GIL while it counts)."""
+        small = min(self.tools_config.max_tool_result_bytes, self.tools_config.max_tool_result_tokens)
+        if result.size is None and len(result.content) * 4 <= small:
+            return safe_text(result.content)  # 4 bytes a character at most, a token at least one byte
+        return await asyncio.to_thread(self._fit_result, result.content, result.size)
+
+    def _fit_result(self, content: str, size: int | None) -> str:
+        """_cut_result's work (in a thread; the renderer's count_text is safe there)."""
+        max_bytes, max_tokens = self.tools_config.max_tool_result_bytes, self.tools_config.max_tool_result_tokens
+        text, cut = cut_utf8(content, max_bytes)
+        if cut:
+            size = utf8_size(content)
+        shown = len(text.encode("utf-8"))
+        if shown > max_tokens and (total := self.renderer.count_text(text)) > max_tokens:
+            low, high = 0, min(len(text), max_tokens * 32)  # the longest start of at most max_tokens tokens
+            while low < high:
+                middle = (low + high + 1) // 2
+                if self.renderer.count_text(text[:middle]) <= max_tokens:
+                    low = middle
+                else:
+                    high = middle - 1
+            if size is not None:
+                note = f"it had {size} bytes; the first {max_tokens} tokens are shown"
+                return f"{text[:low]}\n[The result was cut: {note}.]"
+            return f"{text[:low]}\n[The result was cut: it had {total} tokens; the first {max_tokens} are shown.]"
+        if size is not None:
+            return f"{text}\n[The result was cut: it had {size} bytes; the first {shown} are shown.]"
+        return text
 
     async def _generate(self, loop: _Loop, *, final: bool) -> Outcome:
         """One generation of the loop: the prompt (history, the turn so far), the engine's
@@ -827,9 +868,14 @@ class TurnRunner:
         parser = self.tools.parser
         assert parser is not None
         parsed = parser.parse(outcome.text, specs)
-        checked = check_calls(outcome.text, parsed, specs, key=turn.key, round_=round_, validate_all=bool(plan.forced))
+        checked = check_calls(
+            outcome.text, parsed, specs, key=self.call_key(turn), round_=round_, validate_all=bool(plan.forced)
+        )
         if checked.error is not None:
-            logger.info("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
+            # The reason quotes the model's call (its arguments, what the schema says of them):
+            # the reply's toolParseError has it; the log at INFO says only that it happened.
+            logger.info("Request {} of {}: tool call not taken (toolParseError)", log_ref(turn.key), turn.address)
+            logger.debug("Request {} of {}: tool call not taken: {}", log_ref(turn.key), turn.address, checked.error)
             outcome.tool_parse_error = checked.error
         elif checked.calls:
             outcome.text, outcome.tool_calls = checked.content.strip(), checked.calls
@@ -969,9 +1015,9 @@ class TurnRunner:
 
 
 def rounds_of_request(key: str, progress: Progress) -> int:
-    """How many rounds of worker calls the request ``key`` itself generated, in its stored
-    progress (a toolResults request's progress also holds the calls it approved, which an
-    earlier request generated)."""
+    """How many rounds of worker calls the request itself generated (``key``: its
+    ``call_key``), in its stored progress (a toolResults request's progress also holds the
+    calls it approved, which an earlier request generated)."""
     rounds = {record.round for record in progress.calls.values()}
     return sum(1 for r in rounds if any(call_id.startswith(round_prefix(key, r)) for call_id in progress.calls))
 

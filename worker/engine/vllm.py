@@ -42,6 +42,16 @@ from .kvtier import (
     read_host_memory,
     size_host_tier,
 )
+from .limits import (
+    EngineLimits,
+    Gpu,
+    ParallelismPlan,
+    choose_limits,
+    limits_words,
+    parallelism_plan,
+    read_model_size,
+    visible_devices,
+)
 from .port import (
     EngineDead,
     EngineError,
@@ -120,6 +130,8 @@ class Host:
     gpus: int  # GPUs on the host (all of them, not only the visible ones)
     # MemAvailable and the memory cgroup's room at start; None: all of memory_gib available
     memory: HostMemory | None = None
+    gpu: Gpu | None = None  # the first visible GPU as vLLM's platform reports it; None: CPU or unknown
+    devices: tuple[str, ...] = ()  # the GPU ids this process sees
 
     def host_memory(self) -> HostMemory:
         if self.memory is not None:
@@ -139,7 +151,64 @@ def host_facts() -> Host:
     except (OSError, ValueError) as exc:  # no /proc/meminfo: size from the physical memory
         logger.debug("Host memory not readable ({}): sizing from the physical memory", exc)
         available = None
-    return Host(cpu_backend=bool(current_platform.is_cpu()), memory_gib=memory, gpus=max(1, gpus), memory=available)
+    cpu = bool(current_platform.is_cpu())
+    gpu: Gpu | None = None
+    if not cpu:
+        try:  # as vLLM itself asks when it picks its usage-context defaults (NVML: no CUDA context)
+            gpu = Gpu(str(current_platform.get_device_name(0)), int(current_platform.get_device_total_memory(0)))
+        except Exception as exc:
+            logger.debug("GPU name and memory unknown: {}", describe(exc))
+    devices = tuple(visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), max(1, gpus))) if not cpu else ()
+    return Host(cpu_backend=cpu, memory_gib=memory, gpus=max(1, gpus), memory=available, gpu=gpu, devices=devices)
+
+
+# A session at the worker's default history cap with a default reply (history.max_history_tokens
+# 2000 + generation.max_tokens 256): the session the KV cache is counted in (engine/limits.py).
+DEFAULT_SESSION_TOKENS = 2256
+
+
+def engine_limits(config: EngineConfig, host: Host, *, session_tokens: int = DEFAULT_SESSION_TOKENS) -> EngineLimits:
+    """max_num_seqs and max_num_batched_tokens for this engine (engine/limits.py): what the
+    configuration sets (its field or engine.extra) wins; else from the GPU and the model."""
+
+    def configured(key: str) -> int | None:
+        value = config.extra.get(key, getattr(config, key))
+        return int(value) if value else None
+
+    gpu = None if host.cpu_backend else host.gpu
+    model = None
+    if gpu is not None and config.model is not None:
+        model = read_model_size(
+            config.model, dtype=config.dtype, quantization=config.quantization, kv_cache_dtype=config.kv_cache_dtype
+        )
+    kv_bytes = config.extra.get("kv_cache_memory_bytes")
+    return choose_limits(
+        gpu,
+        model,
+        session_tokens=session_tokens,
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        kv_cache_memory_bytes=int(kv_bytes) if isinstance(kv_bytes, int | float) else None,
+        configured_seqs=configured("max_num_seqs"),
+        configured_tokens=configured("max_num_batched_tokens"),
+    )
+
+
+def plan_parallelism(config: EngineConfig, host: Host, share_group: str | None = None) -> ParallelismPlan:
+    """What the worker does with the GPUs it sees (engine/limits.py parallelism_plan)."""
+    gpu = None if host.cpu_backend else host.gpu
+    model = None
+    if gpu is not None and config.model is not None:
+        model = read_model_size(config.model, dtype=config.dtype, quantization=config.quantization)
+    return parallelism_plan(
+        devices=list(host.devices),
+        tensor_parallel_size=config.tensor_parallel_size,
+        gpu=gpu,
+        model=model,
+        gpu_memory_utilization=config.gpu_memory_utilization,
+        allow_idle_gpus=config.allow_idle_gpus,
+        share_group=share_group,
+    )
 
 
 def auto_kv_offload(host: Host, tensor_parallel_size: int) -> TierSize:
@@ -238,6 +307,70 @@ def kv_capacity_words(
     )
 
 
+def _name(value: Any) -> str:
+    """An enum's or a torch dtype's short name (CUDAGraphMode.FULL_AND_PIECEWISE, torch.bfloat16)."""
+    text = str(getattr(value, "name", None) or value)
+    return text.removeprefix("torch.").removeprefix("CUDAGraphMode.")
+
+
+def cuda_graph_words(vllm_config: Any) -> str:
+    """CUDA graphs as the engine runs them: off where enforce_eager came from a flag, from
+    engine.extra or from vLLM itself (which then sets cudagraph_mode NONE), else the mode and
+    the largest batch captured (bigger decode batches run without graphs)."""
+    model = getattr(vllm_config, "model_config", None)
+    compilation = getattr(vllm_config, "compilation_config", None)
+    if getattr(model, "enforce_eager", False):
+        return "CUDA graphs off (enforce_eager)"
+    mode = getattr(compilation, "cudagraph_mode", None)
+    if mode is not None and _name(mode) == "NONE":
+        return "CUDA graphs off (cudagraph_mode NONE)"
+    largest = getattr(compilation, "max_cudagraph_capture_size", None) or getattr(compilation, "max_capture_size", None)
+    if not largest:
+        sizes = getattr(compilation, "cudagraph_capture_sizes", None)
+        largest = max(sizes) if sizes else None
+    return (
+        "CUDA graphs on"
+        + (f" ({_name(mode)}" if mode is not None else " (")
+        + (f", batches up to {largest})" if largest else ")")
+    )
+
+
+def engine_words(
+    vllm_config: Any, *, kv_tokens: int | None, capacity: str, cpu_backend: bool, kv_offload_gib: float
+) -> str:
+    """The "Engine:" start line: what vLLM ends up running, read back from its resolved
+    configuration (flags, engine.extra and vLLM's own defaults alike), not what the worker asked."""
+    model = vllm_config.model_config
+    cache = vllm_config.cache_config
+    scheduler = getattr(vllm_config, "scheduler_config", None)
+    parallel = getattr(vllm_config, "parallel_config", None)
+    parts = [
+        f"max_model_len={getattr(model, 'max_model_len', '?')}",
+        f"max_num_seqs={getattr(scheduler, 'max_num_seqs', '?')}",
+        f"max_num_batched_tokens={getattr(scheduler, 'max_num_batched_tokens', '?')}",
+        f"block_size={getattr(cache, 'block_size', '?')}",
+        f"prefix caching {'on' if getattr(cache, 'enable_prefix_caching', False) else 'OFF'}",
+    ]
+    if getattr(scheduler, "async_scheduling", False):
+        parts.append("async scheduling on")
+    if not cpu_backend:  # the CPU backend has no CUDA graphs
+        parts.append(cuda_graph_words(vllm_config))
+    parts += [
+        f"dtype {_name(getattr(model, 'dtype', '?'))}",
+        f"KV cache {kv_tokens if kv_tokens is not None else '?'} tokens ({capacity})",
+        f"KV dtype {_name(getattr(cache, 'cache_dtype', '?'))}",
+        f"quantization {getattr(model, 'quantization', None) or 'none'}",
+        f"tensor parallel {getattr(parallel, 'tensor_parallel_size', 1)}",
+    ]
+    for key, words in (("pipeline_parallel_size", "pipeline parallel"), ("data_parallel_size", "data parallel")):
+        size = getattr(parallel, key, 1)
+        if isinstance(size, int) and size > 1:
+            parts.append(f"{words} {size}")
+    if not cpu_backend:  # nor a host-memory tier
+        parts.append(f"host-memory KV tier {f'{kv_offload_gib:g} GiB' if kv_offload_gib else 'off'}")
+    return ", ".join(parts)
+
+
 def _kv_bytes_per_token(vllm_config: Any) -> int | None:
     """KV-cache bytes per token of the engine's model on this worker (its tensor-parallel
     share); None where this vLLM's config does not say."""
@@ -262,11 +395,14 @@ def engine_arguments(
     json_disable_any_whitespace: bool = True,
     progress_bars: bool = True,
     host: Host | None = None,
+    session_tokens: int = DEFAULT_SESSION_TOKENS,
 ) -> dict[str, Any]:
     """The AsyncEngineArgs values for a worker config, as plain data (the benchmark starts
     its in-process engines from the same values). ``progress_bars``: False leaves out the bars
     vLLM draws on stderr while it loads the weights (with vLLM's INFO lines off, the log keeps
-    only what matters: the worker's own start lines say how long the load took)."""
+    only what matters: the worker's own start lines say how long the load took).
+    ``session_tokens``: the longest session the worker keeps (history cap and a reply), which
+    the KV cache is counted in when max_num_seqs is chosen (engine/limits.py)."""
     kwargs: dict[str, Any] = {
         "model": config.model,
         "tensor_parallel_size": config.tensor_parallel_size,
@@ -277,13 +413,17 @@ def engine_arguments(
         "seed": config.seed,
         "disable_log_stats": False,  # the scheduler statistics feed the worker's stats
     }
-    for key in ("max_model_len", "max_num_seqs", "block_size"):
+    for key in ("max_model_len", "block_size"):
         value = getattr(config, key)
         if value is not None:
             kwargs[key] = value
     if not progress_bars and "use_tqdm_on_load" in _engine_arg_names():
         kwargs["use_tqdm_on_load"] = False
-    kwargs.update(precision_and_offload_args(config, host or host_facts()))
+    host = host or host_facts()
+    limits = engine_limits(config, host, session_tokens=session_tokens)
+    kwargs.update(limits.engine_arguments())
+    logger.info("Engine limits: {}", limits_words(limits))
+    kwargs.update(precision_and_offload_args(config, host))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -567,11 +707,16 @@ class VllmEngine:
         json_disable_any_whitespace: bool = True,
         progress_bars: bool = True,
         sampling: dict[str, Any] | None = None,
+        session_tokens: int = DEFAULT_SESSION_TOKENS,
     ) -> VllmEngine:
         assert config.model is not None
         host = host_facts()
         kwargs = engine_arguments(
-            config, json_disable_any_whitespace=json_disable_any_whitespace, progress_bars=progress_bars, host=host
+            config,
+            json_disable_any_whitespace=json_disable_any_whitespace,
+            progress_bars=progress_bars,
+            host=host,
+            session_tokens=session_tokens,
         )
         try:
             args = make_engine_args(kwargs)
@@ -611,23 +756,15 @@ class VllmEngine:
             gpu_memory_utilization=float(getattr(cache, "gpu_memory_utilization", config.gpu_memory_utilization)),
             startup_plan=os.environ.get("VLLM_ENABLE_STARTUP_PLAN", "0") not in ("", "0"),
         )
-        # The CPU backend has neither CUDA graphs nor a host-memory tier: nothing to say of them.
-        graphs = tier = ""
-        if not host.cpu_backend:
-            graphs = f"CUDA graphs {'off (enforce_eager)' if config.enforce_eager else 'on'}, "
-            tier = f", host-memory KV tier {f'{stats.kv_offload_gib:g} GiB' if stats.kv_offload_gib else 'off'}"
         logger.info(
-            "Engine: max_model_len={}, block_size={}, prefix caching {}, {}KV cache {} tokens ({}), KV dtype {}, "
-            "quantization {}{}",
-            info.max_model_len,
-            info.block_size,
-            "on" if info.prefix_caching else "OFF",
-            graphs,
-            kv_tokens if kv_tokens is not None else "?",
-            capacity,
-            getattr(cache, "cache_dtype", "?"),
-            getattr(vllm_config.model_config, "quantization", None) or "none",
-            tier,
+            "Engine: {}",
+            engine_words(
+                vllm_config,
+                kv_tokens=kv_tokens,
+                capacity=capacity,
+                cpu_backend=host.cpu_backend,
+                kv_offload_gib=stats.kv_offload_gib,
+            ),
         )
         return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
 

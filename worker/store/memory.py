@@ -15,6 +15,7 @@ class MemoryStore:
     """The same contract in this process's memory: gone when it exits."""
 
     shared = False
+    waits = False  # a dict in this process: called on the event loop
 
     def __init__(self) -> None:
         self._sessions: dict[str, tuple[SessionHistory, float]] = {}

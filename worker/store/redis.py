@@ -91,6 +91,7 @@ class RedisStore:
     slow) is not written, and the stored one is returned for publishing instead."""
 
     shared = True
+    waits = True  # across the network
 
     def __init__(self, url: str, prefix: str, session_ttl: float) -> None:
         self._db = redis.Redis.from_url(url)

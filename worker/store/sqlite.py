@@ -140,6 +140,7 @@ class SqliteStore:
     another call and the connection is not closed under a running statement."""
 
     shared = False
+    waits = True  # for another connection's write lock (busy timeout)
 
     def __init__(self, state_dir: Path, *, open_locked_timeout: float = OPEN_LOCKED_TIMEOUT) -> None:
         self.path = state_dir / DATABASE_NAME

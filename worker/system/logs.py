@@ -40,6 +40,17 @@ def _triton_installed() -> bool:
     return importlib.util.find_spec("triton") is not None
 
 
+# Loggers whose lines may quote what an MCP server sent (the MCP SDK's: "mcp.*", and "client",
+# its client session's): the SDK logs a line it cannot parse at ERROR, the line (a tool's
+# result) in the exception's text. At INFO and above they say only where and what failed;
+# the message and traceback go to DEBUG, like user text.
+_TOOL_TEXT_LOGGERS = ("mcp", "client")
+
+
+def _quotes_tool_text(name: str) -> bool:
+    return any(name == prefix or name.startswith(prefix + ".") for prefix in _TOOL_TEXT_LOGGERS)
+
+
 class InterceptHandler(logging.Handler):
     def emit(self, record: logging.LogRecord) -> None:
         if record.name.startswith("vllm.") and record.getMessage() == _FALSE_TRITON_WARNING and _triton_installed():
@@ -48,6 +59,12 @@ class InterceptHandler(logging.Handler):
             level: str | int = logger.level(record.levelname).name
         except ValueError:
             level = record.levelno
+        bound = logger.opt(depth=6).bind(name=record.name)
+        if record.levelno >= logging.INFO and _quotes_tool_text(record.name):
+            error = record.exc_info[0].__name__ if record.exc_info and record.exc_info[0] else "no exception"
+            bound.log(level, "in {} ({}); its text is at DEBUG only (it may quote a tool)", record.funcName, error)
+            logger.opt(depth=6, exception=record.exc_info).bind(name=record.name).debug(record.getMessage())
+            return
         logger.opt(depth=6, exception=record.exc_info).bind(name=record.name).log(level, record.getMessage())
 
 

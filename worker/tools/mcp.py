@@ -29,7 +29,7 @@ from typing import Any
 from loguru import logger
 
 from ..config.models import McpServerConfig
-from .port import CallContext, ToolOutcome, WorkerTool
+from .port import CallContext, ToolOutcome, WorkerTool, error_message, safe_json
 
 INSTALL_HINT = "pip install -e '.[mcp]' in the worker's clone (or pip install 'mcp>=2.3,<3')"
 
@@ -146,15 +146,35 @@ class McpServerTools:
                 f"Error: the MCP server {server} did not answer within {self.config.timeout:g} s.", "timeout"
             )
         except Exception as exc:  # CancelledError is a BaseException: it goes through
-            if _connection_closed(exc):
+            if _transport_broken(exc) or (_maybe_closed(exc) and not await self._answers(session)):
                 self._set_lost("the connection closed during a call")
                 return ToolOutcome(f"Error: the MCP server {server} is not available.", "unavailable")
-            message = str(getattr(exc, "message", "") or exc) or type(exc).__name__
+            # Any other error, whatever its code (a server's own -32000 included), ends this
+            # call only: the server stays up for every other call.
+            code = getattr(getattr(exc, "error", None), "code", None)
+            fallback = (
+                f"the MCP server {server} answered with an error ({code if code is not None else type(exc).__name__})"
+            )
+            message = error_message(getattr(exc, "message", None) or str(exc), fallback)
             # The server's words may quote the arguments: DEBUG only, like user text.
-            logger.warning("MCP server {}: {} failed ({})", server, tool, type(exc).__name__)
-            logger.debug("MCP server {}: {} failed: {}", server, tool, message[:2000])
+            logger.warning("MCP server {}: {} failed ({}, code {})", server, tool, type(exc).__name__, code)
+            logger.debug("MCP server {}: {} failed: {}", server, tool, message)
             return ToolOutcome(f"Error: {message}", "error")
         return result_outcome(_dump(result))
+
+    async def _answers(self, session: Any) -> bool:
+        """Whether the server still answers on this session: a call's error said "connection
+        closed" (-32000), which is the SDK's word for a closed transport and also the generic
+        server error a server may send itself. A ping tells them apart: a closed transport
+        fails it at once, a live server answers it (a busy one may take its time: it is not
+        taken for closed; the supervisor's own pings watch it)."""
+        try:
+            await asyncio.wait_for(session.send_ping(), 5.0)
+        except TimeoutError:
+            return True
+        except Exception as exc:
+            return not (_transport_broken(exc) or _maybe_closed(exc))
+        return True
 
     # -- the supervisor -------------------------------------------------------------------
 
@@ -234,9 +254,16 @@ class McpServerTools:
             from mcp import StdioServerParameters, stdio_client
 
             # The child gets the SDK's safe environment (PATH, HOME, USER, ...) and the config's env.
-            params = StdioServerParameters(command=config.command[0], args=config.command[1:], env=config.env or None)
-            async with stdio_client(params) as streams:
-                yield streams
+            # Bytes it writes that are not UTF-8 become U+FFFD (strict, the SDK's default, ends
+            # the session on the first one).
+            params = StdioServerParameters(
+                command=config.command[0],
+                args=config.command[1:],
+                env=config.env or None,
+                encoding_error_handler="replace",
+            )
+            async with stdio_client(params) as streams, _repairing(streams[0]) as read:
+                yield read, streams[1]
         else:
             assert config.url is not None
             try:
@@ -315,6 +342,86 @@ class McpServerTools:
         self._wake.set()
 
 
+@contextlib.asynccontextmanager
+async def _repairing(source: Any) -> AsyncIterator[Any]:
+    """The stdio transport's read stream, with the lines the SDK could not parse repaired
+    where they can be (_repair): a response the SDK refuses (an error whose code is not an
+    integer or whose message is missing, a lone surrogate escape anywhere) would otherwise
+    leave its call waiting out its timeout."""
+    import anyio
+
+    send, receive = anyio.create_memory_object_stream[Any](0)
+
+    async def forward() -> None:
+        with contextlib.suppress(anyio.ClosedResourceError, anyio.BrokenResourceError, anyio.EndOfStream):
+            async with send:
+                async for item in source:
+                    await send.send(_repair(item) if isinstance(item, Exception) else item)
+
+    async with anyio.create_task_group() as tasks:
+        tasks.start_soon(forward)
+        try:
+            yield receive
+        finally:
+            tasks.cancel_scope.cancel()
+            receive.close()
+
+
+def _repair(exc: Exception) -> Any:
+    """A line the SDK could not parse (its exception, with the line as pydantic's input), as a
+    message the session can use: the message with every string made valid Unicode if that
+    parses; else, for a response to one of our requests, a JSON-RPC error for that request
+    (so that the call ends now, as ``error``); else the exception as it was."""
+    from mcp import types
+    from mcp.shared.message import SessionMessage
+
+    raw = _raw_message(exc)
+    if not isinstance(raw, dict):
+        return exc
+    fixed = safe_json(raw)
+    try:
+        return SessionMessage(types.jsonrpc_message_adapter.validate_python(fixed))
+    except ValueError:
+        pass
+    request_id = fixed.get("id")
+    if "method" in fixed or not isinstance(request_id, int | str) or isinstance(request_id, bool):
+        return exc
+    error = fixed.get("error") if isinstance(fixed.get("error"), dict) else {}
+    code = error.get("code")
+    code = code if isinstance(code, int) and not isinstance(code, bool) else -32603
+    if "error" in fixed:
+        message = error_message(error.get("message"), f"the MCP server answered with a JSON-RPC error (code {code})")
+    else:
+        message = "the MCP server's answer is not a valid MCP result"
+    error_data = types.ErrorData(code=code, message=message)
+    return SessionMessage(types.JSONRPCError(jsonrpc="2.0", id=request_id, error=error_data))
+
+
+def _raw_message(exc: Exception) -> Any:
+    """The JSON value of the line behind a pydantic ValidationError of the SDK's parser: the
+    message object pydantic reports as the input of a missing field, or the line itself
+    where it was not JSON to pydantic (a lone surrogate escape: Python's json takes it)."""
+    errors = getattr(exc, "errors", None)
+    if not callable(errors):
+        return None
+    try:
+        items = list(errors())
+    except Exception:
+        return None
+    for item in items:
+        value = item.get("input")
+        if isinstance(value, dict) and "jsonrpc" in value:
+            return value
+    for item in items:
+        value = item.get("input")
+        if isinstance(value, str | bytes) and not item.get("loc"):
+            try:
+                return json.loads(value)
+            except ValueError:
+                return None
+    return None
+
+
 def _dump(model: Any) -> dict[str, Any]:
     """A SDK result as its wire JSON (camelCase in SDK 1.x and 2.x alike)."""
     data = model.model_dump(by_alias=True, mode="json", exclude_none=True)
@@ -377,12 +484,17 @@ def _reason(exc: BaseException) -> str:
     return f"{type(leaf).__name__}: {text}"[:300]
 
 
-def _connection_closed(exc: BaseException) -> bool:
+def _transport_broken(exc: BaseException) -> bool:
+    """The transport's own failure (a stream closed under the call): the server is down."""
     import anyio
 
-    for leaf in _leaves(exc):
-        if isinstance(leaf, anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream):
-            return True
-        if getattr(getattr(leaf, "error", None), "code", None) == CONNECTION_CLOSED:
-            return True
-    return False
+    return any(
+        isinstance(leaf, anyio.ClosedResourceError | anyio.BrokenResourceError | anyio.EndOfStream)
+        for leaf in _leaves(exc)
+    )
+
+
+def _maybe_closed(exc: BaseException) -> bool:
+    """An error with the code the SDK gives a request whose connection closed; a server may
+    send the same code (-32000, JSON-RPC's generic server error) for its own failures."""
+    return any(getattr(getattr(leaf, "error", None), "code", None) == CONNECTION_CLOSED for leaf in _leaves(exc))

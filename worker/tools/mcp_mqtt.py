@@ -61,13 +61,14 @@ from loguru import logger
 from ..config.models import McpMqttConfig
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed
 from .mcp import result_outcome
-from .port import CallContext, ToolOutcome, WorkerTool
+from .port import CallContext, ToolOutcome, WorkerTool, error_message
 
 PROTOCOL_VERSION = "2025-06-18"  # the MCP revision the specification is written against
 INIT_TIMEOUT = 30.0  # the specification's recommended timeouts for initialize and tools/list
 LIST_TIMEOUT = 30.0
 
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
+_ID = re.compile(rb'"id"\s*:\s*(\d{1,15})\b')
 
 
 class RpcError(Exception):
@@ -75,6 +76,18 @@ class RpcError(Exception):
         super().__init__(message)
         self.code = code
         self.message = message
+
+
+def rpc_error(error: Any) -> RpcError:
+    """A JSON-RPC error object as a server sent it, whatever its shape: a code that is not an
+    integer is -32603 (internal error), a message that is missing, not a string or huge is
+    replaced or cut, ``data`` is not used."""
+    body = error if isinstance(error, dict) else {}
+    code = body.get("code")
+    if not isinstance(code, int) or isinstance(code, bool):
+        code = -32603
+    fallback = f"the MCP server answered with a JSON-RPC error (code {code})"
+    return RpcError(code, error_message(body.get("message"), fallback))
 
 
 class ServerGone(Exception):
@@ -97,12 +110,18 @@ class McpOverMqtt:
     """A ToolProvider for every MCP server on the broker whose server-name matches
     ``config.server_filter``."""
 
-    def __init__(self, config: McpMqttConfig, messaging: Messaging, client_id: str) -> None:
+    def __init__(
+        self, config: McpMqttConfig, messaging: Messaging, client_id: str, *, max_message_bytes: int = 1 << 20
+    ) -> None:
         if any(c in client_id for c in "/+#") or not client_id:
             raise ValueError(f"the mcp-client-id {client_id!r} must be non-empty, without '/', '+' or '#'")
         self.config = config
         self.messaging = messaging
         self.client_id = client_id
+        # A message over this is not parsed (_too_large): Python's json holds the GIL for the
+        # whole parse, in a thread too (10 MB of escapes: 0.33 s on a busy 2-core machine),
+        # and a result the model gets is cut to max_tool_result_bytes anyway.
+        self.max_message_bytes = max_message_bytes
         self.name = "mcp-mqtt"
         root = config.topic_root
         self._server_root = f"{root}-server"
@@ -178,6 +197,9 @@ class McpOverMqtt:
         except (ServerGone, PublishFailed):
             return ToolOutcome(f"Error: the MCP server {server.name} is not available.", "unavailable")
         except RpcError as exc:
+            # The server's words may quote the arguments: DEBUG only, like user text.
+            logger.info("MCP over MQTT: {} of {} answered a JSON-RPC error ({})", tool, server.name, exc.code)
+            logger.debug("MCP over MQTT: {} of {} failed: {}", tool, server.name, exc.message)
             return ToolOutcome(f"Error: {exc.message}", "error")
         return result_outcome(result if isinstance(result, dict) else {})
 
@@ -227,6 +249,9 @@ class McpOverMqtt:
         if len(parts) != 4 or _from_client(delivery):
             return  # our own requests, back from the broker (no No Local through the port)
         instance, name = parts[2], parts[3]
+        if len(delivery.payload) > self.max_message_bytes:
+            self._too_large(delivery.payload, name, instance)
+            return
         try:
             message = json.loads(delivery.payload)
         except ValueError:
@@ -241,9 +266,8 @@ class McpOverMqtt:
             pending = self._pending.get(request_id) if isinstance(request_id, int) else None
             if pending is None or pending[:2] != (name, instance) or pending[2].done():
                 return
-            error = message.get("error")
-            if isinstance(error, dict):
-                pending[2].set_exception(RpcError(int(error.get("code", -32603)), str(error.get("message", "error"))))
+            if "error" in message:  # an error of any shape ends this request, never the server
+                pending[2].set_exception(rpc_error(message["error"]))
             else:
                 pending[2].set_result(message.get("result"))
         elif method == "notifications/disconnected":
@@ -262,6 +286,21 @@ class McpOverMqtt:
             else:
                 answer["error"] = {"code": -32601, "message": f"the worker does not offer {str(method)[:80]}"}
             self._send(delivery.topic, answer)
+
+    def _too_large(self, payload: bytes, name: str, instance: str) -> None:
+        """A message over max_message_bytes is not parsed: the request it answers (its id,
+        found near its start or end, where a JSON-RPC response has it) ends now as an error
+        that says so, instead of waiting out its timeout."""
+        size, limit = len(payload), self.max_message_bytes
+        logger.warning(
+            "MCP over MQTT: a message of {} bytes from {} ({}) not read (over {})", size, name, instance, limit
+        )
+        for found in _ID.finditer(payload[:512] + b" " + payload[-512:]):
+            pending = self._pending.get(int(found.group(1)))
+            if pending is not None and pending[:2] == (name, instance) and not pending[2].done():
+                message = f"the MCP server's answer was {size} bytes, over the {limit} this worker reads"
+                pending[2].set_exception(RpcError(-32603, message))
+                return
 
     # -- sessions ---------------------------------------------------------------------
 
@@ -309,7 +348,8 @@ class McpOverMqtt:
             raise
         except Exception as exc:
             # The instance stays recorded: a new presence (the server restarting) tries again.
-            logger.warning("MCP over MQTT: cannot initialize {} ({}): {}", server.name, instance, exc)
+            logger.warning("MCP over MQTT: cannot initialize {} ({}): {}", server.name, instance, type(exc).__name__)
+            logger.debug("MCP over MQTT: initializing {} ({}) failed: {}", server.name, instance, exc)
             if server.active == instance:
                 server.active, server.ready = None, False
                 with contextlib.suppress(ValueError):
@@ -326,7 +366,8 @@ class McpOverMqtt:
         except asyncio.CancelledError:
             raise
         except Exception as exc:
-            logger.warning("MCP over MQTT: cannot list the tools of {} again: {}", server.name, exc)
+            logger.warning("MCP over MQTT: cannot list the tools of {} again ({})", server.name, type(exc).__name__)
+            logger.debug("MCP over MQTT: listing the tools of {} failed: {}", server.name, exc)
 
     async def _list(self, server: _Server) -> None:
         listed: list[dict[str, Any]] = []

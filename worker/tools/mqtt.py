@@ -7,8 +7,10 @@ timeout as Message Expiry Interval (a device that comes online later must not ac
 call), ``requestId`` and ``toolCallId`` as user properties (the device deduplicates on
 ``toolCallId``: a call repeated after a worker restart must not actuate twice) and Content Type
 application/json. The device answers on the ResponseTopic with the same CorrelationData; the
-answer's payload (UTF-8) is the result the model gets. A user property ``outcome=error`` marks
-it a failure.
+answer's payload (UTF-8; invalid bytes become U+FFFD, and it is cut to max_tool_result_bytes
+before it is decoded) is the result the model gets. A user property ``outcome=error`` marks
+it a failure. An answer published with the retain flag is refused (the call ends as an error):
+the broker would keep it and replay it to every later subscription.
 
 The worker publishes only to configured topics: the model chooses a tool name and arguments,
 never a topic. No MQTT library here: the transport's Messaging port (transport/port.py).
@@ -29,7 +31,7 @@ from loguru import logger
 
 from ..protocol.messages import log_text
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed, PublishRefused
-from .port import CallContext, ToolOutcome, WorkerTool
+from .port import CallContext, ToolOutcome, WorkerTool, cut_utf8
 
 if TYPE_CHECKING:
     from ..config.models import MqttToolConfig
@@ -70,8 +72,18 @@ class DeviceTools:
 
     name = "mqtt"
 
-    def __init__(self, configs: Sequence[MqttToolConfig], messaging: Messaging, response_topic: str) -> None:
+    def __init__(
+        self,
+        configs: Sequence[MqttToolConfig],
+        messaging: Messaging,
+        response_topic: str,
+        *,
+        max_result_bytes: int = 65536,
+    ) -> None:
         self._messaging = messaging
+        # An answer is cut to this before it is decoded (tools.max_tool_result_bytes): a 10 MB
+        # answer is never decoded whole on the event loop.
+        self.max_result_bytes = max_result_bytes
         self.response_topic = response_topic
         self._tools = [
             WorkerTool(
@@ -206,14 +218,27 @@ class DeviceTools:
             )
         finally:
             self._pending.pop(correlation, None)
-        content = delivery.payload.decode("utf-8", errors="replace")
+        if delivery.retain:
+            # A retained answer stays on the broker and is replayed to every later subscription
+            # of the response topic: never taken as a result (a replay names no pending call
+            # and is dropped; this one, live, ends its call as an error, not a 5 s wait).
+            counts.errors += 1
+            logger.warning("Device tool {} call {}: the answer was published retained; refused", tool, ref)
+            return ToolOutcome(
+                f"Error: the device's answer was refused: it was published with the retain flag, "
+                f"and a device tool's answer must not be retained ({tool}).",
+                "error",
+            )
+        # Bytes that are not UTF-8 become U+FFFD; a long answer is cut on a character boundary.
+        content, cut = cut_utf8(delivery.payload, self.max_result_bytes)
+        size = len(delivery.payload) if cut else None
         logger.debug("Device tool {} call {} answered: {}", tool, ref, content[:2000])
         if ("outcome", "error") in delivery.user_properties:
             counts.errors += 1
             logger.info("Device tool {} call {}: the device reported an error", tool, ref)
-            return ToolOutcome(content, "error")
+            return ToolOutcome(content, "error", size)
         logger.info("Device tool {} call {} answered ({} bytes)", tool, ref, len(delivery.payload))
-        return ToolOutcome(content, "ok")
+        return ToolOutcome(content, "ok", size)
 
     # -- the response topic (on the event loop) ---------------------------------------
 
@@ -222,6 +247,7 @@ class DeviceTools:
         waiting = self._pending.get(correlation) if correlation is not None else None
         if waiting is None or waiting.done():
             # Late (its call timed out), for another run's call, or no correlation data at all.
+            # A retained answer replayed at a (re)subscription lands here too: its call is long gone.
             logger.debug("Dropping a device answer on {} that no call waits for", delivery.topic)
             return
         waiting.set_result(delivery)

@@ -9,6 +9,7 @@ that says so, and the turn goes on.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
@@ -19,6 +20,89 @@ from ..session import ToolSpec
 # the core: declined (the user did not approve), unknown (maybe sent before the worker
 # stopped: not sent again), skipped (a limit: calls per round, tool time).
 Outcome = Literal["ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped"]
+
+
+# A JSON-RPC error's message as the model gets it, at most (a server's words: bounded like any
+# result, and no larger than a reply can list).
+MAX_ERROR_CHARS = 1000
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def safe_text(text: str) -> str:
+    """Text that encodes as UTF-8: lone surrogates (what a JSON ``"\\ud800"`` escape decodes
+    to) become U+FFFD. Any other str is valid Unicode already. The text itself when it has
+    none (no copy)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return _SURROGATE.sub("\ufffd", text)
+    return text
+
+
+def safe_json(value: Any) -> Any:
+    """A parsed JSON value with every string (keys too) made safe_text."""
+    if isinstance(value, str):
+        return safe_text(value)
+    if isinstance(value, dict):
+        return {safe_text(str(k)): safe_json(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [safe_json(v) for v in value]
+    return value
+
+
+def error_message(message: Any, fallback: str) -> str:
+    """A JSON-RPC error's ``message`` as the model may get it: a string, repaired, at most
+    MAX_ERROR_CHARS characters; ``fallback`` where it is missing, empty or not a string."""
+    if not isinstance(message, str) or not message.strip():
+        return fallback
+    text = safe_text(message[: MAX_ERROR_CHARS + 1])
+    return text if len(text) <= MAX_ERROR_CHARS else text[:MAX_ERROR_CHARS] + "…"
+
+
+def cut_utf8(data: str | bytes, limit: int) -> tuple[str, bool]:
+    """The longest start of ``data`` that is at most ``limit`` bytes of UTF-8, cut on a
+    character boundary, as safe_text; and whether anything was cut. Bytes are decoded with
+    invalid sequences as U+FFFD. Costs O(limit), whatever the size of ``data``: a 10 MB
+    result is never encoded or decoded whole (each of those holds the GIL for up to 0.2 s
+    on a busy CPU)."""
+    if isinstance(data, bytes):
+        head = data[: limit + 1]
+        # A character cut at the limit is left out whole, not turned into U+FFFD.
+        text = head[:limit].decode("utf-8", errors="replace") if len(head) <= limit else _cut_bytes(head[:limit])
+        return text, len(head) > limit
+    # A character is at least one byte: the first ``limit`` characters hold the cut.
+    head_text = safe_text(data[:limit])
+    encoded = head_text.encode("utf-8")
+    if len(encoded) <= limit and len(head_text) == len(data):
+        return head_text, False
+    return _cut_bytes(encoded[:limit]), True
+
+
+def _cut_bytes(data: bytes) -> str:
+    """UTF-8 bytes cut anywhere, decoded without the character cut at the end (invalid
+    sequences elsewhere: U+FFFD)."""
+    end = len(data)
+    # A cut character: its lead byte within the last 3, and fewer continuation bytes after it than it needs.
+    for back in range(1, min(4, end) + 1):
+        byte = data[end - back]
+        if byte & 0xC0 != 0x80:  # a lead byte (or ASCII)
+            need = 2 if byte >= 0xC0 else 1
+            need = 3 if byte >= 0xE0 else need
+            need = 4 if byte >= 0xF0 else need
+            if back < need:
+                data = data[: end - back]
+            break
+    return data.decode("utf-8", errors="replace")
+
+
+def utf8_size(text: str) -> int:
+    """How many bytes ``text`` is as UTF-8 (a lone surrogate as U+FFFD's 3), in slices, so a
+    thread that counts a large text gives the event loop the GIL in between."""
+    if text.isascii():
+        return len(text)
+    step = 1 << 16
+    return sum(len(text[i : i + step].encode("utf-8", errors="surrogatepass")) for i in range(0, len(text), step))
 
 
 @dataclass(frozen=True)
@@ -55,6 +139,9 @@ class ToolOutcome:
 
     content: str
     outcome: Outcome = "ok"
+    # The result's size in bytes where its provider already cut it to max_tool_result_bytes
+    # (a device's answer is cut before it is decoded); None: ``content`` is all of it.
+    size: int | None = None
 
     @property
     def ok(self) -> bool:

@@ -99,7 +99,9 @@ def build_toolbox(
     if config.mqtt:
         from .mqtt import DeviceTools
 
-        providers.append(DeviceTools(config.mqtt, messaging, response_topic))
+        providers.append(
+            DeviceTools(config.mqtt, messaging, response_topic, max_result_bytes=config.max_tool_result_bytes)
+        )
     if config.mcp:
         from .mcp import McpServerTools
 
@@ -107,5 +109,7 @@ def build_toolbox(
     if config.mcp_mqtt.server_filter is not None:
         from .mcp_mqtt import McpOverMqtt
 
-        providers.append(McpOverMqtt(config.mcp_mqtt, messaging, client_id))
+        # A message is read up to 16 results' worth (at least 1 MiB): its JSON is parsed whole.
+        largest = max(1 << 20, 16 * config.max_tool_result_bytes)
+        providers.append(McpOverMqtt(config.mcp_mqtt, messaging, client_id, max_message_bytes=largest))
     return WorkerToolbox(providers) if providers else None

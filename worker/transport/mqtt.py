@@ -135,6 +135,13 @@ def _matchable(topic_filter: str) -> str:
     return topic_filter
 
 
+def _watch_options(qos: int) -> SubscribeOptions:
+    """A watched filter's subscription: Retain As Published, so that a Delivery's ``retain``
+    is the publisher's flag on live messages too (the broker clears it by default), and a
+    device answer published retained is recognised (tools/mqtt.py refuses it)."""
+    return SubscribeOptions(qos=qos, retainAsPublished=True)  # type: ignore[no-untyped-call]
+
+
 @dataclass(frozen=True)
 class _Watch:
     """A watched topic filter (Messaging.watch): its handler runs on the event loop."""
@@ -414,7 +421,7 @@ class MqttTransport:
             # also after unsubscribe(), as a draining worker's tool calls still want answers.
             watches = self._watch_list
             if watches:
-                client.subscribe([(w.topic_filter, SubscribeOptions(qos=w.qos)) for w in watches])  # type: ignore[no-untyped-call]
+                client.subscribe([(w.topic_filter, _watch_options(w.qos)) for w in watches])
             if self._unwatched:
                 client.unsubscribe(list(self._unwatched))
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
@@ -742,8 +749,7 @@ class MqttTransport:
         self._watches[topic_filter] = _Watch(topic_filter, handler, qos)
         self._watch_list = tuple(self._watches.values())
         self._unwatched = tuple(f for f in self._unwatched if f != topic_filter)
-        options = SubscribeOptions(qos=qos)  # type: ignore[no-untyped-call]
-        rc, mid = self._client.subscribe([(topic_filter, options)])
+        rc, mid = self._client.subscribe([(topic_filter, _watch_options(qos))])
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             raise PublishNotSent(f"not subscribed now ({mqtt.error_string(rc)}); subscribed on the next connect")
         answered: asyncio.Future[None] = self._loop.create_future()

@@ -113,7 +113,7 @@ class Delivery:
 
     topic: str
     payload: bytes
-    retain: bool
+    retain: bool  # as the publisher set it (Retain As Published), on live messages too
     correlation_data: bytes | None = None
     response_topic: str | None = None
     user_properties: tuple[tuple[str, str], ...] = ()

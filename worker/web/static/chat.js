@@ -104,9 +104,14 @@
     $("prefix").value = params.get("prefix") || local.getItem("mqtt-vllm-worker:prefix") || "chat";
     $("session-id").value = params.get("session") || local.getItem("mqtt-vllm-worker:session") || randomId("web-");
     $("password").value = tab.getItem("mqtt-vllm-worker:password") || "";
+    // The sampling may come in the address too (?temperature=0&maxTokens=64: what a demo's
+    // model needs, scripts/tools-demo.sh --web), over what this browser remembers.
+    const inUrl = { "max-tokens": "maxTokens", temperature: "temperature" };
     for (const id of ["max-tokens", "temperature", "system-prompt", "tool-choice", "forced-tool-name"]) {
       const kept = local.getItem(`mqtt-vllm-worker:${id}`);
-      if (kept !== null) $(id).value = kept;
+      const given = inUrl[id] ? params.get(inUrl[id]) : null;
+      if (given !== null) $(id).value = given;
+      else if (kept !== null) $(id).value = kept;
       $(id).addEventListener("change", () => local.setItem(`mqtt-vllm-worker:${id}`, $(id).value));
     }
     for (const id of ["offer-time-tool", "use-worker-tools"]) {

@@ -1,0 +1,374 @@
+"""The burst phases: one-turn sessions, every one at the same moment, through the worker over
+MQTT and through vLLM's AsyncLLM in this process, with the same engine settings, in one run.
+
+``burst_<name>`` for each entry of the profile's ``burst_limits`` (``old``: the limits the
+worker had before issue 31, max_num_seqs 128 and max_num_batched_tokens 2048; ``new``: what the
+worker chooses now from the GPU and the model). Each phase starts one worker, sends a warm-up
+burst and then a burst of N sessions for each N of ``burst_sessions`` whose prompts and replies
+the KV cache holds at once (from the worker's "Engine:" line), each session one request of
+``burst_prompt_tokens`` prompt tokens (chat markup included) and ``burst_max_tokens`` reply
+tokens; then stops it and runs the same bursts on an AsyncLLM of the same engine arguments
+(``ignore_eos``: each raw reply is exactly burst_max_tokens; the worker's replies end at the
+model's end token, which dummy weights draw about once in 150k tokens: the tables count the
+tokens each side generated).
+
+Reported per N and side: tokens/s (all generated tokens over the time from the first request
+sent to the last reply; each request's times are kept as ``outcomes``: TTFT, total, tokens,
+prompt tokens, admitted, in seconds from the burst's start), TTFT p50/p95 (the worker's: its
+replies are not streamed, as the one benchmark client receiving every stream delta of 1,000
+sessions was what limited the first runs; the client's time to the reply less the worker's
+time from the first token on),
+latency p50/p95, and admission: the time until the last request reached the engine (raw: its
+``add_request`` returned; the worker: its reply's ``queueMs`` after the client's send,
+measured as the client's time to the reply less the worker's time from handing it to the
+engine to publishing the reply), and from the worker's stats messages the most requests
+running and waiting in vLLM.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import json
+import re
+import time
+import uuid
+from pathlib import Path
+from typing import Any
+
+from .common import Record, Workload, history_messages, make_workload, percentile
+from .profiles import Profile, engine_flags
+
+LIMITS_LINE = re.compile(r"Engine limits: (.*)$", re.M)
+ENGINE_LINE = re.compile(r"Engine: (.*)$", re.M)
+KV_TOKENS = re.compile(r"Engine: .*KV cache (\d+) tokens")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outcome:
+    """One request of a burst, either side: times from the burst's start (s)."""
+
+    ttft_s: float | None
+    total_s: float
+    completion_tokens: int
+    prompt_tokens: int
+    admitted_s: float | None = None  # reached the engine
+
+
+def burst_summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
+    """tokens/s, TTFT and latency percentiles, admission of one burst."""
+    ttfts = [o.ttft_s * 1000 for o in outcomes if o.ttft_s is not None]
+    totals = [o.total_s * 1000 for o in outcomes]
+    admitted = [o.admitted_s for o in outcomes if o.admitted_s is not None]
+    tokens = sum(o.completion_tokens for o in outcomes)
+
+    def ms(values: list[float], q: float) -> float | None:
+        return round(percentile(values, q), 1) if values else None
+
+    return {
+        "sessions": len(outcomes),
+        "tok_per_s": round(tokens / wall_s, 1) if wall_s > 0 else None,
+        "completion_tokens": tokens,
+        "prompt_tokens_mean": round(sum(o.prompt_tokens for o in outcomes) / len(outcomes), 1) if outcomes else None,
+        "ttft_p50_ms": ms(ttfts, 50),
+        "ttft_p95_ms": ms(ttfts, 95),
+        "latency_p50_ms": ms(totals, 50),
+        "latency_p95_ms": ms(totals, 95),
+        "admission_s": round(max(admitted), 3) if admitted else None,
+        "wall_s": round(wall_s, 2),
+    }
+
+
+def worker_outcome(record: Record) -> Outcome:
+    """A worker reply as an Outcome: the client's times, and when it reached the engine (the
+    client's time to the reply less what the worker spent from handing it to the engine on,
+    which leaves the hop there and the worker's queue; every request of a burst is sent within
+    a few ms of the first)."""
+    admitted = ttft = None
+    if record.worker_total_ms is not None and record.worker_queue_ms is not None:
+        admitted = max(0.0, record.client_ms - (record.worker_total_ms - record.worker_queue_ms)) / 1000
+    if record.client_ttft_ms is not None:
+        ttft = record.client_ttft_ms / 1000
+    elif record.worker_total_ms is not None and record.worker_ttft_ms is not None:
+        # Without stream deltas: the client's time to the reply less the worker's from the
+        # first token on (the hops there and back stay in, as in a streamed TTFT).
+        ttft = max(0.0, record.client_ms - (record.worker_total_ms - record.worker_ttft_ms)) / 1000
+    return Outcome(
+        ttft_s=ttft,
+        total_s=record.client_ms / 1000,
+        completion_tokens=record.completion_tokens,
+        prompt_tokens=record.prompt_tokens,
+        admitted_s=admitted,
+    )
+
+
+def fitting_sessions(sessions: tuple[int, ...], kv_tokens: int | None, per_session: int) -> tuple[list[int], list[int]]:
+    """(the burst sizes whose sessions the KV cache holds at once, the ones it does not)."""
+    if not kv_tokens:
+        return list(sessions), []
+    held = kv_tokens // max(per_session, 1)
+    return [n for n in sessions if n <= held], [n for n in sessions if n > held]
+
+
+def burst_workload(profile: Profile, count_tokens: Any, render_length: Any) -> Workload:
+    """Distinct one-turn prompts of about burst_prompt_tokens with the chat markup: a system
+    prompt shorter than a KV block (no prefix shared between sessions), the rest the message."""
+    base = make_workload(count_tokens, system_tokens=1, user_tokens=(10, 10), max_tokens=profile.burst_max_tokens)
+    overhead = render_length(base, 0) - count_tokens(base.user_message(0, 0, count_tokens))
+    user = max(1, profile.burst_prompt_tokens - overhead)
+    return dataclasses.replace(base, user_tokens=(user, user), seed=31)
+
+
+def _seeded(workload: Workload, count: int) -> Workload:
+    """Other messages for each burst (the warm-up's: 0): a burst must compute its prompts, not
+    find them in the prefix cache from the one before."""
+    return dataclasses.replace(workload, seed=workload.seed + 1 + count)
+
+
+def _merge(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
+    settings = {**profile.engine_overrides, **profile.burst_engine, **overrides}
+    settings["extra"] = {
+        **profile.engine_overrides.get("extra", {}),
+        **profile.burst_engine.get("extra", {}),
+        **overrides.get("extra", {}),
+    }
+    return settings
+
+
+def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: str) -> dict[str, Any]:
+    from worker.config.models import EngineConfig
+    from worker.engine.tokenizer import ChatTokenizer
+
+    from .harness import profile_worker
+    from .mqtt_driver import MqttDriver
+    from .runs import STOP_TIMEOUT, start_broker, start_worker
+
+    settings = _merge(profile, profile.burst_limits[name])
+    tokenizer = ChatTokenizer(str(model))
+
+    def render_length(workload: Workload, index: int) -> int:
+        message = workload.user_message(index, 0, tokenizer.count_text)
+        return len(tokenizer.render(history_messages(workload, [], message), add_generation_prompt=True))
+
+    workload = burst_workload(profile, tokenizer.count_text, render_length)
+    per_session = profile.burst_prompt_tokens + profile.burst_max_tokens
+    result: dict[str, Any] = {"limits": profile.burst_limits[name], "engine_settings": settings}
+    # The worker over MQTT.
+    broker = start_broker(mosquitto, out)
+    log = out / f"worker-burst-{name}.log"
+    offset = log.stat().st_size if log.exists() else 0
+    args = ["--model", str(model), "--stats-interval", "1", *engine_flags(settings)]
+    worker = start_worker(args, broker.port, log)
+    text = log.read_text(errors="replace")[offset:]
+    kv = KV_TOKENS.search(text)
+    limits_line, engine_line = LIMITS_LINE.search(text), ENGINE_LINE.search(text)
+    kv_tokens = int(kv.group(1)) if kv else None
+    sizes, skipped = fitting_sessions(profile.burst_sessions, kv_tokens, per_session)
+    result.update(
+        {
+            "kv_cache_tokens": kv_tokens,
+            "limits_log": limits_line.group(1) if limits_line else None,
+            "engine_log": engine_line.group(1) if engine_line else None,
+            "start_to_ready_s": worker.start_to_ready_s,
+            "sessions_run": sizes,
+            "sessions_skipped_kv_cache_too_small": skipped,
+        }
+    )
+    driver = MqttDriver("127.0.0.1", broker.port)
+    runs: dict[str, Any] = {"worker": {}, "raw": {}}
+    try:
+        driver.run_concurrent(
+            "burst-warm", _seeded(workload, 0), tokenizer.count_text, sessions=min(sizes or [1]), turns=1, stream=False
+        )
+        for count in sizes:
+            before = len(driver.stats)
+            # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the largest burst.
+            profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if count == max(sizes) else None
+            records = driver.run_concurrent(
+                f"burst-{name}", _seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
+            )
+            # From the first request sent to the last reply: run_concurrent renders every
+            # message before it sends the first (seconds for 1,000), which is no part of it.
+            wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+            if profiler is not None:
+                profiler.wait(120)
+            time.sleep(1.5)  # the stats message covering the burst's end
+            stats = driver.stats[before:]
+            outcomes = [worker_outcome(r) for r in records]
+            runs["worker"][count] = {
+                **burst_summary(outcomes, wall),
+                "outcomes": [dataclasses.astuple(o) for o in outcomes],
+                "send_s": round(driver.last_send_s, 3),
+                "max_running": max((s.get("maxRunning", 0) for s in stats), default=None),
+                "max_waiting": max((s.get("waiting", 0) for s in stats), default=None),
+                "max_pending": max((s.get("pending", 0) for s in stats), default=None),
+            }
+            print(f"burst {name} worker {count}: {_line(runs['worker'][count])}", flush=True)
+    finally:
+        driver.close()
+        worker.stop(STOP_TIMEOUT)
+        broker.stop()
+
+    # Raw vLLM in this process, the same engine arguments (the worker's engine_arguments).
+    def rendered(seed_count: int, sessions: int) -> list[list[int]]:
+        seeded = _seeded(workload, seed_count)
+        messages = (seeded.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
+        return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+
+    prompts = {n: rendered(n, n) for n in sizes}
+    prompts[0] = rendered(0, min(sizes or [1]))  # the warm-up burst's
+    raw = asyncio.run(_raw_side(EngineConfig(model=str(model), **settings), tokenizer, prompts, sizes, profile, name))
+    runs["raw"] = raw.pop("runs")
+    result.update(raw)
+    result["runs"] = runs
+    result["worker_over_raw"] = {
+        count: round(runs["worker"][count]["tok_per_s"] / runs["raw"][count]["tok_per_s"], 3)
+        for count in sizes
+        if runs["raw"].get(count, {}).get("tok_per_s") and runs["worker"].get(count, {}).get("tok_per_s")
+    }
+    return result
+
+
+async def _raw_side(
+    config: Any, tokenizer: Any, prompts: dict[int, list[list[int]]], sizes: list[int], profile: Profile, name: str
+) -> dict[str, Any]:
+    """The same bursts on an AsyncLLM of the same engine arguments, in one event loop (the
+    engine's output handler lives on the loop of its first request)."""
+    from .inprocess import InProcess
+
+    engine = InProcess(config, tokenizer)
+    scheduler = engine.llm.vllm_config.scheduler_config
+    result: dict[str, Any] = {
+        "raw_engine_start_s": engine.start_s,
+        "raw_limits": [int(scheduler.max_num_seqs), int(scheduler.max_num_batched_tokens)],
+        "runs": {},
+    }
+    try:
+        await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
+        for count in sizes:
+            outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
+            result["runs"][count] = {
+                **burst_summary(outcomes, wall),
+                "outcomes": [dataclasses.astuple(o) for o in outcomes],
+            }
+            print(f"burst {name} raw {count}: {_line(result['runs'][count])}", flush=True)
+    finally:
+        engine.shutdown()
+    return result
+
+
+async def raw_burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Outcome], float]:
+    """Every prompt at once into an AsyncLLM (ignore_eos: exactly max_tokens each); when each
+    reached the engine (its add_request returned), its first token and its end."""
+    from vllm.sampling_params import RequestOutputKind, SamplingParams
+
+    params = SamplingParams(
+        max_tokens=max_tokens, temperature=0.7, top_p=0.95, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+    )
+    admitted: dict[str, float] = {}
+    original = getattr(llm, "add_request", None)
+    started = time.perf_counter()
+    if original is not None:
+
+        async def add_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
+            queue = await original(request_id, *args, **kwargs)
+            admitted[request_id] = time.perf_counter() - started
+            return queue
+
+        llm.add_request = add_request
+
+    async def one(ids: list[int]) -> Outcome:
+        request_id = uuid.uuid4().hex
+        first: float | None = None
+        tokens = 0
+        async for output in llm.generate({"prompt_token_ids": ids}, params, request_id):
+            piece = output.outputs[0]
+            if first is None and piece.token_ids:
+                first = time.perf_counter() - started
+            tokens += len(piece.token_ids)
+        end = time.perf_counter() - started
+        return Outcome(first, end, tokens, len(ids), admitted.get(request_id))
+
+    try:
+        outcomes = await asyncio.gather(*(one(ids) for ids in prompts))
+    finally:
+        if original is not None:
+            del llm.add_request
+    return list(outcomes), time.perf_counter() - started
+
+
+def _line(run: dict[str, Any]) -> str:
+    keys = ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s", "completion_tokens", "wall_s")
+    extra = {k: run[k] for k in ("max_running", "max_waiting") if k in run}
+    return ", ".join(f"{k}={run.get(k)}" for k in keys) + (f", {extra}" if extra else "")
+
+
+def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
+    """One table: each limits setting, N and side."""
+    lines = [
+        "# Bursts of one-turn sessions: the worker over MQTT against raw AsyncLLM",
+        "",
+        "| limits | sessions | side | tok/s | TTFT p50 | TTFT p95 | latency p95 | admission | vLLM running / waiting "
+        "| worker / raw tok/s |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, result in results.items():
+        for count in sorted({int(c) for side in result["runs"].values() for c in side}):
+            for side in ("worker", "raw"):
+                run = result["runs"][side].get(str(count)) or result["runs"][side].get(count)
+                if not run:
+                    continue
+                queue = f"{run.get('max_running')} / {run.get('max_waiting')}" if side == "worker" else ""
+                ratio = result.get("worker_over_raw", {})
+                ratio_cell = ratio.get(str(count), ratio.get(count, "")) if side == "worker" else ""
+                lines.append(
+                    f"| {name} | {count} | {side} | {run['tok_per_s']:,.0f} | {run['ttft_p50_ms']} ms | "
+                    f"{run['ttft_p95_ms']} ms | {run['latency_p95_ms']} ms | {run['admission_s']} s | {queue} | "
+                    f"{ratio_cell} |"
+                )
+    lines.append("")
+    for name, result in results.items():
+        skipped = result.get("sessions_skipped_kv_cache_too_small")
+        lines += [
+            f"- `{name}`: {result.get('limits_log')}; KV cache {result.get('kv_cache_tokens')} tokens"
+            + (f"; not run (the KV cache does not hold them): {skipped}" if skipped else ""),
+            f"  - Engine: {result.get('engine_log')}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def plot_bursts(results: dict[str, dict[str, Any]], path: Path) -> None:
+    """tok/s and TTFT p50 against sessions, worker and raw, each limits setting."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    for name, result in results.items():
+        for side, style in (("worker", "-o"), ("raw", "--s")):
+            runs = result["runs"][side]
+            counts = sorted(int(c) for c in runs)
+            if not counts:
+                continue
+            rows = [runs.get(str(c)) or runs.get(c) for c in counts]
+            left.plot(counts, [r["tok_per_s"] for r in rows], style, label=f"{side}, {name} limits")
+            right.plot(counts, [r["ttft_p50_ms"] for r in rows], style, label=f"{side}, {name} limits")
+    left.set(xlabel="sessions at once", ylabel="generated tokens/s", title="throughput")
+    right.set(xlabel="sessions at once", ylabel="TTFT p50 (ms)", title="time to first token", yscale="log")
+    for axis in (left, right):
+        axis.grid(alpha=0.3)
+        axis.legend(fontsize=8)
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
+
+
+def write_burst_report(out: Path, names: list[str]) -> None:
+    results = {
+        n: json.loads((out / f"burst_{n}.json").read_text()) for n in names if (out / f"burst_{n}.json").exists()
+    }
+    if not results:
+        return
+    (out / "burst.md").write_text(burst_markdown(results))
+    plot_bursts(results, out / "burst.png")

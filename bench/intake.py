@@ -1,0 +1,213 @@
+"""How fast the worker takes requests in: the service's dispatch (a message out of the inbox
+until it is queued as a turn or answered) and a flood through a real broker.
+
+    python -m bench.intake [--requests 650] [--sessions 650] [--store memory|sqlite|both]
+        [--repeat 5] [--flood 2000] [--flood-sessions 200] [--out FILE]
+
+- **dispatch**: one user's ``--requests`` requests over ``--sessions`` sessions, all in the
+  inbox at once, through the real Service on a MemoryTransport and an engine that answers at
+  once (devtools.fakes.ZeroCostEngine), on the memory store or SQLite (in a temporary
+  directory). Reported per run: the time until the last message was dispatched and until the
+  last was answered, and the answers by code (the default rate limit, 600 a minute, refuses
+  the user's requests beyond it: ``rate_limited``).
+- **flood**: the in-process worker (devtools/inproc.py: the real transport and service, the
+  memory store) on a private mosquitto; two rounds of ``--flood`` requests over
+  ``--flood-sessions`` sessions, published without waiting (as tests/broker/test_backpressure.py
+  does); the time until each round is answered (``busy`` for turns beyond a session's queue).
+  ``--flood 0`` leaves it out.
+
+A benchmark, not a test: the numbers depend on the machine and what else runs on it. The
+results behind docs/performance.md ("Taking requests in") came from running this file against
+the commit before the store moved to its own thread and against the one after (PYTHONPATH
+set to each checkout, the file copied in).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import collections
+import inspect
+import json
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from devtools.fakes import MemoryTransport, WordRenderer, ZeroCostEngine
+from worker.config.models import WorkerConfig
+from worker.core.service import Service
+from worker.store.memory import MemoryStore
+
+
+def _service(store_kind: str, state: Path) -> tuple[Service, MemoryTransport]:
+    config = WorkerConfig.model_validate({"engine": {"model": "fake"}, "mqtt": {"worker_id": "bench"}})
+    if store_kind == "sqlite":
+        from worker.store.sqlite import SqliteStore
+
+        store: Any = SqliteStore(state)
+    else:
+        store = MemoryStore()
+    transport = MemoryTransport()
+    engine = ZeroCostEngine(reply_tokens=8, deltas=1, gen_s=0)
+    return Service(config, engine, WordRenderer(), transport, lambda code: None, store), transport
+
+
+async def _dispatch_run(store_kind: str, requests: int, sessions: int, state: Path) -> dict[str, Any]:
+    service, transport = _service(store_kind, state)
+    dispatched = [0]
+    last = [0.0]
+    inner = service.dispatch
+    if inspect.iscoroutinefunction(inner):
+
+        async def timed(message: Any) -> None:
+            try:
+                await inner(message)
+            finally:
+                dispatched[0] += 1
+                last[0] = time.perf_counter()
+
+    else:  # the store on the event loop (before it had its own thread): dispatch was plain
+
+        def timed(message: Any) -> None:  # type: ignore[misc]
+            try:
+                inner(message)
+            finally:
+                dispatched[0] += 1
+                last[0] = time.perf_counter()
+
+    service.dispatch = timed  # type: ignore[method-assign]
+    for n in range(requests):
+        transport.deliver(f"chat/bob/s{n % sessions}/request", {"message": "hello there", "requestId": f"r{n}"})
+    started, cpu = time.perf_counter(), time.process_time()
+    consumer = asyncio.ensure_future(service.consume())
+    try:
+        while len(transport.published) < requests:
+            await asyncio.sleep(0.002)
+        answered, cpu = time.perf_counter(), time.process_time() - cpu
+    finally:
+        consumer.cancel()
+    codes = collections.Counter(p.get("error", {}).get("code") or "reply" for _, p in transport.published)
+    assert dispatched[0] == requests, dispatched
+    store = service.sessions.store
+    store.close()
+    return {
+        "dispatch_s": round(last[0] - started, 3),
+        "answered_s": round(answered - started, 3),
+        "per_s": round(requests / (last[0] - started)),
+        "cpu_s": round(cpu, 3),  # the process's CPU time until all were answered: the work, whatever the load
+        "codes": dict(codes),
+    }
+
+
+def dispatch(store_kind: str, requests: int, sessions: int, repeat: int) -> dict[str, Any]:
+    runs = []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as state:
+            runs.append(asyncio.run(_dispatch_run(store_kind, requests, sessions, Path(state))))
+    times = [r["dispatch_s"] for r in runs]
+    return {
+        "store": store_kind,
+        "requests": requests,
+        "sessions": sessions,
+        "dispatch_s_median": round(statistics.median(times), 3),
+        "dispatch_s_range": [min(times), max(times)],
+        "answered_s_median": round(statistics.median(r["answered_s"] for r in runs), 3),
+        "cpu_s_median": round(statistics.median(r["cpu_s"] for r in runs), 3),
+        "runs": runs,
+    }
+
+
+def flood(per_round: int, sessions: int) -> dict[str, Any]:
+    """Two rounds through a private mosquitto and the in-process worker; seconds per round."""
+    import paho.mqtt.client as mqtt
+    from paho.mqtt.enums import CallbackAPIVersion
+
+    from devtools.inproc import LiveWorker
+    from devtools.mosquitto import Mosquitto
+
+    answered = [0]
+    codes: collections.Counter[str] = collections.Counter()
+    lock = threading.Lock()
+
+    def on_message(client: Any, userdata: Any, message: Any) -> None:
+        answer = json.loads(message.payload)
+        with lock:
+            answered[0] += 1
+            codes[answer.get("error", {}).get("code") or "reply"] += 1
+
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = Mosquitto(Path(tmp))
+        broker.start()
+        # As tests/broker/test_backpressure.py: two tokens a reply, no per-user rate limit.
+        live = LiveWorker(broker.port, generation={"max_tokens": 2}, limits={"max_requests_per_user_per_minute": 0})
+        client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+        client.max_inflight_messages_set(1000)
+        client.max_queued_messages_set(0)
+        client.on_message = on_message
+        client.connect("127.0.0.1", broker.port)
+        client.loop_start()
+        client.subscribe(f"{live.prefix}/+/+/reply", qos=1)
+        time.sleep(0.3)
+        rounds = []
+        try:
+            for round_ in range(2):
+                started = time.perf_counter()
+                per_session = per_round // sessions
+                for s in range(sessions):
+                    for turn in range(per_session):
+                        payload = json.dumps({"message": "x", "requestId": f"{round_}-{turn}"}).encode()
+                        client.publish(live.topic("bob", f"s{s}"), payload, qos=1)
+                want = (round_ + 1) * per_session * sessions
+                deadline = time.monotonic() + 600
+                while answered[0] < want and time.monotonic() < deadline:
+                    time.sleep(0.01)
+                rounds.append(round(time.perf_counter() - started, 2))
+                live.wait_idle(60)
+        finally:
+            client.disconnect()
+            client.loop_stop()
+            live.close()
+            broker.stop()
+    return {"per_round": per_round, "sessions": sessions, "round_s": rounds, "codes": dict(codes)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--requests", type=int, default=650)
+    parser.add_argument("--sessions", type=int, default=650)
+    parser.add_argument("--store", choices=["memory", "sqlite", "both"], default="both")
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--flood", type=int, default=2000, help="requests per flood round; 0: no flood")
+    parser.add_argument("--flood-sessions", type=int, default=200)
+    parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    args = parser.parse_args(argv)
+    import sys
+
+    from loguru import logger
+
+    logger.remove()  # the worker's DEBUG lines would cost more than what is measured
+    logger.add(sys.stderr, level="WARNING")
+    results: dict[str, Any] = {"dispatch": []}
+    for kind in ["memory", "sqlite"] if args.store == "both" else [args.store]:
+        result = dispatch(kind, args.requests, args.sessions, args.repeat)
+        results["dispatch"].append(result)
+        print(
+            f"dispatch {kind}: {args.requests} requests over {args.sessions} sessions: "
+            f"{result['dispatch_s_median']} s (range {result['dispatch_s_range']}), "
+            f"answered in {result['answered_s_median']} s, CPU {result['cpu_s_median']} s; "
+            f"{result['runs'][0]['codes']}",
+            flush=True,
+        )
+    if args.flood:
+        results["flood"] = flood(args.flood, args.flood_sessions)
+        print(f"flood: 2 x {args.flood} over {args.flood_sessions} sessions: {results['flood']}", flush=True)
+    if args.out is not None:
+        args.out.write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

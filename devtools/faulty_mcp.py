@@ -1,0 +1,91 @@
+"""A stdio MCP server that misbehaves on demand, for the tests of worker/tools/mcp.py: plain
+JSON-RPC lines on stdin/stdout, no SDK (the SDK would not let it send what a hostile server
+sends). Tools:
+
+- ``fail {"error": <any JSON>}``: answers the call with that JSON-RPC ``error`` member as is
+  (any code, a code that is not a number, no message, odd data, a huge message);
+- ``raw {"line": "..."}``: writes the line as is, with every ``@ID@`` replaced by the call's id
+  (a lone surrogate escape, a line that is no JSON at all, ...);
+- ``echo {"text": "..."}``: answers the text;
+- ``slow {"seconds": N}``: answers "done" after N seconds (calls run at once, each in a thread);
+- ``pid``: its process id (a restart changes it).
+
+    python devtools/faulty_mcp.py
+
+Standalone (no import of the worker), like devtools/calc_mcp.py.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+OBJECT = {"type": "object"}
+TOOLS = [
+    {"name": name, "description": f"{name} (see devtools/faulty_mcp.py)", "inputSchema": OBJECT}
+    for name in ("fail", "raw", "echo", "slow", "pid")
+]
+_write = threading.Lock()
+
+
+def send(line: str) -> None:
+    with _write:
+        sys.stdout.write(line + "\n")
+        sys.stdout.flush()
+
+
+def answer(request_id: Any, result: dict[str, Any]) -> None:
+    send(json.dumps({"jsonrpc": "2.0", "id": request_id, "result": result}))
+
+
+def text(value: str) -> dict[str, Any]:
+    return {"content": [{"type": "text", "text": value}], "isError": False}
+
+
+def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
+    if name == "fail":
+        send(json.dumps({"jsonrpc": "2.0", "id": request_id, "error": arguments.get("error")}))
+    elif name == "raw":
+        send(str(arguments.get("line", "")).replace("@ID@", json.dumps(request_id)))
+    elif name == "echo":
+        answer(request_id, text(str(arguments.get("text", ""))))
+    elif name == "slow":
+        time.sleep(float(arguments.get("seconds", 1)))
+        answer(request_id, text("done"))
+    elif name == "pid":
+        answer(request_id, text(str(os.getpid())))
+    else:
+        send(json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": "unknown tool"}}))
+
+
+def main() -> None:
+    for line in sys.stdin:
+        try:
+            message = json.loads(line)
+        except ValueError:
+            continue
+        method, request_id = message.get("method"), message.get("id")
+        if request_id is None:
+            continue  # a notification (initialized, cancelled)
+        if method == "initialize":
+            version = (message.get("params") or {}).get("protocolVersion", "2025-06-18")
+            info = {"name": "faulty", "version": "0.1"}
+            answer(request_id, {"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": info})
+        elif method == "tools/list":
+            answer(request_id, {"tools": TOOLS})
+        elif method == "ping":
+            answer(request_id, {})
+        elif method == "tools/call":
+            params = message.get("params") or {}
+            arguments = params.get("arguments") or {}
+            threading.Thread(target=call, args=(request_id, params.get("name"), arguments), daemon=True).start()
+        else:
+            send(json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32601, "message": "no method"}}))
+
+
+if __name__ == "__main__":
+    main()

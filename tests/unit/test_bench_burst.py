@@ -1,0 +1,50 @@
+"""The burst phases' arithmetic (bench/burst.py): tokens/s, TTFT, admission from the worker's
+reply latencies, which burst sizes the KV cache holds, and the report; no engine."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from bench.burst import Outcome, burst_markdown, burst_summary, fitting_sessions, worker_outcome
+from bench.common import Record
+
+
+def test_a_burst_summary() -> None:
+    outcomes = [Outcome(0.1 * (i + 1), 1.0 + i, 128, 300, admitted_s=0.01 * i) for i in range(10)]
+    summary = burst_summary(outcomes, wall_s=10.0)
+    assert summary["sessions"] == 10 and summary["completion_tokens"] == 1280
+    assert summary["tok_per_s"] == 128.0
+    assert summary["admission_s"] == 0.09  # the last request to reach the engine
+    assert summary["ttft_p50_ms"] is not None and summary["ttft_p50_ms"] <= summary["ttft_p95_ms"]
+    assert summary["prompt_tokens_mean"] == 300.0
+    assert burst_summary([Outcome(None, 1.0, 5, 10)], wall_s=1.0)["admission_s"] is None
+
+
+def test_a_worker_reply_reached_the_engine_after_its_queue() -> None:
+    """The client's time to the reply less what the worker spent after handing it to the engine."""
+    record = Record("b", 2, 0, 0, client_ms=2000.0, client_ttft_ms=600.0, worker_queue_ms=450.0, worker_total_ms=1950.0)
+    outcome = worker_outcome(record)
+    assert outcome.admitted_s == 0.5 and outcome.ttft_s == 0.6 and outcome.total_s == 2.0
+
+
+def test_bursts_the_kv_cache_does_not_hold_are_not_run() -> None:
+    assert fitting_sessions((320, 1000, 2000), 600_000, 428) == ([320, 1000], [2000])
+    assert fitting_sessions((320, 1000, 2000), None, 428) == ([320, 1000, 2000], [])
+
+
+def test_the_report_puts_worker_and_raw_side_by_side(tmp_path: Path) -> None:
+    run = {"tok_per_s": 1000.0, "ttft_p50_ms": 1.0, "ttft_p95_ms": 2.0, "latency_p95_ms": 3.0, "admission_s": 0.1}
+    results = {
+        "new": {
+            "runs": {"worker": {"320": {**run, "max_running": 320, "max_waiting": 0}}, "raw": {"320": run}},
+            "worker_over_raw": {"320": 1.0},
+            "limits_log": "max_num_seqs 1024 (hardware: ...)",
+            "kv_cache_tokens": 600000,
+            "sessions_skipped_kv_cache_too_small": [2000],
+            "engine_log": "max_model_len=16384, ...",
+        }
+    }
+    text = burst_markdown(results)
+    assert "| new | 320 | worker | 1,000 | 1.0 ms | 2.0 ms | 3.0 ms | 0.1 s | 320 / 0 | 1.0 |" in text
+    assert "| new | 320 | raw | 1,000 |" in text
+    assert "not run (the KV cache does not hold them): [2000]" in text
