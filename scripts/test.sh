@@ -27,7 +27,10 @@ run_step() {  # run_step NAME LOGFILE COMMAND...
   echo "    $name: $((SECONDS - start)) s"
 }
 if [ $# -eq 0 ]; then
-  # The three smoke runs take about 5.5 minutes on 2 cores: each prints its phases as they end.
+  # The three smoke runs take about 5.5 minutes on 2 idle cores, 15 on 2 cores shared with
+  # other jobs (14.6 measured, issue 33); each prints its phases as they end. The whole script
+  # (what CI runs) takes 27-29 minutes on 2 idle cores, 4 more the first time (setup.sh's
+  # packages and .venv), and about twice as long beside other jobs (54 minutes measured).
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
   run_step "benchmark smoke run" "$smoke/bench.out" \

@@ -296,8 +296,8 @@ def check_packages() -> None:
         raise PrepareError(
             f"converting the model needs the Python package{'s' if len(missing) > 1 else ''} "
             f"{' and '.join(missing)}, not installed in {sys.prefix}: install the worker's "
-            f"'{EXTRA}' extra (bash scripts/setup.sh does; or: {sys.executable} -m pip install -e '.[{EXTRA}]', "
-            f"outside a checkout: pip install 'mqtt-vllm-worker[{EXTRA}]')"
+            f"'{EXTRA}' extra (bash scripts/setup.sh does; or, in the worker's clone: "
+            f"{sys.executable} -m pip install -e '.[{EXTRA}]')"
         )
 
 

@@ -4,7 +4,8 @@ for a user), against the session's mosquitto and the vLLM CPU engine on the tiny
 
 - While it streams a reply: the same graceful stop as SIGTERM, with a line saying how to stop
   at once; the reply is finished and published, exit 0, and the log has no traceback, no
-  ``EngineDeadError`` and no ``force killing`` of vLLM's processes, which are gone after. They
+  ``EngineDeadError``, no ``force killing`` of vLLM's processes and no SIGTERM to its model
+  worker after vLLM's grace period; vLLM's processes are gone after. They
   run in sessions of their own (worker/system/children.py): the terminal's SIGINT never
   reached them (it used to, and vLLM's engine died under the reply).
 - A second Ctrl-C stops at once (exit 1), and the request it left unanswered is answered once
@@ -37,8 +38,12 @@ from devtools.worker_process import engine_args
 pytestmark = pytest.mark.e2e
 PREFIX = "ctrlc"
 STATUS = f"{PREFIX}/_worker/ctrlc/status"
-# What a stop that went wrong prints (before: 60 lines of EngineDeadError tracebacks).
-NEVER = ("Traceback", "EngineDeadError", "force killing", "ERROR")
+# What a stop that went wrong prints (before: 60 lines of EngineDeadError tracebacks). "grace
+# period" and SIGTERM: vLLM's engine core waited for its model worker's exit past its grace
+# period, through the seconds of the interpreter's teardown, which the engine's processes now
+# skip (worker/system/children.py); "leaked": what skipping it must not cost (Triton's
+# nanobind, or multiprocessing's resource tracker, reporting what was never freed).
+NEVER = ("Traceback", "EngineDeadError", "force killing", "ERROR", "grace period", "SIGTERM", "leaked")
 
 
 class TerminalWorker:

@@ -198,7 +198,9 @@ def device_calls(workdir: Path, request_id: str) -> list[dict[str, Any]]:
     return [record for record in map(json.loads, lines) if record["requestId"] == request_id]
 
 
-def wait_log(worker: WorkerProcess, pattern: str, timeout: float = 120) -> None:
+def wait_log(worker: WorkerProcess, pattern: str, timeout: float = 300) -> None:
+    """Until the line is in the worker's log (the event), while the worker lives; the deadline
+    only ends a wait that would never end, generous for a busy machine."""
     deadline = time.monotonic() + timeout
     while not re.search(pattern, worker.tail(10**7)):
         assert worker.alive(), f"the worker exited: {worker.tail(3000)}"
@@ -252,7 +254,8 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     for core in cores:
         core.suspend()
     devices.release("lamp/get")
-    devices.wait_until(lambda: any(a["toolCallId"] == answered_call for a in devices.answered), timeout=30)
+    # Deadlines generous, the event the condition: 2 busy cores have taken over 30 s (issue 33).
+    devices.wait_until(lambda: any(a["toolCallId"] == answered_call for a in devices.answered), timeout=300)
     (answer,) = [a["payload"] for a in devices.answered if a["toolCallId"] == answered_call]
     # The worker has the result (turns.py stores it before it logs this line) and is
     # generating again.
@@ -267,7 +270,7 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     # The lamp answers now, late: into the worker's broker session, delivered to the next start,
     # for a call that start does not wait for.
     devices.release("lamp/set")
-    devices.wait_until(lambda: any(a["toolCallId"] == slow_call for a in devices.answered), timeout=30)
+    devices.wait_until(lambda: any(a["toolCallId"] == slow_call for a in devices.answered), timeout=300)
 
     # At DEBUG: the line that says the late answer came and was dropped.
     restart = start("restart", "--log-level", "DEBUG")
@@ -303,7 +306,7 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     assert "Traceback" not in log and "| ERROR" not in log, log[-3000:]
     # The lamp's late answer reached the restarted worker (its broker session kept the
     # subscription) and was dropped: no call of this start waits for it.
-    wait_log(restart, r"Dropping a device answer on \S+ that no call waits for", timeout=30)
+    wait_log(restart, r"Dropping a device answer on \S+ that no call waits for", timeout=300)
     print(f"engine starts: {first.start_to_ready_s} s, after the kill {restart.start_to_ready_s} s")
     # One answer each: the killed start sent none (checked before the kill); a second delivery
     # would be a second reply. Sent now, a request of each session is answered after whatever
@@ -344,9 +347,11 @@ def test_a_loop_on_the_restarted_worker_reuses_the_prompt_before_the_call(
             assert received["toolCallId"] == call["id"] and not received["duplicate"]
             first, then = reply["rounds"]
             # The continuation's prompt is the call's prompt and the call as generated, plus the
-            # result: all of the first in the prefix cache, up to the last whole block.
+            # result: all of the first in the prefix cache, up to the last whole block, but for
+            # the call's last token, whose KV was never computed (its generation ended there):
+            # with 1056 tokens before the result, 1024 were cached, not 1056 (issue 33).
             before_call = first["promptTokens"] + first["completionTokens"]
-            assert then["cachedTokens"] >= before_call // BLOCK_SIZE * BLOCK_SIZE, reply["rounds"]
+            assert then["cachedTokens"] >= (before_call - 1) // BLOCK_SIZE * BLOCK_SIZE, reply["rounds"]
             assert then["promptTokens"] > before_call, reply["rounds"]
             (answer,) = [a for a in devices.answered if a["toolCallId"] == call["id"]]
             latency = reply["latency"]

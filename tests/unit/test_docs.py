@@ -191,6 +191,10 @@ def shell_problems(script: str) -> list[str]:
                 problems.append(f"{path} does not exist in the repository")
         if words and Path(words[0]).name == "pip" and "install" in words:
             for word in words:
+                if re.match(r"mqtt-vllm-worker\b", word):
+                    problems.append(
+                        f"pip install {word}: the worker is not on PyPI (pip install -e '.[...]' in a clone)"
+                    )
                 extras = re.search(r"\[([\w,-]+)\]$", word)
                 if extras and not set(extras.group(1).split(",")) <= pyproject_extras():
                     problems.append(f"pip install {word}: pyproject.toml has no such extra")
@@ -363,6 +367,8 @@ def test_the_checks_fail_on_what_they_should(tmp_path: Path) -> None:
     assert shell_problems("echo WORKER_NO_SUCH=1")
     assert shell_problems("bash scripts/no-such.sh")
     assert shell_problems('pip install -e ".[gpu,nosuch]"')
+    assert shell_problems("pip install 'mqtt-vllm-worker[mcp]'")
+    assert not shell_problems("pip install -e '.[mcp]'")
     assert not shell_problems('sudo WORKER_CONFIG=/etc/w.toml python -m worker --model "$M" ... --check-config')
     page = tmp_path / "page.md"
     page.write_text(
@@ -424,6 +430,25 @@ def test_relative_links_lead_to_files_and_headings_that_exist(page: Path) -> Non
         elif anchor and file.suffix == ".md" and anchor not in anchors(file):
             broken.append(f"{target}: no heading #{anchor} in {file.relative_to(REPO)}")
     assert not broken
+
+
+@pytest.mark.parametrize("page", [*LINKED_PAGES, *(REPO / "docs" / "benchmarks").glob("*.md")], ids=str)
+def test_a_page_that_runs_devtools_or_bench_says_to_run_it_from_the_repository_root(page: Path) -> None:
+    """``devtools/`` and ``bench/`` are not installed (pyproject.toml ships ``worker`` only):
+    ``python -m devtools.…`` works from the repository's root only, which the page must say."""
+    text = page.read_text()
+    if re.search(r"python3? -m (devtools|bench)\b", text):
+        assert "repository's root" in text, f"{page.relative_to(REPO)} runs devtools or bench and does not say where"
+
+
+def test_no_install_line_names_a_package_that_is_not_on_pypi() -> None:
+    """The worker is installed from a clone (``pip install -e '.[mcp]'``), in the docs and in
+    the messages the worker prints."""
+    files = [*LINKED_PAGES, *(REPO / "worker").rglob("*.py")]
+    named = [
+        str(f.relative_to(REPO)) for f in files if re.search(r"pip install ['\"]?mqtt-vllm-worker\[", f.read_text())
+    ]
+    assert not named, named
 
 
 def test_every_worker_variable_the_docs_name_exists() -> None:

@@ -229,5 +229,5 @@ def test_streamable_http_round_trip_and_reconnect(http_server: Any) -> None:
 
 def test_without_the_sdk_a_configured_server_refuses_clearly(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "mcp", None)  # what an environment without the extra has: ImportError
-    with pytest.raises(McpSdkMissing, match=r"pip install 'mqtt-vllm-worker\[mcp\]'"):
+    with pytest.raises(McpSdkMissing, match=r"pip install -e '\.\[mcp\]'"):
         McpServerTools(config())

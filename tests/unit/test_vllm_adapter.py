@@ -347,3 +347,22 @@ def test_the_engine_wide_sampling_defaults_reach_every_request_and_the_warm_up()
 
     asyncio.run(collect())
     assert llm.params[-1].min_p == 0.1 and llm.params[-1].temperature == 0.5
+
+
+def test_the_engine_argument_names_read_from_vllms_source_are_its_dataclass_fields() -> None:
+    """--check-config reads them without importing vLLM (worker/engine/vllm_args.py): the same
+    names as AsyncEngineArgs' fields, and the same version."""
+    import vllm
+
+    from worker.engine.vllm_args import engine_argument_names, field_names, vllm_version
+
+    assert engine_argument_names() == {field.name for field in dataclasses.fields(AsyncEngineArgs)}
+    assert vllm_version() == vllm.__version__
+    source = (
+        "from typing import ClassVar\nfrom dataclasses import InitVar\n"
+        "class EngineArgs:\n    a: int = 1\n    b: ClassVar[int] = 2\n    c: InitVar[int] = 3\n    d = 4\n"
+        "    def f(self) -> None:\n        self.e: int = 5\n"
+        "class AsyncEngineArgs(EngineArgs):\n    g: bool = False\nclass Other:\n    h: int = 0\n"
+    )
+    assert field_names(source) == {"a", "g"}
+    assert field_names("class Elsewhere:\n    a: int = 1\n") == set()

