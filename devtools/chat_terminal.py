@@ -21,6 +21,8 @@ REPLY = "bot> "
 # A tool call as the client shows it: (tool, arguments, call id); and the prompt that asks for
 # its result.
 TOOL_CALL = re.compile(r"\[tool call: ([\w-]+) (\{.*\}) \((call_\w+)\)\]")
+# The note after a reply that ended on its length (finishReason length): not the reply's text.
+LENGTH_NOTE = re.compile(r"^\[the reply was cut at \d+ tokens, its length limit .*\]$", re.MULTILINE)
 
 
 def tool_prompt(name: str) -> str:
@@ -39,6 +41,7 @@ class Chat:
         self.child = pexpect.spawn(
             command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=120
         )
+        self.length_noted = False  # the last turn's reply ended on its length, and the terminal said so
         self.child.expect(r"\[connected; ")
         self.child.expect_exact(PROMPT)
 
@@ -52,11 +55,15 @@ class Chat:
         return match
 
     def turn(self, message: str) -> tuple[str, re.Match[str]]:
-        """Send a message (with stats on); what the terminal showed as the reply, and the stats."""
+        """Send a message (with stats on); what the terminal showed as the reply (without the
+        note that a reply was cut at its length: ``length_noted`` says whether it was there),
+        and the stats."""
         self.send(message)
         self.child.expect_exact(REPLY)
         match = self.expect(USAGE.pattern)
         shown = str(self.child.before).replace("\r\n", "\n")
+        shown, notes = LENGTH_NOTE.subn("", shown)
+        self.length_noted = bool(notes)
         self.child.expect_exact(PROMPT)
         return shown, match
 

@@ -65,7 +65,9 @@ def test_two_turns_stream_and_show_cached_tokens(
     )  # fmt: skip
     chats.append(chat)
     shown1, usage1 = chat.turn("Hello, who are you and what can you do?")
+    noted1 = chat.length_noted
     shown2, usage2 = chat.turn("Tell me more about the mountains in winter.")
+    noted2 = chat.length_noted
     prompt1, prompt2 = int(usage1[1]), int(usage2[1])
     assert prompt2 > prompt1 >= BLOCK_SIZE  # the second turn carries the first
     assert int(usage2[2]) >= prompt1 // BLOCK_SIZE * BLOCK_SIZE > 0  # the first prompt, from the prefix cache
@@ -78,8 +80,9 @@ def test_two_turns_stream_and_show_cached_tokens(
     assert [r["stream"] for r in requests] == [True, True]
     assert [r["systemPrompt"] for r in requests] == [system, system]
     assert [r["requestId"] for r in replies] == [r["requestId"] for r in requests]
-    for reply, shown, usage in zip(replies, (shown1, shown2), (usage1, usage2), strict=True):
+    for reply, shown, usage, noted in zip(replies, (shown1, shown2), (usage1, usage2), (noted1, noted2), strict=True):
         assert reply["usage"]["promptTokens"] == int(usage[1]) and reply["finishReason"] == usage[4]
+        assert noted == (reply["finishReason"] == "length")  # a cut reply is said to be cut
         streamed = "".join(d["delta"] for d in deltas if d["requestId"] == reply["requestId"])
         assert streamed and streamed.strip() == reply["reply"].strip()  # streamed, and adds up
         assert shown.strip() == reply["reply"].strip()  # the terminal shows the reply

@@ -504,7 +504,11 @@ class Service:
         elif key in runtime.messages:
             # Queued, or between its generations (its worker calls are out): it stops at the
             # next generation, which is not made.
-            logger.info("Cancelling request {} of {} (queued, or running worker calls)", log_ref(key), address)
+            logger.info(
+                "Cancelling queued request {} of {} (waiting for its turn or for its worker calls)",
+                log_ref(key),
+                address,
+            )
             runtime.cancelled.add(key)
         else:
             logger.info("Cancel for {} of {}: nothing in flight", log_ref(key), address)
