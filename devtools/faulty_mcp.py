@@ -62,6 +62,27 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
         send(json.dumps({"jsonrpc": "2.0", "id": request_id, "error": {"code": -32602, "message": "unknown tool"}}))
 
 
+# JSON-RPC error members of any shape a server may send, and what the model is told of each
+# (tests/unit/test_mcp_errors.py for stdio, tests/broker/test_mcp_mqtt_errors.py over MQTT).
+ERRORS: list[tuple[Any, str]] = [
+    ({"code": -32000, "message": "server busy"}, "Error: server busy"),
+    ({"code": -32603, "message": "boom"}, "Error: boom"),
+    ({"code": "oops", "message": "a code that is a string"}, "Error: a code that is a string"),
+    ({"code": None, "message": "a null code"}, "Error: a null code"),
+    ({"code": 1.5, "message": "a fractional code"}, "Error: a fractional code"),
+    ({"code": 7}, "JSON-RPC error (code 7)"),
+    ({"code": 7, "message": 12}, "JSON-RPC error (code 7)"),
+    ({"code": 1, "message": "list data", "data": [1, {"a": None}, "x"]}, "Error: list data"),
+    ({"code": 1, "message": "text data", "data": "details"}, "Error: text data"),
+    ({"code": 1, "message": "number data", "data": 3.5}, "Error: number data"),
+    ({"code": 1, "message": "null data", "data": None}, "Error: null data"),
+    ({"code": 1, "message": "x" * 200_000}, "Error: " + "x" * 1000 + "…"),
+    ("just a string", "JSON-RPC error (code -32603)"),
+    (None, "JSON-RPC error (code -32603)"),
+    ([1, 2], "JSON-RPC error (code -32603)"),
+]
+
+
 def main() -> None:
     for line in sys.stdin:
         try:

@@ -11,23 +11,19 @@ surrogate escape reaches the model repaired (tests/unit/test_tool_results.py: th
 from __future__ import annotations
 
 import asyncio
-import sys
 import time
 import uuid
 from collections.abc import Awaitable, Callable
-from pathlib import Path
 
 from loguru import logger
 
+from devtools.faulty_mcp import ERRORS
 from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import transport_on
 from worker.config.models import McpMqttConfig
 from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.port import CallContext, ToolOutcome
-
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "unit"))
-from test_mcp_errors import ERRORS
 
 CTX = CallContext("req-1", "req-1:0:0", "alice/s1")
 OBJECT = {"type": "object"}

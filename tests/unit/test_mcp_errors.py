@@ -19,6 +19,7 @@ import pytest
 from loguru import logger
 
 from devtools import REPO
+from devtools.faulty_mcp import ERRORS
 from worker.config.models import McpServerConfig
 from worker.system.logs import InterceptHandler
 from worker.tools.mcp import McpServerTools
@@ -28,23 +29,6 @@ FAULTY = [sys.executable, str(REPO / "devtools" / "faulty_mcp.py")]
 CTX = CallContext("req-1", "req-1:0:0", "alice/s1")
 
 # (the JSON-RPC error member the server answers, what the model's result must say)
-ERRORS: list[tuple[Any, str]] = [
-    ({"code": -32000, "message": "server busy"}, "Error: server busy"),
-    ({"code": -32603, "message": "boom"}, "Error: boom"),
-    ({"code": "oops", "message": "a code that is a string"}, "Error: a code that is a string"),
-    ({"code": None, "message": "a null code"}, "Error: a null code"),
-    ({"code": 1.5, "message": "a fractional code"}, "Error: a fractional code"),
-    ({"code": 7}, "JSON-RPC error (code 7)"),
-    ({"code": 7, "message": 12}, "JSON-RPC error (code 7)"),
-    ({"code": 1, "message": "list data", "data": [1, {"a": None}, "x"]}, "Error: list data"),
-    ({"code": 1, "message": "text data", "data": "details"}, "Error: text data"),
-    ({"code": 1, "message": "number data", "data": 3.5}, "Error: number data"),
-    ({"code": 1, "message": "null data", "data": None}, "Error: null data"),
-    ({"code": 1, "message": "x" * 200_000}, "Error: " + "x" * 1000 + "…"),
-    ("just a string", "JSON-RPC error (code -32603)"),
-    (None, "JSON-RPC error (code -32603)"),
-    ([1, 2], "JSON-RPC error (code -32603)"),
-]
 
 
 def run(scenario: Any) -> None:
