@@ -26,6 +26,7 @@ from pydantic.json_schema import JsonSchemaMode
 
 from ..config.models import GenerationConfig, LimitsConfig
 from ..schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+from .images import CONTENT_PARTS, MEDIA_TYPES
 from .messages import (
     ChatReply,
     ChatRequest,
@@ -184,9 +185,32 @@ def _objects(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [node for node in nodes if node.get("type") == "object"]
 
 
+def _with_content_parts(schema: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``message``: text, or OpenAI content parts, which parse_chat_request
+    turns into the text and the images the request model keeps (so the model's own schema
+    says text only)."""
+    parts = CONTENT_PARTS.json_schema(ref_template="#/$defs/{model}")
+    schema.setdefault("$defs", {}).update(parts.pop("$defs"))
+    parts["minItems"] = 1
+    schema["properties"]["message"] = {
+        "anyOf": [{"type": "string"}, parts],
+        "description": "The user's message: text (not empty, unless the request carries images), or a list "
+        "of OpenAI content parts, text and image_url (a data: URL of " + ", ".join(MEDIA_TYPES) + ").",
+    }
+    # An empty text only beside images.
+    schema["anyOf"] = [
+        {"required": ["images"]},
+        {"required": ["imageTopics"]},
+        {"properties": {"message": {"not": {"const": ""}}}},
+    ]
+    return schema
+
+
 def schema_for(payload: Payload) -> dict[str, Any]:
     mode: JsonSchemaMode = "validation" if payload.inbound else "serialization"
     generated = payload.model.model_json_schema(by_alias=True, mode=mode)
+    if payload.model is ChatRequest:
+        generated = _with_content_parts(generated)
     for node in _objects(generated):
         _tidy(node)
         if not payload.inbound:
