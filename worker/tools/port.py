@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from ..config.models import namespace_allowed
 from ..session import ToolSpec
 
 # ok; error (the tool said so); timeout; unavailable (not reachable, not listed); and, set by
@@ -118,7 +119,7 @@ class WorkerTool:
     source: str = ""  # where it runs, for logs and metrics: "mqtt", "mcp:<server>", "mcp-mqtt:<server>"
 
     def allows(self, user: str) -> bool:
-        return "*" in self.users or user in self.users
+        return namespace_allowed(self.users, user)
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
