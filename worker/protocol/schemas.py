@@ -24,7 +24,7 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from ..config.models import GenerationConfig, LimitsConfig
+from ..config.models import GenerationConfig, LimitsConfig, VisionConfig
 from ..schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
 from .images import CONTENT_PARTS, MEDIA_TYPES
 from .messages import (
@@ -68,7 +68,7 @@ class Payload:
 
 def request_rules() -> str:
     """What the worker checks in a request beyond its schema (limits at their defaults)."""
-    generation, limits = GenerationConfig(), LimitsConfig()
+    generation, limits, vision = GenerationConfig(), LimitsConfig(), VisionConfig()
     return (
         "QoS 1, not retained (a retained request is ignored). A field that is absent or null takes the "
         "worker's configured default. Checked by the worker beyond this schema: the payload is UTF-8 JSON "
@@ -84,7 +84,13 @@ def request_rules() -> str:
         "limited (`rate_limited`) and so are pending ones (`busy`, `expired`). Tools: names are unique, "
         "`toolChoice` names a declared tool, `parameters` is checked like `responseFormat.schema` "
         "(`invalid_schema`, naming the tool), `toolResults` answer exactly the session's pending calls, each "
-        f"of at most `max_tool_result_bytes` bytes (default {limits.max_tool_result_bytes}; else `too_large`)."
+        f"of at most `max_tool_result_bytes` bytes (default {limits.max_tool_result_bytes}; else `too_large`). "
+        "Images: a payload with images may be up to `vision.max_request_bytes` bytes (default "
+        f"{vision.max_request_bytes}; else `too_large`); an `image_url` is a `data:` URL of a JPEG, PNG, GIF, "
+        "WebP or BMP image in strict base64, never fetched, and so is each `images` entry; at most "
+        f"`vision.max_images_per_request` images (default {vision.max_images_per_request}) with "
+        "`imageTopics`, each a topic the configuration's `[[vision.topics]]` lets the user namespace read; "
+        "a model without vision takes none (all `invalid_request`)."
     )
 
 
