@@ -50,7 +50,9 @@ class RecordingMessaging:
             done.set_result(None)
         return done
 
-    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
+    async def watch(
+        self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1, retain_as_published: bool = True
+    ) -> None:
         if self.watch_fails is not None:
             raise self.watch_fails
         self.handler = handler

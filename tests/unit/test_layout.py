@@ -78,6 +78,8 @@ PURE = [
     "worker.schemacheck",
     "worker.store.memory",
     "worker.intake.group",
+    "worker.protocol.images",
+    "worker.vision.topics",
 ]
 # What the pure modules must not load, even indirectly (the standard library's asyncio loads
 # socket and ssl, pydantic loads urllib: those are not checked at run time).
