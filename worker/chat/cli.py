@@ -50,6 +50,7 @@ from .client import (
     Ready,
     Refused,
 )
+from .images import read_image
 from .terminal import Terminal, budget_note, length_note, printable, usage_line
 from .tools import (
     Results,
@@ -165,6 +166,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--session", help="Session id: the conversation to join or resume. Default: a fresh one.")
     parser.add_argument("--message", help="Send this one message, print the reply and exit.")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="Send this image (JPEG, PNG, GIF, WebP or BMP) with the message (interactively: with the first); "
+        "again for more. The model must have vision.",
+    )
     parser.add_argument(
         "--show-stats", action="store_true", help="After each reply: tokens (cached), TTFT and latency (/verbose)."
     )
@@ -345,7 +354,12 @@ def one_shot(
     try:  # checked before anything waits
         if message is not None:
             request = client.request(
-                message, tools=tools.tools, tool_choice=tools.choice, worker_tools=tools.worker_tools, **common
+                message,
+                tools=tools.tools,
+                tool_choice=tools.choice,
+                worker_tools=tools.worker_tools,
+                images=[data for _, data in getattr(args, "images", ())],
+                **common,
             )
         else:
             request = client.request(
@@ -492,8 +506,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         args.max_tokens = ONE_SHOT_MAX_TOKENS
     if message is None and not interactive and not answering:
         message = sys.stdin.read().rstrip("\n")
-    if message is not None and not message.strip():
+    if message is not None and not message.strip() and not args.image:
         err("empty message")
+        return EXIT_USAGE
+    if args.image and answering:
+        err("--image goes with a message, not with --tool-result")
+        return EXIT_USAGE
+    try:  # read and checked before anything is sent: (file name, bytes)
+        args.images = [(path, read_image(path)) for path in args.image]
+    except ValueError as exc:
+        err(str(exc))
         return EXIT_USAGE
     pending = None
     if answering:
