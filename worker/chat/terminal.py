@@ -501,6 +501,7 @@ class Terminal:
     def send(self, text: str) -> None:
         # The session keeps the tools: sent with the first message, and again after a reset.
         tools = None if self.tools_sent else self.tools.tools
+        images: dict[str, Any] = {"images": [data for _, data in self.attached]} if self.attached else {}
         try:
             request_id = self.client.send(
                 text,
@@ -508,7 +509,7 @@ class Terminal:
                 tool_choice=self.tools.choice,
                 worker_tools=None if self.tools_sent else self.tools.worker_tools,
                 **self._request_fields(),
-                **({"images": [data for _, data in self.attached]} if self.attached else {}),
+                **images,
             )
         except ValueError as exc:
             self.note(f"not sent: {exc}")
