@@ -1,7 +1,7 @@
 """Images from the terminal client: ``/image FILE`` attaches a file to the next message,
 ``--image FILE`` to the one-shot message (or the first interactive one); a file that is not an
 image, or cannot be read, is said before anything is sent (no broker: the client's own rules;
-the one-shot client's request on a real broker: tests/broker/test_chat_images.py)."""
+the one-shot client's request on a real broker: tests/broker/test_chat_one_shot_images.py)."""
 
 from __future__ import annotations
 

@@ -270,6 +270,11 @@ def test_a_large_image_payload_without_vision_is_too_large() -> None:
 # -- configuration ---------------------------------------------------------------------------
 
 
+def test_the_limits_come_from_the_vision_section() -> None:
+    vision = VisionConfig(max_request_bytes=9000, max_images_per_request=2)
+    assert ImageLimits.of(vision) == ImageLimits(max_request_bytes=9000, max_images=2)
+
+
 def test_vision_topics_use_the_worker_tools_allowlist() -> None:
     entry = VisionTopicConfig(name="door", topic="frigate/front_door/+/snapshot", users=["alice"])
     assert entry.allows("alice") and not entry.allows("bob")

@@ -26,6 +26,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, TypeAdapter
 
+from ..config.models import VisionConfig
+
 # The raster formats a vision processor reads, by the bytes every file of the format starts
 # with (no SVG: a document, not an image; no TIFF or ICO: rarely sent, large parsers).
 MEDIA_TYPES = ("image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp")
@@ -69,6 +71,11 @@ class ImageLimits:
 
     max_request_bytes: int
     max_images: int
+
+    @classmethod
+    def of(cls, vision: VisionConfig) -> ImageLimits:
+        """The limits of the configuration's [vision] section."""
+        return cls(max_request_bytes=vision.max_request_bytes, max_images=vision.max_images_per_request)
 
 
 class ImageError(ValueError):
