@@ -156,6 +156,17 @@ def test_text_requests_are_as_before_and_carry_no_images() -> None:
     assert refused(text).code is ErrorCode.TOO_LARGE
 
 
+def test_a_lone_surrogate_is_bad_json_with_or_without_images() -> None:
+    """The check of every string is skipped only for a payload without a \\u escape."""
+    for data in (
+        b'{"message": "\\ud800"}',
+        b'{"message": "x", "images": ["' + b64(picture()).encode() + b'"], "k\\udfff": 1}',
+    ):
+        error = refused(data)
+        assert (error.code, error.message) == (ErrorCode.BAD_JSON, "payload has a string that is not valid Unicode")
+    assert parse(b'{"message": "caf\\u00e9"}').message == "caf\u00e9"
+
+
 def test_usage_counts_image_tokens_apart_and_only_when_there_are_some() -> None:
     assert "imageTokens" not in json.loads(Usage(prompt_tokens=5, completion_tokens=1, cached_tokens=0).to_json())
     usage = Usage(prompt_tokens=500, completion_tokens=1, cached_tokens=0, image_tokens=480)

