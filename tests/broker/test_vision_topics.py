@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import base64
 import io
+import re
 import time
 import uuid
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,7 +20,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 from PIL import Image
 
-from devtools.mosquitto import Mosquitto
+from devtools import REPO
+from devtools.acl import PASSWORDS, documented_acl
+from devtools.mosquitto import Mosquitto, password_file
 from devtools.mqtt_client import Client, transport_on
 from worker.config.models import VisionConfig, VisionTopicConfig
 from worker.protocol.messages import ErrorCode, RequestError
@@ -196,3 +200,48 @@ def test_a_topic_not_allowed_gets_the_same_words_as_one_that_does_not_exist(
             topics.close()
 
     run(main())
+
+
+def documented_camera_acl() -> str:
+    """The ```acl block of docs/security.md's "Images" section (its camera topics)."""
+    section = (REPO / "docs" / "security.md").read_text().split("\n## Images", 1)[1].split("\n## ", 1)[0]
+    match = re.search(r"```acl\n(.*?)```", section, re.S)
+    assert match, "docs/security.md: no ```acl block in the Images section"
+    return match.group(1)
+
+
+def test_the_camera_acl_recipe_lets_only_the_camera_publish_snapshots(tmp_path: Path) -> None:
+    """docs/security.md's camera block, added to the topic ACL: the worker reads Frigate's
+    snapshot; alice's own "snapshot" on the camera's topic never reaches it."""
+    users = PASSWORDS | {"frigate": "frigate-secret"}
+    acl = tmp_path / "acl"
+    acl.write_text(documented_acl() + "\n" + documented_camera_acl())
+    passwd = password_file(tmp_path / "passwd", users)
+    broker = Mosquitto(
+        tmp_path, f"allow_anonymous false\npassword_file {passwd}\nacl_file {acl}\n", keep_root=True, autosave="default"
+    )
+    broker.start()
+    door = "frigate/front_door/person/snapshot"
+    frigate = Client(broker.port, [], login=("frigate", users["frigate"]))
+    alice = Client(broker.port, [], login=("alice", users["alice"]))
+    login = {"username": "worker", "password": users["worker"], "status_topic": "chat/_worker/gpu-1/status"}
+
+    async def main() -> None:
+        async with transport_on(broker.port, **login) as transport:
+            topics = VisionTopics(config("frigate", max_age=60), transport)
+            await topics.start()
+            waiting = asyncio.ensure_future(topics.images("alice", [door]))
+            await until(lambda: door in topics._waiters)
+            await publish(alice, door, snapshot((0, 0, 0)))  # refused by the broker (acknowledged first)
+            real = snapshot((250, 250, 250))
+            await publish(frigate, door, real, retain=True)
+            (image,) = await waiting
+            assert image.data == real
+            topics.close()
+
+    try:
+        run(main())
+    finally:
+        frigate.close()
+        alice.close()
+        broker.stop()
