@@ -110,6 +110,25 @@ def test_an_image_picked_or_pasted_goes_with_the_message_and_shows_as_a_thumbnai
     wait(browser, lambda d: thumbs(d, "#transcript .bubble.user img.thumb") == [128], "the sent image's thumbnail", 10)
     assert browser.find_element("css selector", "#transcript .bubble.user").text == "Who is at the door?"
     assert not browser.find_element("id", "attachments").is_displayed()
+    # The reply's image tokens are counted apart.
+    requests.publish(
+        f"{PREFIX}/webuser/{session}/reply",
+        {
+            "sessionId": session,
+            "requestId": request["requestId"],
+            "reply": "Nobody.",
+            "finishReason": "stop",
+            "usage": {"promptTokens": 400, "completionTokens": 3, "cachedTokens": 0, "imageTokens": 380},
+            "latency": {"queueMs": 1.0, "ttftMs": 50.0, "totalMs": 900.0},
+        },
+    )
+    meta = "#transcript article .meta"
+    wait(
+        browser,
+        lambda d: "400 prompt tokens (0 cached, 380 of images)" in d.find_element("css selector", meta).text,
+        "usage",
+        10,
+    )
 
     # Pasted into the message box, and sent without text.
     pasted = picture((0, 0, 220), "PNG", (40, 80))

@@ -16,7 +16,8 @@ from PIL import Image
 from devtools.fakes import Sent
 from worker.chat.cli import main
 from worker.chat.images import MAX_IMAGE_FILE_BYTES, read_image
-from worker.chat.terminal import InputLine, Terminal
+from worker.chat.terminal import InputLine, Terminal, usage_line
+from worker.protocol.messages import ChatReply, Latency, Usage
 
 
 def image_file(path: Path, fmt: str = "PNG") -> Path:
@@ -103,3 +104,15 @@ def test_image_flags_that_cannot_be_used_exit_2_before_connecting(
     argv = [arg.replace("{text}", str(text)).replace("{png}", str(png)) for arg in args]
     assert main([*argv, "--mqtt-port", "1"], environ={}) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_the_usage_line_counts_image_tokens_when_there_are_some() -> None:
+    def line(image_tokens: int | None) -> str:
+        usage = Usage(prompt_tokens=400, completion_tokens=6, cached_tokens=96, image_tokens=image_tokens)
+        latency = Latency(queue_ms=1, ttft_ms=50, total_ms=900)
+        return usage_line(
+            ChatReply(session_id="s", request_id="r", reply="x", finish_reason="stop", usage=usage, latency=latency)
+        )
+
+    assert line(380).startswith("prompt 400 tokens (96 cached, 380 of images), reply 6 tokens")
+    assert line(None).startswith("prompt 400 tokens (96 cached), reply 6 tokens")

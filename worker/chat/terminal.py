@@ -111,7 +111,9 @@ def length_note(reply: ChatReply, max_tokens: int | None) -> str:
 def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:
     usage, latency = reply.usage, reply.latency
     text = (
-        f"prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached), reply {usage.completion_tokens} "
+        f"prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached"
+        + (f", {usage.image_tokens} of images" if usage.image_tokens else "")
+        + f"), reply {usage.completion_tokens} "
         f"tokens, ttft {latency.ttft_ms:.0f} ms, total {latency.total_ms:.0f} ms"
     )
     if round_trip_ms is not None:

@@ -419,7 +419,9 @@
     const l = turn.latency || {};
     const reasoningPart = u.reasoningTokens ? `, ${u.reasoningTokens} reasoning` : "";
     meta.textContent =
-      `${turn.finishReason} · ${u.promptTokens} prompt tokens (${u.cachedTokens} cached) · ` +
+      `${turn.finishReason} · ${u.promptTokens} prompt tokens (${u.cachedTokens} cached` +
+      (u.imageTokens ? `, ${u.imageTokens} of images` : "") +
+      `) · ` +
       `${u.completionTokens} completion${reasoningPart} · first token ${fmtMs(l.ttftMs)}, ` +
       `total ${fmtMs(l.totalMs)} in the worker (queue ${fmtMs(l.queueMs)})` +
       (turn.roundTripMs ? ` · ${fmtMs(turn.roundTripMs)} here` : "");
