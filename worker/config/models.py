@@ -23,6 +23,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -967,17 +968,21 @@ class WorkerConfig(Section):
     tools: ToolsConfig = ToolsConfig()
     vision: VisionConfig = VisionConfig()
 
-    @model_validator(mode="after")
-    def _vision_topics_outside_the_workers(self) -> WorkerConfig:
+    @field_validator("vision")
+    @classmethod
+    def _vision_topics_outside_the_workers(cls, vision: VisionConfig, info: ValidationInfo) -> VisionConfig:
         # A vision topic under the worker's prefix would let a session read other sessions'
-        # requests and replies as "images".
-        own = self.mqtt.topic_prefix + "/#"
-        for entry in self.vision.topics:
+        # requests and replies as "images". (mqtt is validated before vision: declared first.)
+        mqtt = info.data.get("mqtt")
+        if mqtt is None:
+            return vision
+        own = mqtt.topic_prefix + "/#"
+        for entry in vision.topics:
             if _filters_overlap(entry.topic, own):
                 raise ValueError(
                     f"vision topic {entry.name!r} ({entry.topic}) overlaps the worker's own topics ({own})"
                 )
-        return self
+        return vision
 
     @property
     def effective_worker_id(self) -> str:
