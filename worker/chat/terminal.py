@@ -33,7 +33,7 @@ from .client import (
     Unreadable,
     WorkerStatus,
 )
-from .tools import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
+from .tool_calling import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
 
 PROMPT = "you> "
 REPLY = "bot> "
