@@ -23,7 +23,7 @@ import base64
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from loguru import logger
@@ -83,7 +83,6 @@ class McpServerTools:
         self.health_interval = health_interval
         self._prefix = f"{config.name}_"
         self._tools: dict[str, tuple[WorkerTool, str]] = {}  # offered name -> (tool, the server's name)
-        self._listeners: list[Callable[[], None]] = []
         self._session: Any = None  # the SDK's ClientSession while the server is up
         self._supervisor: asyncio.Task[None] | None = None
         self._attempted = asyncio.Event()  # the first connection attempt ended (listed or failed)
@@ -98,9 +97,6 @@ class McpServerTools:
 
     def tools(self) -> Sequence[WorkerTool]:
         return [tool for tool, _ in self._tools.values()]
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        self._listeners.append(callback)
 
     async def start(self) -> None:
         if self._supervisor is None:
@@ -331,8 +327,6 @@ class McpServerTools:
         self._tools = offered
         if changed:
             logger.info("MCP server {} offers: {}", config.name, ", ".join(sorted(offered)) or "no tools")
-            for listener in self._listeners:
-                listener()
 
     async def _on_message(self, message: Any) -> None:
         """The SDK's message handler (in the session's task): a tools/list_changed makes the

@@ -10,7 +10,7 @@ that says so, and the turn goes on.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
@@ -165,9 +165,6 @@ class ToolProvider(Protocol):
         background: it never stops the worker from starting."""
 
     async def close(self) -> None: ...
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the event loop) whenever the tool list changed."""
 
 
 class Toolbox(Protocol):
