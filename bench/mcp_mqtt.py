@@ -2,19 +2,22 @@
 call cost, through a real mosquitto and the tests' MCP-over-MQTT server
 (devtools/mcp_mqtt_server.py) in its own process.
 
-    python -m bench.mcp_mqtt [--calls 1000] [--concurrency 16] [--repeat 3]
+    python -m bench.mcp_mqtt [--calls 1000] [--concurrency 16] [--repeat 3] [--provider MODULE:CLASS]
 
 Per repeat, a fresh provider on the worker's own MqttTransport (the Messaging port):
 ``list``: from start() to the server's tools offered (presence, initialize, initialized,
 tools/list); ``serial``: ``--calls`` calls of ``add`` one after another (the round trip);
 ``concurrent``: as many again, ``--concurrency`` at a time. Printed: the median over the
 repeats, as JSON (the numbers behind the comment in worker/tools/mcp_mqtt.py).
+``--provider bench.mcp_mqtt_sdk:SdkMcpOverMqtt`` measures the same on the official MCP SDK's
+ClientSession instead of the provider's own JSON-RPC.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib
 import json
 import statistics
 import subprocess
@@ -36,10 +39,10 @@ from worker.tools.port import CallContext, ToolOutcome
 CTX = CallContext("bench", "bench:0:0", "bench/s1")
 
 
-async def one_repeat(port: int, name: str, calls: int, concurrency: int) -> dict[str, float]:
+async def one_repeat(port: int, name: str, calls: int, concurrency: int, provider_class: Any) -> dict[str, float]:
     async with transport_on(port) as messaging:
         config = McpMqttConfig(server_filter=name, users=["*"], timeout=30)
-        provider = McpOverMqtt(config, messaging, f"bench-{uuid.uuid4().hex[:6]}")
+        provider = provider_class(config, messaging, f"bench-{uuid.uuid4().hex[:6]}")
         tool = name.replace("/", "_") + "_add"
         started = time.perf_counter()
         await provider.start()
@@ -78,7 +81,14 @@ def main() -> int:
     parser.add_argument("--calls", type=int, default=1000)
     parser.add_argument("--concurrency", type=int, default=16)
     parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument(
+        "--provider", help="module:class of another provider to measure (default: worker.tools.mcp_mqtt's)"
+    )
     args = parser.parse_args()
+    provider_class: Any = McpOverMqtt
+    if args.provider:
+        module, _, attribute = args.provider.partition(":")
+        provider_class = getattr(importlib.import_module(module), attribute)
     logger.remove()  # the transport logs every packet at DEBUG
     logger.add(sys.stderr, level="WARNING")
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,9 +101,10 @@ def main() -> int:
         )
         try:
             # A first, short round, not counted: the server process starts and goes online.
-            asyncio.run(one_repeat(broker.port, name, 50, args.concurrency))
+            asyncio.run(one_repeat(broker.port, name, 50, args.concurrency, provider_class))
             runs = [
-                asyncio.run(one_repeat(broker.port, name, args.calls, args.concurrency)) for _ in range(args.repeat)
+                asyncio.run(one_repeat(broker.port, name, args.calls, args.concurrency, provider_class))
+                for _ in range(args.repeat)
             ]
         finally:
             server.terminate()

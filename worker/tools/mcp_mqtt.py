@@ -1,7 +1,21 @@
 """MCP servers discovered on the broker, as worker tools (``[tools.mcp_mqtt]``): EMQX's "MCP
 over MQTT" (https://docs.emqx.com/en/emqx/latest/emqx-ai/mcp-over-mqtt/specification.html),
 the client side, on the worker's one broker connection through the Messaging port only (no
-paho, no MCP SDK: the JSON-RPC messages are few and plain).
+paho, no MCP SDK: the JSON-RPC messages are few and plain). What it offers of a server's tool
+list is decided as for [[tools.mcp]] (offer.ToolOffer: allow, the checks, the names).
+
+Why not the official SDK's ClientSession over memory streams fed by the RPC topic, as the
+stdio and HTTP servers use it (mcp.py): it is slower, measured. ``python -m bench.mcp_mqtt``
+(1,000 calls of ``add`` to devtools/mcp_mqtt_server.py through mosquitto, 2 shared CPU cores,
+load 5-15, five runs each, interleaved) against the same provider on SDK 2.3's ClientSession
+(bench/mcp_mqtt_sdk.py): one call at a time 4.4-8.2 ms (median 6.9) here, 10.5-12.0 ms
+(median 11.4) on the SDK; 16 at a time 121-221 calls/s (median 182) here, 101-123 (median
+103) on the SDK; discovery to tools offered 51-60 ms here, 56-104 on the SDK. Without a
+broker, in one process, the SDK's session costs 1.3 ms of CPU a call (pydantic models, its
+dispatcher, a result schema check), this module's JSON-RPC 0.06 ms. The SDK also refuses the
+error shapes and oversize answers this module ends as one call's ``error``; over MQTT it
+would need the repairs mcp.py gives stdio, and a transport that routes instances. Measure
+again with a new SDK.
 
 What is implemented, with ``R`` the configured ``topic_root`` ("$mcp" as the specification
 has it), ``C`` the worker's mcp-client-id (the ``client_id`` given), ``S`` a server's
