@@ -53,7 +53,7 @@ ADAPTERS: dict[str, set[str]] = {
     },
     "http": {"worker/web/__init__.py"},
     "urllib": {"worker/web/__init__.py"},
-    "subprocess": {"worker/prepare_model.py", "worker/chat/tools.py"},
+    "subprocess": {"worker/prepare_model.py", "worker/chat/tool_calling.py"},
     "ctypes": {"worker/system/children.py"},
 }
 # Importable without any of the libraries above: the logic, the wire and the ports.

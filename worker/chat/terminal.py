@@ -34,7 +34,7 @@ from .client import (
     WorkerStatus,
 )
 from .images import read_image
-from .tools import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
+from .tool_calling import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
 
 PROMPT = "you> "
 REPLY = "bot> "

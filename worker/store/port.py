@@ -98,12 +98,6 @@ def _tool(data: dict[str, Any]) -> ToolSpec:
     return ToolSpec(str(data["name"]), data.get("description"), data.get("parameters"), data.get("strict"))
 
 
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec]]:
-    """The system prompt, turns and tools of a stored state (see parse_session)."""
-    system_prompt, turns, tools, _ = parse_session(session, state)
-    return system_prompt, turns, tools
-
-
 def parse_session(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
     """The system prompt, turns, tools and worker tools (workerTools) of a stored state;
     SessionUnreadable when it is damaged. A state stored before tool calling (turns of user and assistant text) reads as
