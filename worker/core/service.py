@@ -45,13 +45,12 @@ from ..protocol.messages import (
 from ..protocol.packets import fit_answer
 from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from ..session import SessionHistory
-from ..store.memory import MemoryStore
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
 from ..tools.port import Toolbox
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .history import HistoryLimits, PromptRenderer
 from .ratelimit import RateLimiter
-from .sessions import SessionCache
+from .session_cache import SessionCache
 from .stats import StatsCollector
 from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
 
@@ -95,7 +94,7 @@ class Service:
         renderer: PromptRenderer,
         transport: Transport,
         stop_requested: Callable[[int], None],
-        store: HistoryStore | None = None,
+        store: HistoryStore,
         in_flight: InFlight | None = None,
         tools: ToolSupport | None = None,
         *,
@@ -107,7 +106,7 @@ class Service:
         self.transport = transport
         self.topics = Topics(config.mqtt.topic_prefix)
         self.worker_id = config.effective_worker_id
-        self.sessions = SessionCache(store or MemoryStore(), config.history.max_sessions)
+        self.sessions = SessionCache(store, config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
         self._runtime: dict[str, SessionRuntime] = {}
         self.rate_limiter = RateLimiter(config.limits.max_requests_per_user_per_minute)

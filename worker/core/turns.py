@@ -66,16 +66,7 @@ from ..session import (
 )
 from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool, cut_utf8, safe_text, utf8_size
 from ..transport.port import InboundMessage, Publisher
-from .history import (
-    HistoryLimits,
-    PromptRenderer,
-    ReasoningSplitter,
-    build_prompt,
-    split_reasoning,
-    user_message,
-)
-from .stats import StatsCollector
-from .tools import (
+from .calls import (
     MarkupHold,
     ToolPlan,
     apply_results,
@@ -90,6 +81,15 @@ from .tools import (
     rounds_in,
     specs_from_request,
 )
+from .history import (
+    HistoryLimits,
+    PromptRenderer,
+    ReasoningSplitter,
+    build_prompt,
+    split_reasoning,
+    user_message,
+)
+from .stats import StatsCollector
 
 
 @dataclass
@@ -150,7 +150,7 @@ WORKER_RESULT_CHARS = 1000
 
 
 class ProgressJournal(Protocol):
-    """Where a request's tool-loop progress is kept (core/sessions.py SessionCache)."""
+    """Where a request's tool-loop progress is kept (core/session_cache.py SessionCache)."""
 
     async def asave_progress(self, name: str, key: str, progress: Progress) -> None: ...
 
@@ -387,7 +387,7 @@ class TurnRunner:
         self.call_scope = call_scope
 
     def call_key(self, turn: PendingTurn) -> str:
-        """What the ids of the request's calls derive from (core/tools.py ``call_key``)."""
+        """What the ids of the request's calls derive from (core/calls.py ``call_key``)."""
         return call_key(self.call_scope, str(turn.address), turn.key)
 
     async def run(self, turn: PendingTurn, history: SessionHistory) -> TurnAnswer:
@@ -865,7 +865,7 @@ class TurnRunner:
     def _take_calls(
         self, turn: PendingTurn, plan: ToolPlan, outcome: Outcome, specs: list[ToolSpec], *, round_: int
     ) -> None:
-        """Parse the answer's calls with the model's parser and check them (core/tools.py):
+        """Parse the answer's calls with the model's parser and check them (core/calls.py):
         valid calls end the generation with finishReason tool_calls; markup that is no valid
         call leaves the text as it is, with the reason."""
         parser = self.tools.parser

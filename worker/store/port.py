@@ -42,7 +42,7 @@ class HistoryStore(Protocol):
     # one loaded it, so it is loaded again for every request.
     shared: bool
     # Its calls may wait (for a lock, a network): they run on the store's thread
-    # (core/sessions.py). False only for the memory store, whose calls are dict operations:
+    # (core/session_cache.py). False only for the memory store, whose calls are dict operations:
     # made on the event loop, as a hop to another thread would cost more than the call.
     waits: bool
 
