@@ -330,7 +330,7 @@ def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: A
     import shutil
 
     from devtools.tinymodel import qwen25_chat_template
-    from worker.core.turns import _Continuation
+    from worker.core.pending import Continuation as _Continuation
 
     model = tmp_path / "qwen"
     model.mkdir()

@@ -49,10 +49,11 @@ from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnava
 from ..tools.port import Toolbox
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .history import HistoryLimits, PromptRenderer
+from .pending import PendingTurn, ReplyTarget, SessionRuntime
 from .ratelimit import RateLimiter
 from .session_cache import SessionCache
 from .stats import StatsCollector
-from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
+from .turns import TurnRunner
 
 DISPATCH_TRIES = 60
 # At most this many messages waiting in the inbox are taken at once, their sessions read in one
@@ -128,10 +129,10 @@ class Service:
             publisher=transport,
             stats=self.stats,
             engine_died=stop_requested,
-            tools=tools,
+            tool_support=tools,
             max_tool_result_bytes=config.limits.max_tool_result_bytes,
             toolbox=toolbox,
-            tools_config=config.tools,
+            tool_limits=config.tools,
             journal=self.sessions,
             # A share group's members answer each other's redeliveries: the group, not the member.
             call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",
