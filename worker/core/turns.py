@@ -94,11 +94,11 @@ def reasoning_budget(request: ChatRequest, generation: GenerationConfig, *, stru
 @dataclass(frozen=True)
 class _Plan:
     """What one generation may do: the tools shown (``specs``), what the model may call
-    (``tools``), the parser of its calls, the start of the reply written for it (a forced
-    call's opening), and the grammar of its output."""
+    (``choice``: the request's toolChoice for this round), the parser of its calls, the start
+    of the reply written for it (a forced call's opening), and the grammar of its output."""
 
     specs: list[ToolSpec]
-    tools: ToolPlan
+    choice: ToolPlan
     parser: ToolParser | None
     prefill: str = ""
     structured: StructuredOutput | None = None
@@ -107,7 +107,7 @@ class _Plan:
         """What keeps call markup out of the stream: where calls may be made, and in the last
         round, whose calls are not taken either."""
         form = self.parser.format if self.parser is not None else None
-        if form is not None and (self.tools.offered or (final and self.specs)):
+        if form is not None and (self.choice.offered or (final and self.specs)):
             return MarkupHold(form)
         return None
 
@@ -233,14 +233,14 @@ class TurnRunner:
         """What the round's generation may call, and how a forced call is written."""
         request = rounds.pending.request
         specs = [*rounds.history.tools, *(tool.spec() for tool in rounds.worker.values())]
-        tools = plan_tools(request, specs, round_in_request=rounds.rounds, final=final)
+        choice = plan_tools(request, specs, round_in_request=rounds.rounds, final=final)
         structured = structured_output(request) if rounds.rounds == 0 else None
         parser = self.tool_support.parser
-        if tools.offered and parser is None:
+        if choice.offered and parser is None:
             unsupported = self.tool_support.unsupported or "tool calling is not available"
             raise RequestError(ErrorCode.INVALID_REQUEST, unsupported)
-        if not tools.forced:
-            return _Plan(specs, tools, parser, structured=structured)
+        if not choice.forced:
+            return _Plan(specs, choice, parser, structured=structured)
         assert parser is not None
         if parser.format is None:
             raise RequestError(
@@ -253,8 +253,8 @@ class TurnRunner:
         # history renders as the model was trained. A prompt that opened a think block has it
         # closed first (a forced call does not think).
         prefill = (f"{THINK_CLOSE}\n\n" if self.renderer.opens_reasoning else "") + parser.format.open
-        grammar = StructuredOutput(json_schema=forced_call_schema(tools.forced, parser.format))
-        return _Plan(specs, tools, parser, prefill, grammar)
+        grammar = StructuredOutput(json_schema=forced_call_schema(choice.forced, parser.format))
+        return _Plan(specs, choice, parser, prefill, grammar)
 
     async def _prompt(self, rounds: ToolRounds, plan: _Plan, max_tokens: int) -> tuple[list[int], str]:
         """The round's prompt: its token ids, and its text where a later round may continue it."""
@@ -276,7 +276,7 @@ class TurnRunner:
         # The text is needed only where a generation of the loop continues or may be continued:
         # a request whose calls all go to the client ends after its one generation.
         prompt_text = ""
-        if (plan.tools.offered and rounds.worker) or rounds.previous is not None:
+        if (plan.choice.offered and rounds.worker) or rounds.previous is not None:
             forms = [*history.messages(), *(m.template_form() for m in messages)]
             prompt_text = self.renderer.render_text(forms, add_generation_prompt=True, tools=tools)
         if rounds.previous is not None and not prompt.trims:
@@ -321,20 +321,20 @@ class TurnRunner:
             # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
             GenerationRequest(f"{turn.address}/{log_ref(turn.key)}/{next(self._ids)}", token_ids, sampling),
             reasoning_budget(request, generation, structured=plan.structured is not None),
-            stream=None if plan.tools.forced else rounds.stream,  # a forced reply is all call: no text to stream
+            stream=None if plan.choice.forced else rounds.stream,  # a forced reply is all call: no text to stream
             hold=plan.hold(final),
         )
         rounds.previous = None
         if prompt_text:
             seen = prompt_text + plan.prefill
-            forced = bool(plan.tools.forced)
+            forced = bool(plan.choice.forced)
             rounds.previous = Continuation(token_ids, seen, generated.raw_text, generated.token_ids, forced=forced)
         generated.text = self._answer(plan, generated, request)
         logger.debug("Reply {} of {}: {!r}", turn.key, turn.address, generated.text)
         if generated.finish_reason == "cancelled":
             return generated
-        if plan.tools.offered:
-            self._take_calls(turn, plan.tools, generated, plan.specs, round_=rounds.turn.rounds)
+        if plan.choice.offered:
+            self._take_calls(turn, plan.choice, generated, plan.specs, round_=rounds.turn.rounds)
         elif final and plan.specs and plan.parser is not None:
             self._drop_late_calls(turn, generated, plan.specs)
         return generated
@@ -342,7 +342,7 @@ class TurnRunner:
     def _answer(self, plan: _Plan, generated: Generated, request: ChatRequest) -> str:
         """The generated text as the answer: a forced call in the model's own markup; free
         text without its think block (kept in ``reasoning`` when the request asked for it)."""
-        if plan.tools.forced:
+        if plan.choice.forced:
             assert plan.parser is not None and plan.parser.format is not None
             form = plan.parser.format
             return form.open + escape_raw_controls(generated.text) + form.close
