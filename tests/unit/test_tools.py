@@ -16,8 +16,8 @@ import pytest
 
 from devtools.fakes import Harness
 from devtools.tinymodel import qwen25_chat_template
+from worker.core.calls import MarkupHold, check_calls, forced_call_schema
 from worker.core.history import HistoryLimits, build_prompt
-from worker.core.tools import MarkupHold, check_calls, forced_call_schema
 from worker.engine.port import ParsedTools, ToolSupport
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import TOOL_CALL_FORMATS, VllmToolParser, tool_support

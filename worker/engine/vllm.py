@@ -546,7 +546,7 @@ def warmup_steps(plan: WarmupPlan, *, max_batch: int, chunk_tokens: int, max_mod
     return steps
 
 
-# The call formats this worker can force (core/tools.py forced_call_schema), by vLLM parser.
+# The call formats this worker can force (core/calls.py forced_call_schema), by vLLM parser.
 TOOL_CALL_FORMATS = {
     "hermes": ToolCallFormat(
         open="<tool_call>\n", close="\n</tool_call>", arguments_key="arguments", markers=("<tool_call>",)

@@ -520,7 +520,7 @@ def check_tools(tools: list[ToolSpecIn]) -> None:
 
 def check_tool_results(results: list[ToolResult]) -> None:
     """Refuse an empty list or one that answers a call twice; whether each call is pending is
-    the session's to say (core/tools.py)."""
+    the session's to say (core/calls.py)."""
     if not results:
         raise RequestError(ErrorCode.INVALID_REQUEST, "'toolResults' is empty")
     seen: set[str] = set()
