@@ -21,7 +21,14 @@ from typing import Any
 from worker.config.models import WorkerConfig
 from worker.core.history import Tools
 from worker.core.service import Service
-from worker.engine.port import EngineInfo, EngineStats, GenerationRequest, GenerationUpdate, ToolSupport
+from worker.engine.port import (
+    EngineInfo,
+    EngineStats,
+    GenerationRequest,
+    GenerationUpdate,
+    ToolSupport,
+    VisionInfo,
+)
 from worker.protocol.messages import log_ref
 from worker.session import ChatMessage, SessionHistory
 from worker.store.memory import MemoryStore
@@ -66,13 +73,20 @@ def names(key: str, request: GenerationRequest) -> bool:
     return log_ref(key) in request.request_id or key in request.request_id
 
 
+IMAGE_TOKENS = 64  # what the FakeEngine counts for an image
+FAKE_VISION = VisionInfo(image_token_id=7, placeholder=(7,), max_images=8, max_pixels=None)
+
+
 class FakeEngine:
     """Generates ``w0 w1 ...`` up to the request's max_tokens, a token every 10 ms, ending
     "cancelled" once aborted; raises what ``fail`` names for a request; plays the deltas of
     ``script`` for the request it names. Records what it started and the most it ran at once."""
 
-    def __init__(self) -> None:
-        self.info = EngineInfo("fake", "0", "fake", max_model_len=4096, block_size=16, prefix_caching=True)
+    def __init__(self, vision: VisionInfo | None = None) -> None:
+        # vision: takes images (each placeholder one token, each image IMAGE_TOKENS tokens)
+        self.info = EngineInfo(
+            "fake", "0", "fake", max_model_len=4096, block_size=16, prefix_caching=True, vision=vision
+        )
         self.fail: dict[str, Exception] = {}  # message text -> what generate raises
         self.running = 0
         self.most_running = 0
@@ -114,7 +128,13 @@ class FakeEngine:
                     return
                 done = i + 1 == request.sampling.max_tokens
                 yield GenerationUpdate(
-                    f"w{i} ", i + 1, len(request.prompt_token_ids), 0, done, "length" if done else None
+                    f"w{i} ",
+                    i + 1,
+                    len(request.prompt_token_ids) + IMAGE_TOKENS * len(request.images),
+                    0,
+                    done,
+                    "length" if done else None,
+                    image_tokens=IMAGE_TOKENS * len(request.images),
                 )
         finally:
             self.running -= 1
@@ -271,6 +291,8 @@ class Harness:
         tools: ToolSupport | None = None,
         toolbox: Toolbox | None = None,
         tools_section: dict[str, Any] | None = None,
+        vision: dict[str, Any] | None = None,
+        vision_engine: bool = False,
         **limits: Any,
     ) -> None:
         config = WorkerConfig.model_validate(
@@ -281,9 +303,10 @@ class Harness:
                 "generation": generation or {},
                 "history": history or {},
                 "tools": tools_section or {},
+                "vision": vision or {},
             }
         )
-        self.engine = FakeEngine()
+        self.engine = FakeEngine(FAKE_VISION if vision_engine else None)
         self.transport = MemoryTransport()
         self.stop_codes: list[int] = []
         self.service = Service(

@@ -108,15 +108,62 @@ class _Message:
     __hash__ = None  # type: ignore[assignment]
 
 
+@dataclass(frozen=True)
+class ImageRef:
+    """An image of a user message: its content hash (the key of its bytes in the session,
+    ``SessionHistory.images``, and its identifier for the engine's caches), its type, and where
+    it stands in the message's text (``offset``, in characters)."""
+
+    sha256: str
+    media_type: str
+    offset: int = 0
+
+    def part(self) -> dict[str, Any]:
+        # The chat templates of vision models (Qwen2-VL, Qwen3-VL) render an "image" part as
+        # the model's image placeholder; they read its type only. The hash and the type ride
+        # along for the store (message_from_dict reads them back).
+        return {"type": "image", "sha256": self.sha256, "mediaType": self.media_type}
+
+
+@dataclass(frozen=True)
+class StoredImage:
+    """An image's bytes as the client (or a topic) sent them, kept once per session by hash."""
+
+    data: bytes
+    media_type: str
+
+    def __repr__(self) -> str:  # never the bytes
+        return f"StoredImage({self.media_type}, {len(self.data)} bytes)"
+
+
 @dataclass(frozen=True, eq=False)
 class UserMessage(_Message):
-    """The message that opens a turn."""
+    """The message that opens a turn, with its images (their bytes are the session's)."""
 
     content: str
+    images: tuple[ImageRef, ...] = ()
     role: ClassVar[str] = "user"
 
+    def ordered_images(self) -> list[ImageRef]:
+        """The images in the order the prompt shows them (by offset; stable among equals)."""
+        return sorted(self.images, key=lambda i: i.offset)
+
     def template_form(self) -> ChatMessage:
-        return {"role": "user", "content": self.content}
+        if not self.images:
+            return {"role": "user", "content": self.content}
+        # Content parts: the text cut at each image's offset, the image parts between. The
+        # text parts joined again are the content (as message_from_dict reads them).
+        parts: list[dict[str, Any]] = []
+        at = 0
+        for image in self.ordered_images():
+            offset = min(max(image.offset, at), len(self.content))
+            if offset > at:
+                parts.append({"type": "text", "text": self.content[at:offset]})
+            parts.append(image.part())
+            at = offset
+        if at < len(self.content):
+            parts.append({"type": "text", "text": self.content[at:]})
+        return {"role": "user", "content": parts}
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,7 +200,10 @@ Message = UserMessage | AssistantMessage | ToolResultMessage
 def message_from_dict(data: ChatMessage) -> Message:
     """A message from its template form (how the stores keep it). TypeError or KeyError for
     a dict that is no message of a turn."""
-    role, content = data["role"], str(data.get("content") or "")
+    role, raw = data["role"], data.get("content")
+    if role == "user" and isinstance(raw, list):
+        return _user_parts(raw)
+    content = str(raw or "")
     if role == "user":
         return UserMessage(content)
     if role == "assistant":
@@ -165,6 +215,20 @@ def message_from_dict(data: ChatMessage) -> Message:
     if role == "tool":
         return ToolResultMessage(str(data["tool_call_id"]), str(data.get("name") or ""), content)
     raise TypeError(f"a turn holds no message of role {str(role)[:40]!r}")
+
+
+def _user_parts(parts: list[Any]) -> UserMessage:
+    """A user message stored as content parts (UserMessage.template_form): its text and images."""
+    text, images = "", []
+    for part in parts:
+        kind = part["type"]
+        if kind == "text":
+            text += str(part["text"])
+        elif kind == "image":
+            images.append(ImageRef(str(part["sha256"]), str(part["mediaType"]), len(text)))
+        else:
+            raise TypeError(f"a user message holds no part of type {str(kind)[:40]!r}")
+    return UserMessage(text, tuple(images))
 
 
 def as_message(message: Message | ChatMessage) -> Message:
@@ -240,6 +304,10 @@ class Turn:
     def template_forms(self) -> list[ChatMessage]:
         return [m.template_form() for m in self.messages]
 
+    def images(self) -> list[ImageRef]:
+        """The turn's images, in prompt order."""
+        return [i for m in self.messages if isinstance(m, UserMessage) for i in m.ordered_images()]
+
     def copy(self) -> Turn:
         """A copy to add to (the messages themselves never change: they are shared)."""
         return Turn(self.key, list(self.messages))
@@ -258,6 +326,19 @@ class SessionHistory:
     # The worker's own tools the session chose (workerTools): names, or ["*"] for all its
     # namespace may use. Resolved against the toolbox at each turn.
     worker_tools: list[str] = field(default_factory=list)
+    # The bytes of the kept turns' images, by content hash: each image once, however many
+    # turns show it. Only what a kept turn refers to is stored (kept_images).
+    images: dict[str, StoredImage] = field(default_factory=dict)
+
+    def image_refs(self, turns: Sequence[Turn] | None = None) -> list[ImageRef]:
+        """The images of the turns (default: the kept turns), in prompt order."""
+        return [ref for turn in (self.turns if turns is None else turns) for ref in turn.images()]
+
+    def kept_images(self, turns: Sequence[Turn] | None = None) -> dict[str, StoredImage]:
+        """The stored images the turns (default: the kept turns) refer to: a trimmed turn's
+        image goes with it unless a kept turn shows it too."""
+        refs = self.image_refs(turns)
+        return {ref.sha256: self.images[ref.sha256] for ref in refs if ref.sha256 in self.images}
 
     @property
     def open_turn(self) -> Turn | None:
@@ -287,7 +368,12 @@ class SessionHistory:
         if turns and self.open_turn is not None:
             turns[-1] = turns[-1].copy()
         return SessionHistory(
-            self.system_prompt, turns, list(self.tools), self.answered.copy(), list(self.worker_tools)
+            self.system_prompt,
+            turns,
+            list(self.tools),
+            self.answered.copy(),
+            list(self.worker_tools),
+            dict(self.images),
         )
 
     def remember_answer(self, key: str, reply_payload: bytes) -> None:
@@ -302,6 +388,7 @@ class SessionHistory:
         self.turns.clear()
         self.tools.clear()
         self.worker_tools.clear()
+        self.images.clear()
         self.system_prompt = None
         for key in self.answered:
             self.answered[key] = None

@@ -29,6 +29,7 @@ from .store.port import HistoryStore
 from .tools.mqtt import response_topic_for
 from .tools.toolbox import WorkerToolbox, build_toolbox
 from .transport.mqtt import MqttSettings, MqttTransport
+from .vision.topics import VisionTopics
 
 TOOLS_CONNECT_WAIT = 10.0  # seconds start_tools waits for the broker connection
 
@@ -42,6 +43,7 @@ class Parts:
     intake: Intake | None
     service: Service
     toolbox: WorkerToolbox | None = None
+    vision_topics: VisionTopics | None = None
 
     async def start(self, resources: contextlib.AsyncExitStack) -> None:
         """``join_group``, ``connect``, then ``start_tools``."""
@@ -73,15 +75,22 @@ class Parts:
     async def start_tools(self, resources: contextlib.AsyncExitStack) -> None:
         """The worker's own tools, once the transport is started: device tools watch their
         response topic, MCP servers are started and listed (a server that is down is retried
-        in the background, never a failed start). Closed before the transport."""
-        if self.toolbox is None:
+        in the background, never a failed start); and the vision topics ([[vision.topics]]),
+        where some are configured, are watched for their latest images. Closed before the
+        transport."""
+        if self.toolbox is None and self.vision_topics is None:
             return
-        resources.push_async_callback(self.toolbox.close)
-        # Connected first where the broker answers soon: the device tools' response topic is
-        # then subscribed at once (else on the connect, before any call can be sent).
+        # Connected first where the broker answers soon: the device tools' response topic and
+        # the vision topics are then subscribed at once (else on the connect).
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(self.transport.wait_connected(), TOOLS_CONNECT_WAIT)
-        await self.toolbox.start()
+        if self.vision_topics is not None:
+            vision_topics = self.vision_topics
+            resources.callback(vision_topics.close)
+            await vision_topics.start()
+        if self.toolbox is not None:
+            resources.push_async_callback(self.toolbox.close)
+            await self.toolbox.start()
 
 
 def wire(
@@ -111,7 +120,19 @@ def wire(
         intake = Intake.for_group(config, transport, topics, instance, stop_requested, in_flight.room)
     # Device tools answer on the worker's own topic; MCP servers on the broker know it by its id.
     toolbox = build_toolbox(config.tools, transport, response_topic_for(topics.prefix, worker_id), worker_id)
+    # Watched only where topics are configured (and the model takes images: else every request
+    # naming one is refused before its topics are read).
+    vision_topics = VisionTopics(config.vision, transport) if config.vision.topics and engine.info.vision else None
     service = Service(
-        config, engine, renderer, intake or transport, stop_requested, store, in_flight, tools, toolbox=toolbox
+        config,
+        engine,
+        renderer,
+        intake or transport,
+        stop_requested,
+        store,
+        in_flight,
+        tools,
+        toolbox=toolbox,
+        vision_topics=vision_topics,
     )
-    return Parts(transport, intake, service, toolbox)
+    return Parts(transport, intake, service, toolbox, vision_topics)

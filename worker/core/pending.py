@@ -78,6 +78,7 @@ class Generated:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    image_tokens: int = 0  # of prompt_tokens, those the prompt's images took
     reasoning: str | None = None  # the think block, when the request asked for it
     reasoning_tokens: int | None = None  # completion tokens spent reasoning (a model that thinks)
     tool_calls: tuple[ToolCall, ...] = ()  # calls for the client to run (finish_reason tool_calls)

@@ -30,6 +30,7 @@ from ..protocol.messages import TOOL_CALLS, ErrorCode, RequestError, RoundOut, l
 from ..session import (
     UNKNOWN_RESULT,
     AssistantMessage,
+    ImageRef,
     Progress,
     SessionHistory,
     ToolCall,
@@ -137,6 +138,7 @@ class ToolRounds:
             prompt_tokens=sum(g.prompt_tokens for g in every) or last.prompt_tokens,
             completion_tokens=sum(g.completion_tokens for g in every) or last.completion_tokens,
             cached_tokens=sum(g.cached_tokens for g in every) or last.cached_tokens,
+            image_tokens=sum(g.image_tokens for g in every) or last.image_tokens,
             worker_calls=worker_calls,
             rounds=self.round_outs if worker_calls else [],
         )
@@ -170,8 +172,11 @@ class ToolRounds:
         return self._commit(last)
 
 
-async def start_rounds(runner: Runner, pending: PendingTurn, history: SessionHistory) -> TurnAnswer:
-    """Find the turn the request works on, and run its rounds."""
+async def start_rounds(
+    runner: Runner, pending: PendingTurn, history: SessionHistory, images: tuple[ImageRef, ...] = ()
+) -> TurnAnswer:
+    """Find the turn the request works on, and run its rounds. ``images``: those of the
+    request's message (their bytes are in ``history.images``)."""
     worker = runner.worker_calls.offered(history, pending.address.user)
     progress = await runner.worker_calls.load_progress(pending, history)
     open_turn = history.open_turn
@@ -183,7 +188,7 @@ async def start_rounds(runner: Runner, pending: PendingTurn, history: SessionHis
     if progress is not None:
         turn = _resumed(runner, pending, history, worker, progress)
     else:
-        turn, approved = _request_turn(runner, pending, history)
+        turn, approved = _request_turn(runner, pending, history, images)
     stream = runner.delta_stream(pending) if pending.request.stream else None
     rounds = ToolRounds(
         runner, pending, history, worker, turn, Progress(turn, progress.calls if progress else {}), start, stream
@@ -196,7 +201,9 @@ async def start_rounds(runner: Runner, pending: PendingTurn, history: SessionHis
     return await rounds.run(approved)
 
 
-def _request_turn(runner: Runner, pending: PendingTurn, history: SessionHistory) -> tuple[Turn, list[ToolCall]]:
+def _request_turn(
+    runner: Runner, pending: PendingTurn, history: SessionHistory, images: tuple[ImageRef, ...] = ()
+) -> tuple[Turn, list[ToolCall]]:
     """The turn this request adds to, taken out of ``history.turns`` (which keeps the closed
     turns while the prompt is built), and the worker calls the client approved, to run first.
 
@@ -214,7 +221,7 @@ def _request_turn(runner: Runner, pending: PendingTurn, history: SessionHistory)
     if open_turn is not None:
         close_unanswered(open_turn)
     assert request.message is not None
-    return Turn(pending.key, [UserMessage(request.message)]), []
+    return Turn(pending.key, [UserMessage(request.message, images)]), []
 
 
 def _resumed(

@@ -27,6 +27,7 @@ from loguru import logger
 
 from ..config.models import WorkerConfig
 from ..engine.port import Engine, EngineDead, ToolSupport
+from ..protocol.images import ImageLimits, may_carry_images
 from ..protocol.messages import (
     ChatRequest,
     ControlReply,
@@ -48,6 +49,7 @@ from ..session import SessionHistory
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
 from ..tools.port import Toolbox
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
+from ..vision.topics import VisionTopics
 from .history import HistoryLimits, PromptRenderer
 from .pending import PendingTurn, ReplyTarget, SessionRuntime
 from .ratelimit import RateLimiter
@@ -100,8 +102,13 @@ class Service:
         tools: ToolSupport | None = None,
         *,
         toolbox: Toolbox | None = None,
+        vision_topics: VisionTopics | None = None,
     ) -> None:
         self.config = config
+        # A request with images is parsed within the [vision] limits where the model takes
+        # images; elsewhere it is refused with invalid_request, naming the model.
+        self.image_limits = ImageLimits.of(config.vision) if engine.info.vision is not None else None
+        self.vision_topics = vision_topics
         self.engine = engine
         self.renderer = renderer
         self.transport = transport
@@ -133,6 +140,8 @@ class Service:
             max_tool_result_bytes=config.limits.max_tool_result_bytes,
             toolbox=toolbox,
             tool_limits=config.tools,
+            vision_topics=vision_topics,
+            vision=config.vision,
             journal=self.sessions,
             # A share group's members answer each other's redeliveries: the group, not the member.
             call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",
@@ -229,7 +238,7 @@ class Service:
             self._failures.pop(message.entry, None)
         try:
             address, _ = self.topics.parse(message.topic)
-            request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
+            request_id = best_effort_request_id(message.payload, self._readable_bytes(message.payload))
             if isinstance(exc, StoreError):
                 error = store_refusal(exc)
             else:
@@ -346,7 +355,12 @@ class Service:
     async def _take_request(self, message: InboundMessage, address: SessionAddress, runtime: SessionRuntime) -> bool:
         """Answer the request (from the store, or with a refusal), join it to the copy in
         progress, or queue its turn: True when its turn was queued."""
-        request_id = best_effort_request_id(message.payload, self.config.limits.max_payload_bytes)
+        payload = message.payload
+        if self._off_loop(payload):
+            # An image request's payload (megabytes) is read on a thread: the loop keeps streaming.
+            request_id = await asyncio.to_thread(best_effort_request_id, payload, self._readable_bytes(payload))
+        else:
+            request_id = best_effort_request_id(payload, self._readable_bytes(payload))
         target = self._reply_target(message, address)
         name = str(address)
         key = request_key(message.topic, message.payload, request_id, message.mid if message.qos else 0)
@@ -384,7 +398,7 @@ class Service:
             return False
         try:
             self._check_rate(address)
-            request = parse_chat_request(message.payload, address.session, self.config.limits.max_payload_bytes)
+            request = await self._parse(payload, address)
             self._admit(request, runtime)
             # The delivery is counted by its turn, when it starts (the count only has to be on
             # record before the generation): a dispatch then makes no store call for a
@@ -404,6 +418,27 @@ class Service:
         turn = PendingTurn(message, address, target, key, request, runtime, deadline)
         self._spawn(self._run_turn(turn, deliveries), request=True)
         return True
+
+    def _readable_bytes(self, payload: bytes) -> int:
+        """The largest payload of this kind whose requestId is read: an image request's limit
+        for a payload that may carry images (its error then names its requestId, on a model
+        without vision too), else max_payload_bytes."""
+        limit = self.config.limits.max_payload_bytes
+        if len(payload) > limit and may_carry_images(payload):
+            return max(limit, self.config.vision.max_request_bytes)
+        return limit
+
+    def _off_loop(self, payload: bytes) -> bool:
+        """Whether the payload is read on a thread: one over max_payload_bytes that is read at
+        all (an image request: up to [vision] max_request_bytes, tens of ms of JSON and base64)."""
+        return self.config.limits.max_payload_bytes < len(payload) <= self._readable_bytes(payload)
+
+    async def _parse(self, payload: bytes, address: SessionAddress) -> ChatRequest:
+        limits, model = self.image_limits, self.engine.info.model
+        max_bytes = self.config.limits.max_payload_bytes
+        if self._off_loop(payload):
+            return await asyncio.to_thread(parse_chat_request, payload, address.session, max_bytes, limits, model=model)
+        return parse_chat_request(payload, address.session, max_bytes, limits, model=model)
 
     def _poison(self, turn: PendingTurn, deliveries: int) -> RequestError | None:
         """The final error of a request delivered again and again without an answer: it
@@ -597,6 +632,8 @@ class Service:
             if answer.state is None:  # cancelled: no turn, nothing to commit
                 await self._uncount_delivery(name, key)
                 return answer.payload
+            # Only the images a kept turn shows are stored: a trimmed turn's go with it.
+            answer.state.images = answer.state.kept_images()
             first = await self.sessions.asave(name, answer.state, key, answer.payload)
         except RequestError as exc:
             await self._uncount_delivery(name, key)  # answered: not a try that failed

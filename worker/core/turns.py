@@ -12,27 +12,32 @@ and checks the calls it makes; ``reply`` builds the reply with its token counts 
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, Protocol
 
 from loguru import logger
 
-from ..config.models import GenerationConfig, ToolsConfig
+from ..config.models import GenerationConfig, ToolsConfig, VisionConfig
 from ..engine.port import (
     Engine,
     EngineDead,
     EngineError,
+    EngineImage,
     GenerationRequest,
     GenerationUpdate,
+    ImagesRejected,
     SamplingOptions,
     StructuredOutput,
     StructuredOutputRejected,
     ToolParser,
     ToolSupport,
 )
+from ..protocol.images import ImageInput
 from ..protocol.messages import (
     REASONING_BUDGET,
     TOOL_CALLS,
@@ -47,9 +52,10 @@ from ..protocol.messages import (
 )
 from ..protocol.topics import Topics
 from ..schemacheck import grammar_document
-from ..session import THINK_CLOSE, SessionHistory, ToolSpec
+from ..session import THINK_CLOSE, ImageRef, Message, SessionHistory, StoredImage, ToolSpec, Turn, UserMessage
 from ..tools.port import Toolbox
 from ..transport.port import Publisher
+from ..vision.topics import unknown_topic
 from .calls import (
     MarkupHold,
     ToolPlan,
@@ -66,6 +72,21 @@ from .rounds import ToolRounds, start_rounds
 from .stats import StatsCollector
 from .stream import DeltaStream
 from .worker_calls import ProgressJournal, WorkerCalls
+
+# How an image's bytes become what the engine takes (EngineImage.pixels): the vision
+# adapter's decoder (worker/vision/images.py: bounded, RGB), run on a thread. The default
+# hands the bytes on as they are, for engines that take bytes (the tests' fake engine).
+ImageDecoder = Callable[[bytes, str], Any]
+
+
+def keep_bytes(data: bytes, where: str) -> Any:
+    return data
+
+
+class ImageSource(Protocol):
+    """Where a request's ``imageTopics`` are read (worker/vision/topics.py VisionTopics)."""
+
+    async def images(self, user: str, topics: Sequence[str]) -> list[ImageInput]: ...
 
 
 def structured_output(request: ChatRequest) -> StructuredOutput | None:
@@ -177,8 +198,14 @@ class TurnRunner:
         tool_limits: ToolsConfig | None = None,
         journal: ProgressJournal | None = None,
         call_scope: str = "",
+        vision_topics: ImageSource | None = None,
+        vision: VisionConfig | None = None,
+        decode_image: ImageDecoder = keep_bytes,
     ) -> None:
         self.engine = engine
+        self.vision_topics = vision_topics
+        self.vision = vision or VisionConfig()
+        self.decode_image = decode_image
         self.renderer = renderer
         self.generation = generation
         self.limits = limits
@@ -227,7 +254,82 @@ class TurnRunner:
             history.tools = specs_from_request(request.tools)
         if request.worker_tools is not None:
             history.worker_tools = self.worker_calls.choose(request.worker_tools, address.user)
-        return await start_rounds(self, turn, history)
+        images = await self._take_images(turn, history)
+        return await start_rounds(self, turn, history, images)
+
+    async def _take_images(self, turn: PendingTurn, history: SessionHistory) -> tuple[ImageRef, ...]:
+        """The request's images (its own, then its topics' latest), their bytes added to the
+        draft's images by content hash (hashed on a thread: megabytes)."""
+        request = turn.request
+        inputs = list(request.image_inputs)
+        if request.image_topics:
+            if self.vision_topics is None:  # none configured: the words of a topic not allowed
+                raise unknown_topic("imageTopics.0", request.image_topics[0])
+            inputs += await self.vision_topics.images(turn.address.user, request.image_topics)
+        if not inputs:
+            return ()
+        await asyncio.to_thread(lambda: [image.sha256 for image in inputs])
+        for image in inputs:
+            history.images.setdefault(image.sha256, StoredImage(image.data, image.media_type))
+        return tuple(ImageRef(image.sha256, image.media_type, image.offset) for image in inputs)
+
+    def _fit_images(self, history: SessionHistory, messages: Sequence[Message]) -> None:
+        """The [vision] limits on the prompt's images: the oldest turns are dropped until the
+        kept history's images and the turn's fit max_images_in_prompt (like tokens); the
+        session's images, counted once each, and their bytes must fit the session's limits,
+        else invalid_request (the session unchanged)."""
+        current = Turn("", list(messages)).images()
+        vision = self.vision
+        if len(current) > vision.max_images_in_prompt:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the turn has {len(current)} images; a prompt may hold {vision.max_images_in_prompt}",
+            )
+        dropped = 0
+        while history.turns and len(history.image_refs()) + len(current) > vision.max_images_in_prompt:
+            del history.turns[0]
+            dropped += 1
+        if dropped:
+            logger.info("Dialog trimmed for images: dropped={} kept={}", dropped, len(history.turns))
+        refs = {ref.sha256: ref for ref in [*history.image_refs(), *current]}
+        if len(refs) > vision.max_images_per_session:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the session would hold {len(refs)} images; the limit is {vision.max_images_per_session} "
+                "(reset the session to start again)",
+            )
+        stored = sum(len(history.images[sha].data) for sha in refs if sha in history.images)
+        if stored > vision.max_stored_bytes_per_session:
+            raise RequestError(
+                ErrorCode.INVALID_REQUEST,
+                f"the session's images would take {stored} bytes; the limit is "
+                f"{vision.max_stored_bytes_per_session} (reset the session to start again)",
+            )
+
+    async def _engine_images(self, history: SessionHistory, messages: Sequence[Message]) -> tuple[EngineImage, ...]:
+        """The prompt's images in prompt order (the kept turns', then the turn's), each
+        identified by its content hash: every turn sends the same image with the same
+        identifier, so the engine's prefix cache covers earlier turns' images. Decoded on a
+        thread."""
+        refs = [*history.image_refs(), *Turn("", list(messages)).images()]
+        if not refs:
+            return ()
+        missing = [ref.sha256 for ref in refs if ref.sha256 not in history.images]
+        if missing:
+            raise RequestError(
+                ErrorCode.SESSION_UNREADABLE,
+                "an image of this session's history is missing from its store; reset the session",
+            )
+        data = [(history.images[ref.sha256].data, ref.sha256) for ref in refs]
+
+        def decode() -> list[Any]:
+            return [self.decode_image(raw, f"image {sha[:12]}") for raw, sha in data]
+
+        try:
+            pixels = await asyncio.to_thread(decode)
+        except ValueError as exc:  # the decoder's refusal (a bad image): its words
+            raise RequestError(ErrorCode.INVALID_REQUEST, str(exc)[:500]) from None
+        return tuple(EngineImage(p, ref.sha256) for p, ref in zip(pixels, refs, strict=True))
 
     def _plan(self, rounds: ToolRounds, *, final: bool) -> _Plan:
         """What the round's generation may call, and how a forced call is written."""
@@ -259,6 +361,8 @@ class TurnRunner:
     async def _prompt(self, rounds: ToolRounds, plan: _Plan, max_tokens: int) -> tuple[list[int], str]:
         """The round's prompt: its token ids, and its text where a later round may continue it."""
         history, messages = rounds.history, rounds.turn.messages
+        if history.images or any(isinstance(m, UserMessage) and m.images for m in messages):
+            self._fit_images(history, messages)
         tools = [spec.template_form() for spec in plan.specs] or None
         await self.renderer.prepare([*history.messages(), *(m.template_form() for m in messages)], tools)
         prefill_ids = self.renderer.encode(plan.prefill) if plan.prefill else []
@@ -302,6 +406,7 @@ class TurnRunner:
         plan = self._plan(rounds, final=final)
         max_tokens = request.max_tokens or generation.max_tokens
         token_ids, prompt_text = await self._prompt(rounds, plan, max_tokens)
+        images = await self._engine_images(rounds.history, rounds.turn.messages)
         sampling = SamplingOptions(
             max_tokens=max_tokens,
             temperature=generation.temperature if request.temperature is None else request.temperature,
@@ -319,7 +424,7 @@ class TurnRunner:
         generated = await self._stream(
             turn,
             # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
-            GenerationRequest(f"{turn.address}/{log_ref(turn.key)}/{next(self._ids)}", token_ids, sampling),
+            GenerationRequest(f"{turn.address}/{log_ref(turn.key)}/{next(self._ids)}", token_ids, sampling, images),
             reasoning_budget(request, generation, structured=plan.structured is not None),
             stream=None if plan.choice.forced else rounds.stream,  # a forced reply is all call: no text to stream
             hold=plan.hold(final),
@@ -474,6 +579,9 @@ class TurnRunner:
             logger.debug("Engine's reason for refusing the responseFormat of {}: {}", turn.key, exc)
             message = f"the engine cannot use this schema: {str(exc)[:500]}"
             raise RequestError(ErrorCode.INVALID_SCHEMA, message) from None
+        except ImagesRejected as exc:
+            logger.info("Engine refused the images of request {} of {}", log_ref(turn.key), turn.address)
+            raise RequestError(ErrorCode.INVALID_REQUEST, str(exc)[:500]) from None
         except EngineError as exc:
             logger.error("Engine error on request {} of {}: {}", log_ref(turn.key), turn.address, type(exc).__name__)
             logger.debug("Engine error on request {}: {}", turn.key, exc)
@@ -508,6 +616,7 @@ class TurnRunner:
             prompt_tokens=generated.prompt_tokens,
             completion_tokens=generated.completion_tokens,
             cached_tokens=generated.cached_tokens,
+            image_tokens=generated.image_tokens or None,
             reasoning_tokens=generated.reasoning_tokens,
         )
         self.stats.record_reply(usage, latency, finish_reason=generated.finish_reason)
@@ -543,5 +652,6 @@ def _count(generated: Generated, update: GenerationUpdate) -> None:
         generated.first_token = time.monotonic()
     generated.completion_tokens = update.completion_tokens
     generated.prompt_tokens, generated.cached_tokens = update.prompt_tokens, update.cached_tokens
+    generated.image_tokens = update.image_tokens
     if update.finished:
         generated.finish_reason = update.finish_reason or "stop"

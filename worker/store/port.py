@@ -13,11 +13,13 @@ answer: a request that keeps killing the worker is recognised (a poison request)
 
 from __future__ import annotations
 
+import base64
+import binascii
 import json
 from collections import OrderedDict
 from typing import Any, Protocol
 
-from ..session import Progress, SessionHistory, ToolSpec, Turn, WorkerCallRecord
+from ..session import Progress, SessionHistory, StoredImage, ToolSpec, Turn, WorkerCallRecord
 
 
 class StoreError(Exception):
@@ -82,7 +84,22 @@ def encode_state(history: SessionHistory) -> str:
         state["workerTools"] = history.worker_tools
     if history.tools:
         state["tools"] = [{k: v for k, v in vars(tool).items() if v is not None} for tool in history.tools]
+    images = history.kept_images()
+    if images:
+        # Each image once, by hash, with the turns that show it: a trimmed turn's image is
+        # written no more once no kept turn refers to it.
+        state["images"] = {
+            sha: {"mediaType": image.media_type, "data": base64.b64encode(image.data).decode("ascii")}
+            for sha, image in images.items()
+        }
     return json.dumps(state, ensure_ascii=False)
+
+
+def _images(data: dict[str, Any]) -> dict[str, StoredImage]:
+    return {
+        str(sha): StoredImage(base64.b64decode(str(image["data"]), validate=True), str(image["mediaType"]))
+        for sha, image in (data.get("images") or {}).items()
+    }
 
 
 def _turn(data: dict[str, Any]) -> Turn:
@@ -99,25 +116,35 @@ def _tool(data: dict[str, Any]) -> ToolSpec:
 
 
 def parse_session(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
-    """The system prompt, turns, tools and worker tools (workerTools) of a stored state;
-    SessionUnreadable when it is damaged. A state stored before tool calling (turns of user and assistant text) reads as
-    turns of two messages."""
+    """The system prompt, turns, tools and worker tools (workerTools) of a stored state
+    (parse_state: its images too)."""
+    history = parse_state(session, state)
+    return history.system_prompt, history.turns, history.tools, history.worker_tools
+
+
+def parse_state(session: str, state: str | bytes) -> SessionHistory:
+    """The system prompt, turns, tools, worker tools (workerTools) and images of a stored
+    state, as a history without answers; SessionUnreadable when it is damaged. A state stored
+    before tool calling (turns of user and assistant text) reads as turns of two messages; one
+    stored before images, as a session without images."""
     try:
         data = json.loads(state)
+        images = _images(data)
         turns = [_turn(t) for t in data["turns"]]
         tools = [_tool(t) for t in data.get("tools") or []]
         worker_tools = [str(name) for name in data.get("workerTools") or []]
         system_prompt = data["systemPrompt"]
         if system_prompt is not None and not isinstance(system_prompt, str):
             raise TypeError("systemPrompt is not a string")
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
         raise SessionUnreadable(session, f"{type(exc).__name__}: {str(exc)[:200]}") from None
-    return system_prompt, turns, tools, worker_tools
+    return SessionHistory(system_prompt, turns, tools, OrderedDict(), worker_tools, images)
 
 
 def decode_history(session: str, state: str, answers: list[tuple[str, bytes | None]]) -> SessionHistory:
-    system_prompt, turns, tools, worker_tools = parse_session(session, state)
-    return SessionHistory(system_prompt, turns, tools, OrderedDict(answers), worker_tools)
+    history = parse_state(session, state)
+    history.answered = OrderedDict(answers)
+    return history
 
 
 def encode_progress(progress: Progress) -> str:

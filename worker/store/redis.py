@@ -28,7 +28,7 @@ from typing import Any, TypeVar
 import redis
 
 from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
-from .port import StoreUnavailable, encode_state, parse_session
+from .port import StoreUnavailable, encode_state, parse_state
 
 # KEYS: state, answers, order, deliveries. ARGV: state json, key, payload ("" none), now,
 # ttl ms (0: none), newest kept. Returns the payload already stored for key by another worker
@@ -115,9 +115,7 @@ class RedisStore:
         state, answers, order = pipe.execute()
         if state is None and not answers:
             return None
-        history = SessionHistory()
-        if state is not None:
-            history.system_prompt, history.turns, history.tools, history.worker_tools = parse_session(session, state)
+        history = parse_state(session, state) if state is not None else SessionHistory()
         answered: OrderedDict[str, bytes | None] = OrderedDict()
         for key in order:
             payload = answers.get(key)

@@ -1,0 +1,181 @@
+"""Images through the core (docs/protocol.md#images): parsed where the model takes images and
+refused naming it where not, stored with their turn by content hash, re-sent with the kept
+history on every turn with the same identifiers, counted in the usage, within the [vision]
+limits of a session; on the fake engine and the memory store (the stores' encoding of images
+is tested in tests/broker/test_store.py)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import io
+import os
+from typing import Any
+
+from PIL import Image
+
+from devtools.fakes import IMAGE_TOKENS, Harness
+from worker.session import ImageRef, SessionHistory, StoredImage, Turn, UserMessage, message_from_dict
+from worker.store.port import encode_state, parse_state
+
+
+def picture(color: tuple[int, int, int] = (200, 30, 30), size: tuple[int, int] = (8, 6), noise: int = 0) -> bytes:
+    out = io.BytesIO()
+    image = Image.new("RGB", size, color)
+    if noise:
+        image = Image.frombytes("RGB", size, os.urandom(size[0] * size[1] * 3))
+    image.save(out, "PNG")
+    return out.getvalue()
+
+
+def data_url(data: bytes) -> str:
+    return "data:image/png;base64," + base64.b64encode(data).decode("ascii")
+
+
+def parts(text: str, *images: bytes) -> list[dict[str, Any]]:
+    return [*({"type": "image_url", "image_url": {"url": data_url(i)}} for i in images), {"type": "text", "text": text}]
+
+
+def sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def test_a_model_without_vision_refuses_an_image_naming_the_model() -> None:
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/s/request", {"message": parts("what is it?", picture()), "requestId": "r1"})
+        h.transport.deliver("chat/u/s/request", {"message": "hi", "imageTopics": ["cam/door"], "requestId": "r2"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 2)
+        for reply, key in zip(h.transport.replies("s"), ("r1", "r2"), strict=True):
+            assert reply["requestId"] == key
+            assert reply["error"]["code"] == "invalid_request"
+            assert "'fake'" in reply["error"]["message"] and "images" in reply["error"]["message"]
+        assert h.engine.requests == []
+
+    asyncio.run(scenario())
+
+
+def test_a_big_image_request_is_parsed_off_the_loop_and_its_refusal_names_its_request_id() -> None:
+    async def scenario() -> None:
+        h = Harness(max_payload_bytes=4096)
+        big = picture(size=(64, 64), noise=1)
+        assert len(big) > 4096
+        h.transport.deliver("chat/u/s/request", {"message": parts("look", big), "requestId": "big"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 1)
+        (reply,) = h.transport.replies("s")
+        assert reply["requestId"] == "big" and reply["error"]["code"] == "too_large"
+
+    asyncio.run(scenario())
+
+
+def test_images_are_stored_once_and_resent_with_their_hashes_every_turn() -> None:
+    async def scenario() -> None:
+        h = Harness(vision_engine=True, max_payload_bytes=4096)
+        first, second = picture(size=(64, 64), noise=1), picture((0, 0, 255))
+        h.transport.deliver("chat/u/s/request", {"message": parts("one", first), "maxTokens": 2, "requestId": "a"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 1)
+        h.transport.deliver("chat/u/s/request", {"message": "no image", "maxTokens": 2, "requestId": "b"})
+        h.transport.deliver(
+            "chat/u/s/request",
+            {"message": "two", "images": [base64.b64encode(second).decode()], "requestId": "c", "maxTokens": 2},
+        )
+        h.transport.deliver(
+            "chat/u/s/request", {"message": parts("same again", first), "maxTokens": 2, "requestId": "d"}
+        )
+        await h.run_until(lambda: len(h.transport.replies("s")) == 4)
+        replies = h.transport.replies("s")
+        assert all("error" not in r for r in replies), replies
+        uuids = [[image.uuid for image in request.images] for request in h.engine.requests]
+        assert uuids == [[sha(first)], [sha(first)], [sha(first), sha(second)], [sha(first), sha(second), sha(first)]]
+        assert [r["usage"].get("imageTokens") for r in replies] == [IMAGE_TOKENS * n for n in (1, 1, 2, 3)]
+        assert h.engine.requests[0].images[0].pixels == first  # the default decoder hands the bytes on
+        history = h.service.sessions.store.load("u/s")
+        assert history is not None
+        assert set(history.images) == {sha(first), sha(second)}  # each image once
+        assert history.images[sha(first)].data == first
+        assert [ref.sha256 for ref in history.image_refs()] == [sha(first), sha(second), sha(first)]
+
+    asyncio.run(scenario())
+
+
+def test_images_in_the_prompt_trim_the_oldest_turns_and_their_bytes_go_with_them() -> None:
+    async def scenario() -> None:
+        h = Harness(vision_engine=True, vision={"max_images_in_prompt": 2})
+        pictures = [picture((i * 40, 0, 0)) for i in range(3)]
+        for i, image in enumerate(pictures):
+            h.transport.deliver(
+                "chat/u/s/request", {"message": parts(f"m{i}", image), "maxTokens": 2, "requestId": f"r{i}"}
+            )
+        await h.run_until(lambda: len(h.transport.replies("s")) == 3)
+        assert all("error" not in r for r in h.transport.replies("s"))
+        assert [image.uuid for image in h.engine.requests[-1].images] == [sha(pictures[1]), sha(pictures[2])]
+        history = h.service.sessions.store.load("u/s")
+        assert history is not None and [t.user for t in history.turns] == ["m1", "m2"]
+        assert set(history.images) == {sha(pictures[1]), sha(pictures[2])}
+
+    asyncio.run(scenario())
+
+
+def test_session_limits_refuse_and_leave_the_session_unchanged() -> None:
+    async def scenario() -> None:
+        small, big = picture(), picture(size=(64, 64), noise=1)
+        h = Harness(
+            vision_engine=True,
+            max_payload_bytes=65536,
+            vision={"max_images_per_session": 2, "max_stored_bytes_per_session": len(small) * 2 + len(big) - 1},
+        )
+        h.transport.deliver("chat/u/s/request", {"message": parts("a", small), "maxTokens": 2, "requestId": "a"})
+        h.transport.deliver("chat/u/s/request", {"message": parts("b", picture((4, 5, 6)), picture((1, 2, 3))), "requestId": "b"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 2)
+        refused = h.transport.replies("s")[1]
+        assert refused["error"]["code"] == "invalid_request" and "3 images" in refused["error"]["message"]
+        h.transport.deliver("chat/u/s/request", {"message": parts("c", picture((9, 9, 9)), big), "requestId": "c"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 3)
+        refused = h.transport.replies("s")[2]
+        assert refused["error"]["code"] == "invalid_request", refused
+        history = h.service.sessions.store.load("u/s")
+        assert history is not None and [t.user for t in history.turns] == ["a"]
+        assert set(history.images) == {sha(small)}
+
+    asyncio.run(scenario())
+
+
+def test_image_topics_without_configured_topics_get_the_words_of_a_topic_not_allowed() -> None:
+    async def scenario() -> None:
+        h = Harness(vision_engine=True)
+        h.transport.deliver("chat/u/s/request", {"message": "door?", "imageTopics": ["cam/door"], "requestId": "r"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 1)
+        (reply,) = h.transport.replies("s")
+        assert reply["error"]["code"] == "invalid_request"
+        assert "no image topic 'cam/door'" in reply["error"]["message"]
+
+    asyncio.run(scenario())
+
+
+def test_a_user_message_with_images_renders_as_content_parts_and_reads_back() -> None:
+    message = UserMessage("before after", (ImageRef("h1", "image/png", 7), ImageRef("h0", "image/jpeg", 0)))
+    form = message.template_form()
+    assert form["content"] == [
+        {"type": "image", "sha256": "h0", "mediaType": "image/jpeg"},
+        {"type": "text", "text": "before "},
+        {"type": "image", "sha256": "h1", "mediaType": "image/png"},
+        {"type": "text", "text": "after"},
+    ]
+    assert message_from_dict(form) == message
+    assert UserMessage("plain").template_form() == {"role": "user", "content": "plain"}
+
+
+def test_the_stored_state_keeps_each_image_once_and_only_for_kept_turns() -> None:
+    history = SessionHistory()
+    history.turns = [
+        Turn("k1", [UserMessage("a", (ImageRef("h1", "image/png"),))]),
+        Turn("k2", [UserMessage("b", (ImageRef("h1", "image/png"), ImageRef("h2", "image/png", 1)))]),
+    ]
+    history.images = {name: StoredImage(name.encode(), "image/png") for name in ("h1", "h2", "gone")}
+    read = parse_state("u/s", encode_state(history))
+    assert read.turns == history.turns and set(read.images) == {"h1", "h2"}
+    assert read.images["h2"].data == b"h2"
+    # A state stored before images reads as a session without them.
+    old = '{"systemPrompt": null, "turns": [{"key": "k", "messages": [{"role": "user", "content": "x"}]}]}'
+    assert parse_state("u/s", old).images == {} and parse_state("u/s", old).turns[0].user == "x"
