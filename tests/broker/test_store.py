@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from worker.core.session_cache import SessionCache
-from worker.session import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
+from worker.session import ANSWERED_KEYS_PER_SESSION, ImageRef, SessionHistory, StoredImage, Turn, UserMessage
 from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore, StoreUnavailable
 from worker.store.sqlite import DATABASE_NAME, SqliteStore
@@ -53,6 +53,42 @@ def test_a_session_round_trips_with_its_answers(make_store: Factory, tmp_path: P
     assert loaded is not None
     assert loaded.system_prompt == "be brief" and loaded.turns == two_turns().turns
     assert loaded.answered == {"k2": b'{"reply": "that\'s all"}'}
+
+
+def with_images() -> SessionHistory:
+    """Two turns showing one image twice and another once: each image's bytes once."""
+    history = two_turns()
+    door, yard = ImageRef("d" * 64, "image/jpeg"), ImageRef("y" * 64, "image/png", 5)
+    history.turns.append(Turn("k3", [UserMessage("door? yard?", (door, yard))]))
+    history.turns[-1].messages.append(two_turns().turns[0].messages[1])
+    history.turns.append(Turn.plain("k4", "and now?", "same"))
+    history.turns[-1].messages[0] = UserMessage("and now?", (door,))
+    history.images = {
+        door.sha256: StoredImage(b"\xff\xd8\xffjpeg", "image/jpeg"),
+        yard.sha256: StoredImage(b"png", "image/png"),
+    }
+    return history
+
+
+def test_images_are_stored_with_their_turns_once_each_and_a_reset_deletes_them(
+    make_store: Factory, tmp_path: Path
+) -> None:
+    store = make_store(tmp_path)
+    cache = SessionCache(store, capacity=10)
+    history = cache.get("u/s")
+    saved = with_images()
+    history.turns, history.images = saved.turns, saved.images
+    cache.save("u/s", history, "k4", b"{}")
+    loaded = make_store(tmp_path).load("u/s") if isinstance(store, SqliteStore) else store.load("u/s")
+    assert loaded is not None and loaded.turns == saved.turns
+    assert [ref.sha256 for ref in loaded.image_refs()] == ["d" * 64, "y" * 64, "d" * 64]
+    assert {sha: image.data for sha, image in loaded.images.items()} == {
+        "d" * 64: b"\xff\xd8\xffjpeg",
+        "y" * 64: b"png",
+    }
+    cache.reset("u/s")
+    for after in (cache.get("u/s"), store.load("u/s")):
+        assert after is not None and after.images == {} and after.turns == []
 
 
 def test_sqlite_keeps_what_was_committed_across_a_reopen(tmp_path: Path) -> None:
