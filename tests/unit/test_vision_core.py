@@ -126,7 +126,9 @@ def test_session_limits_refuse_and_leave_the_session_unchanged() -> None:
             vision={"max_images_per_session": 2, "max_stored_bytes_per_session": len(small) * 2 + len(big) - 1},
         )
         h.transport.deliver("chat/u/s/request", {"message": parts("a", small), "maxTokens": 2, "requestId": "a"})
-        h.transport.deliver("chat/u/s/request", {"message": parts("b", picture((4, 5, 6)), picture((1, 2, 3))), "requestId": "b"})
+        h.transport.deliver(
+            "chat/u/s/request", {"message": parts("b", picture((4, 5, 6)), picture((1, 2, 3))), "requestId": "b"}
+        )
         await h.run_until(lambda: len(h.transport.replies("s")) == 2)
         refused = h.transport.replies("s")[1]
         assert refused["error"]["code"] == "invalid_request" and "3 images" in refused["error"]["message"]
@@ -179,3 +181,25 @@ def test_the_stored_state_keeps_each_image_once_and_only_for_kept_turns() -> Non
     # A state stored before images reads as a session without them.
     old = '{"systemPrompt": null, "turns": [{"key": "k", "messages": [{"role": "user", "content": "x"}]}]}'
     assert parse_state("u/s", old).images == {} and parse_state("u/s", old).turns[0].user == "x"
+
+
+def test_a_users_sessions_share_the_stored_bytes_limit() -> None:
+    async def scenario() -> None:
+        one, two, three = (picture((i, 0, 0)) for i in (10, 20, 30))
+        h = Harness(vision_engine=True, vision={"max_stored_bytes_per_user": len(one) + len(two) + len(three) - 1})
+        h.transport.deliver("chat/u/s1/request", {"message": parts("a", one), "maxTokens": 2, "requestId": "a"})
+        h.transport.deliver("chat/u/s2/request", {"message": parts("b", two), "maxTokens": 2, "requestId": "b"})
+        h.transport.deliver("chat/v/t3/request", {"message": parts("c", three), "maxTokens": 2, "requestId": "c"})
+        await h.run_until(lambda: all(len(h.transport.replies(s)) == 1 for s in ("s1", "s2", "t3")))
+        h.transport.deliver("chat/u/s3/request", {"message": parts("d", three), "maxTokens": 2, "requestId": "d"})
+        await h.run_until(lambda: len(h.transport.replies("s3")) == 1)
+        refused = h.transport.replies("s3")[0]
+        assert refused["error"]["code"] == "invalid_request" and "'u'" in refused["error"]["message"]
+        h.transport.deliver("chat/u/s1/control", {"action": "reset", "requestId": "x"})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2)
+        # A reset makes room.
+        h.transport.deliver("chat/u/s3/request", {"message": parts("e", three), "maxTokens": 2, "requestId": "e"})
+        await h.run_until(lambda: len(h.transport.replies("s3")) == 2)
+        assert "error" not in h.transport.replies("s3")[1]
+
+    asyncio.run(scenario())

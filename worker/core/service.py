@@ -142,6 +142,7 @@ class Service:
             tool_limits=config.tools,
             vision_topics=vision_topics,
             vision=config.vision,
+            user_image_bytes=self.sessions.image_bytes,
             journal=self.sessions,
             # A share group's members answer each other's redeliveries: the group, not the member.
             call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",

@@ -61,6 +61,10 @@ class SessionCache:
         self.store = store
         self.capacity = capacity
         self._sessions: OrderedDict[str, SessionHistory] = OrderedDict()
+        # Bytes of images each session stores, for the sessions this worker has read or
+        # written since it started (kept after a session leaves memory): what a user namespace's
+        # sessions hold together (vision.max_stored_bytes_per_user).
+        self._image_bytes: dict[str, int] = {}
         # One worker thread: the calls run one at a time, in order. Its thread ends when the
         # cache is collected (concurrent.futures wakes an idle worker whose executor is gone).
         # Every store that may wait goes through it; the memory store's calls (dict
@@ -123,6 +127,11 @@ class SessionCache:
         return None if self.store.shared else history
 
     def _remember(self, name: str, history: SessionHistory) -> SessionHistory:
+        stored = sum(len(image.data) for image in history.images.values())
+        if stored:
+            self._image_bytes[name] = stored
+        else:
+            self._image_bytes.pop(name, None)
         self._sessions[name] = history
         self._sessions.move_to_end(name)
         while len(self._sessions) > self.capacity:
@@ -202,7 +211,14 @@ class SessionCache:
         self.store.reset(name)
         self._was_reset(name)
 
+    def image_bytes(self, user: str, but: str | None = None) -> int:
+        """The bytes of images the sessions of a user namespace store (those known to this
+        worker), but session ``but``."""
+        prefix = f"{user}/"
+        return sum(n for name, n in self._image_bytes.items() if name.startswith(prefix) and name != but)
+
     def _was_reset(self, name: str) -> None:
+        self._image_bytes.pop(name, None)
         cached = self._sessions.get(name)
         if cached is not None:
             cached.reset()
@@ -218,6 +234,7 @@ class SessionCache:
     def _expired(self, names: list[str]) -> int:
         for name in names:
             self._sessions.pop(name, None)
+            self._image_bytes.pop(name, None)
         return len(names)
 
     # -- delivery counts (poison requests) ---------------------------------------------------

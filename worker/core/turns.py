@@ -50,7 +50,7 @@ from ..protocol.messages import (
     Usage,
     log_ref,
 )
-from ..protocol.topics import Topics
+from ..protocol.topics import SessionAddress, Topics
 from ..schemacheck import grammar_document
 from ..session import THINK_CLOSE, ImageRef, Message, SessionHistory, StoredImage, ToolSpec, Turn, UserMessage
 from ..tools.port import Toolbox
@@ -201,11 +201,14 @@ class TurnRunner:
         vision_topics: ImageSource | None = None,
         vision: VisionConfig | None = None,
         decode_image: ImageDecoder = keep_bytes,
+        user_image_bytes: Callable[[str, str], int] | None = None,
     ) -> None:
         self.engine = engine
         self.vision_topics = vision_topics
         self.vision = vision or VisionConfig()
         self.decode_image = decode_image
+        # (user, session name) -> the bytes of images the user's other sessions store
+        self.user_image_bytes = user_image_bytes
         self.renderer = renderer
         self.generation = generation
         self.limits = limits
@@ -273,7 +276,7 @@ class TurnRunner:
             history.images.setdefault(image.sha256, StoredImage(image.data, image.media_type))
         return tuple(ImageRef(image.sha256, image.media_type, image.offset) for image in inputs)
 
-    def _fit_images(self, history: SessionHistory, messages: Sequence[Message]) -> None:
+    def _fit_images(self, history: SessionHistory, messages: Sequence[Message], address: SessionAddress) -> None:
         """The [vision] limits on the prompt's images: the oldest turns are dropped until the
         kept history's images and the turn's fit max_images_in_prompt (like tokens); the
         session's images, counted once each, and their bytes must fit the session's limits,
@@ -305,6 +308,14 @@ class TurnRunner:
                 f"the session's images would take {stored} bytes; the limit is "
                 f"{vision.max_stored_bytes_per_session} (reset the session to start again)",
             )
+        if self.user_image_bytes is not None:
+            elsewhere = self.user_image_bytes(address.user, str(address))
+            if elsewhere + stored > vision.max_stored_bytes_per_user:
+                raise RequestError(
+                    ErrorCode.INVALID_REQUEST,
+                    f"the images of {address.user!r}'s sessions would take {elsewhere + stored} bytes; the limit "
+                    f"is {vision.max_stored_bytes_per_user} (reset a session to make room)",
+                )
 
     async def _engine_images(self, history: SessionHistory, messages: Sequence[Message]) -> tuple[EngineImage, ...]:
         """The prompt's images in prompt order (the kept turns', then the turn's), each
@@ -362,7 +373,7 @@ class TurnRunner:
         """The round's prompt: its token ids, and its text where a later round may continue it."""
         history, messages = rounds.history, rounds.turn.messages
         if history.images or any(isinstance(m, UserMessage) and m.images for m in messages):
-            self._fit_images(history, messages)
+            self._fit_images(history, messages, rounds.pending.address)
         tools = [spec.template_form() for spec in plan.specs] or None
         await self.renderer.prepare([*history.messages(), *(m.template_form() for m in messages)], tools)
         prefill_ids = self.renderer.encode(plan.prefill) if plan.prefill else []
