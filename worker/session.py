@@ -188,10 +188,15 @@ class ToolResultMessage(_Message):
     call_id: str
     name: str
     content: str
+    # Images the result carries (a camera's snapshot), after its text: a vision model sees them.
+    images: tuple[ImageRef, ...] = ()
     role: ClassVar[str] = "tool"
 
     def template_form(self) -> ChatMessage:
-        return {"role": "tool", "tool_call_id": self.call_id, "name": self.name, "content": self.content}
+        content: str | list[dict[str, Any]] = self.content
+        if self.images:
+            content = [{"type": "text", "text": self.content}, *(image.part() for image in self.images)]
+        return {"role": "tool", "tool_call_id": self.call_id, "name": self.name, "content": content}
 
 
 Message = UserMessage | AssistantMessage | ToolResultMessage
@@ -203,6 +208,9 @@ def message_from_dict(data: ChatMessage) -> Message:
     role, raw = data["role"], data.get("content")
     if role == "user" and isinstance(raw, list):
         return _user_parts(raw)
+    if role == "tool" and isinstance(raw, list):
+        text = _user_parts(raw)
+        return ToolResultMessage(str(data["tool_call_id"]), str(data.get("name") or ""), text.content, text.images)
     content = str(raw or "")
     if role == "user":
         return UserMessage(content)
@@ -306,7 +314,13 @@ class Turn:
 
     def images(self) -> list[ImageRef]:
         """The turn's images, in prompt order."""
-        return [i for m in self.messages if isinstance(m, UserMessage) for i in m.ordered_images()]
+        refs: list[ImageRef] = []
+        for m in self.messages:
+            if isinstance(m, UserMessage):
+                refs.extend(m.ordered_images())
+            elif isinstance(m, ToolResultMessage):
+                refs.extend(m.images)
+        return refs
 
     def copy(self) -> Turn:
         """A copy to add to (the messages themselves never change: they are shared)."""

@@ -225,6 +225,7 @@ class TurnRunner:
             toolbox, self.tool_limits, stats, lambda text: self.renderer.count_text(text), journal
         )
         self.call_scope = call_scope
+        self.worker_calls.takes_images = engine.info.vision is not None
 
     @property
     def toolbox(self) -> Toolbox | None:

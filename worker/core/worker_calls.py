@@ -5,6 +5,7 @@ sent twice (docs/reliability.md). The loop that calls these is core/rounds.py.""
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from collections.abc import Callable, Sequence
@@ -14,7 +15,16 @@ from loguru import logger
 
 from ..config.models import ToolsConfig
 from ..protocol.messages import ErrorCode, RequestError, RoundOut, ToolEvent, WorkerCallOut, log_ref, log_text
-from ..session import Progress, SessionHistory, ToolCall, ToolResultMessage, Turn, WorkerCallRecord
+from ..session import (
+    ImageRef,
+    Progress,
+    SessionHistory,
+    StoredImage,
+    ToolCall,
+    ToolResultMessage,
+    Turn,
+    WorkerCallRecord,
+)
 from ..tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool, cut_utf8, safe_text, utf8_size
 from .calls import order_results
 from .pending import PendingTurn
@@ -39,6 +49,7 @@ class RoundState(Protocol):
     their events, and the request's time for tool calls."""
 
     pending: PendingTurn
+    history: SessionHistory
     turn: Turn
     progress: Progress
     worker: dict[str, WorkerTool]
@@ -66,6 +77,7 @@ class WorkerCalls:
         self.stats = stats
         self.count_text = count_text
         self.journal = journal
+        self.takes_images = False  # the model sees a result's images (a vision model)
 
     def choose(self, names: list[str], user: str) -> list[str]:
         """The session's workerTools as asked: ["*"], or names this namespace may use (a name
@@ -174,7 +186,17 @@ class WorkerCalls:
         result = await self._call(rounds, call, skip=skip)
         seconds = time.monotonic() - started
         content = await self._cut_result(result)
-        rounds.turn.messages.append(ToolResultMessage(call.id, call.name, content))
+        images: tuple[ImageRef, ...] = ()
+        if result.images and self.takes_images:
+            # On a vision model the result's images enter the conversation: the next
+            # generation sees them (stored by hash with the session, like a user's images).
+            hashes = await asyncio.to_thread(lambda: [hashlib.sha256(data).hexdigest() for data, _ in result.images])
+            for sha, (data, media_type) in zip(hashes, result.images, strict=True):
+                rounds.history.images.setdefault(sha, StoredImage(data, media_type))
+            images = tuple(
+                ImageRef(sha, media_type) for sha, (_, media_type) in zip(hashes, result.images, strict=True)
+            )
+        rounds.turn.messages.append(ToolResultMessage(call.id, call.name, content, images))
         rounds.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
         self.stats.record_tool_call(call.name, result.outcome, seconds)
         # Stored first: the line below says the result is on record (a crash after it reuses it).

@@ -28,6 +28,7 @@ from typing import Any
 from loguru import logger
 
 from ..config.models import McpServerConfig
+from ..protocol.images import sniff_media_type
 from . import offer
 from .port import CallContext, ToolOutcome, WorkerTool, error_message, safe_json
 
@@ -399,12 +400,16 @@ def result_outcome(result: dict[str, Any]) -> ToolOutcome:
     content described briefly, structuredContent as JSON when there is no text; isError: an
     error outcome. Also MCP over MQTT's (mcp_mqtt.py), which needs no SDK."""
     parts: list[str] = []
+    images: list[tuple[bytes, str]] = []
     texts = 0
     for item in result.get("content") or []:
         kind = item.get("type")
         if kind == "text":
             parts.append(str(item.get("text", "")))
             texts += 1
+        elif kind == "image" and (image := _image(item)) is not None:
+            images.append(image)
+            parts.append(f"[{image[1]}, {len(image[0])} bytes]")
         elif kind in ("image", "audio"):
             parts.append(f"[{item.get('mimeType', kind)}, {_decoded_size(item.get('data', ''))} bytes]")
         elif kind == "resource":
@@ -426,7 +431,21 @@ def result_outcome(result: dict[str, Any]) -> ToolOutcome:
     text = "\n".join(parts)
     if result.get("isError"):
         return ToolOutcome(text or "Error: the tool failed.", "error")
-    return ToolOutcome(text)
+    return ToolOutcome(text, images=tuple(images))
+
+
+def _image(item: dict[str, Any]) -> tuple[bytes, str] | None:
+    """An image content item's bytes and type, where they are base64 of an image the worker
+    takes (protocol/images.py MEDIA_TYPES, told from the bytes); None: described only."""
+    data = item.get("data")
+    if not isinstance(data, str) or not data:
+        return None
+    try:
+        raw = base64.b64decode(data.encode("ascii"), validate=True)
+    except (UnicodeEncodeError, ValueError):
+        return None
+    media_type = sniff_media_type(raw)
+    return (raw, media_type) if media_type is not None else None
 
 
 def _decoded_size(data: str) -> int:

@@ -28,9 +28,26 @@ from typing import TYPE_CHECKING, Any
 
 from loguru import logger
 
+from ..protocol.images import MEDIA_ALIASES, sniff_media_type
 from ..protocol.messages import log_text
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed, PublishRefused
 from .port import CallContext, ToolOutcome, WorkerTool, cut_utf8
+
+# The largest image a device may answer with (a camera's snapshot); larger ones are text.
+MAX_IMAGE_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+def _image_answer(delivery: Delivery) -> tuple[bytes, str] | None:
+    """A device's answer that is an image: its MQTT 5 Content Type is image/..., agreeing with
+    its bytes (JPEG, PNG, GIF, WebP or BMP). None: the answer is text."""
+    declared = (delivery.content_type or "").partition(";")[0].strip().lower()
+    if not declared.startswith("image/") or len(delivery.payload) > MAX_IMAGE_ANSWER_BYTES:
+        return None
+    media_type = sniff_media_type(delivery.payload)
+    if media_type is None or MEDIA_ALIASES.get(declared, declared) != media_type:
+        return None
+    return delivery.payload, media_type
+
 
 if TYPE_CHECKING:
     from ..config.models import MqttToolConfig
@@ -212,6 +229,10 @@ class DeviceTools:
                 f"and a device tool's answer must not be retained ({tool}).",
                 "error",
             )
+        image = _image_answer(delivery)
+        if image is not None and ("outcome", "error") not in delivery.user_properties:
+            logger.info("Device tool {} call {} answered with an image ({} bytes)", tool, ref, len(image[0]))
+            return ToolOutcome(f"[{image[1]}, {len(image[0])} bytes]", "ok", images=(image,))
         # Bytes that are not UTF-8 become U+FFFD; a long answer is cut on a character boundary.
         content, cut = cut_utf8(delivery.payload, self.max_result_bytes)
         size = len(delivery.payload) if cut else None

@@ -144,6 +144,11 @@ class ToolOutcome:
     # The result's size in bytes where its provider already cut it to max_tool_result_bytes
     # (a device's answer is cut before it is decoded); None: ``content`` is all of it.
     size: int | None = None
+    # Images the result carries (an MCP image content item, a device's image answer), as
+    # (bytes, media type), their media type told from the bytes: on a vision model they enter
+    # the conversation with the result, for the next generation to see. ``content`` describes
+    # them in text ("[image/png, 1234 bytes]"): what a model without vision gets.
+    images: tuple[tuple[bytes, str], ...] = ()
 
     @property
     def ok(self) -> bool:
