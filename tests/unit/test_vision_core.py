@@ -203,3 +203,72 @@ def test_a_users_sessions_share_the_stored_bytes_limit() -> None:
         assert "error" not in h.transport.replies("s3")[1]
 
     asyncio.run(scenario())
+
+
+class Camera:
+    """The Messaging port as VisionTopics uses it: the filters watched, a message handed in."""
+
+    def __init__(self) -> None:
+        self.handlers: dict[str, Any] = {}
+
+    async def watch(self, topic_filter: str, handler: Any, **kw: Any) -> None:
+        self.handlers[topic_filter] = handler
+
+    def unwatch(self, topic_filter: str) -> None:
+        self.handlers.pop(topic_filter, None)
+
+
+def test_an_image_topic_is_read_per_request_and_stored_with_the_turn() -> None:
+    from worker.transport.port import Delivery
+    from worker.vision.topics import VisionTopics
+
+    async def scenario() -> None:
+        topic = {"name": "door", "topic": "cam/+/snapshot", "users": ["u"], "max_age": 0, "timeout": 5}
+        h = Harness(vision_engine=True, vision={"topics": [topic]})
+        camera = Camera()
+        topics = VisionTopics(h.service.config.vision, camera)  # type: ignore[arg-type]
+        h.service.turns.vision_topics = topics
+        await topics.start()
+        snap = picture((5, 5, 5))
+        camera.handlers["cam/+/snapshot"](Delivery("cam/door/snapshot", snap, True, content_type="image/png"))
+        h.transport.deliver(
+            "chat/u/s/request",
+            {"message": "who?", "imageTopics": ["cam/door/snapshot"], "maxTokens": 2, "requestId": "a"},
+        )
+        h.transport.deliver(
+            "chat/v/t/request",
+            {"message": "who?", "imageTopics": ["cam/door/snapshot"], "maxTokens": 2, "requestId": "b"},
+        )
+        await h.run_until(lambda: len(h.transport.replies("s")) == 1 and len(h.transport.replies("t")) == 1)
+        (reply,) = h.transport.replies("s")
+        assert reply["usage"]["imageTokens"] == IMAGE_TOKENS, reply
+        assert [i.uuid for i in h.engine.requests[0].images] == [sha(snap)]
+        history = h.service.sessions.store.load("u/s")
+        assert history is not None and history.images[sha(snap)].data == snap
+        (other,) = h.transport.replies("t")  # not the user's topic: the words of one that does not exist
+        assert "no image topic 'cam/door/snapshot'" in other["error"]["message"]
+        topics.close()
+        assert camera.handlers == {}
+
+    asyncio.run(scenario())
+
+
+def test_the_wiring_watches_vision_topics_only_where_configured_on_a_vision_model() -> None:
+    from devtools.fakes import FAKE_VISION, FakeEngine, WordRenderer
+    from worker.config.models import WorkerConfig
+    from worker.store.memory import MemoryStore
+    from worker.wiring import wire
+
+    topic = {"name": "door", "topic": "cam/door", "users": ["*"]}
+
+    async def parts(vision: dict[str, Any], engine: FakeEngine) -> Any:
+        config = WorkerConfig.model_validate({"engine": {"model": "fake"}, "vision": vision})
+        return wire(config, engine, WordRenderer(), MemoryStore(), lambda code: None)
+
+    async def scenario() -> None:
+        wired = await parts({"topics": [topic]}, FakeEngine(FAKE_VISION))
+        assert wired.vision_topics is not None and wired.service.turns.vision_topics is wired.vision_topics
+        assert (await parts({}, FakeEngine(FAKE_VISION))).vision_topics is None
+        assert (await parts({"topics": [topic]}, FakeEngine())).vision_topics is None
+
+    asyncio.run(scenario())
