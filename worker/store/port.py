@@ -87,7 +87,11 @@ def encode_state(history: SessionHistory) -> str:
     images = history.kept_images()
     if images:
         # Each image once, by hash, with the turns that show it: a trimmed turn's image is
-        # written no more once no kept turn refers to it.
+        # written no more once no kept turn refers to it. In the state, so every store keeps
+        # them with the same transaction as their turn; the cost is that each commit writes
+        # them again: 8 images of 1 MB made a 10.7 MB state, 200 ms a save and 116 ms a load
+        # on SQLite (on the store's thread; 0.2 ms for a text session). A table (Redis: a
+        # hash) of images by (session, hash), written once, is the way to lower it.
         state["images"] = {
             sha: {"mediaType": image.media_type, "data": base64.b64encode(image.data).decode("ascii")}
             for sha, image in images.items()
