@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from .config.models import WorkerConfig
 from .core.history import PromptRenderer
 from .core.service import InFlight, Service
+from .core.turns import ImageDecoder, keep_bytes
 from .engine.port import Engine, ToolSupport
 from .intake.group import Intake
 from .protocol.topics import Topics
@@ -102,12 +103,14 @@ def wire(
     *,
     tools: ToolSupport | None = None,
     transport_class: type[MqttTransport] = MqttTransport,
+    decode_image: ImageDecoder = keep_bytes,
 ) -> Parts:
     """The parts of one worker on this event loop, not started: the transport from ``config``'s
     [mqtt] section (``transport_class``: a test's subclass that records what it does), the
     intake where ``history.store`` is redis, and the Service on ``store`` (``tools``: how the
     model calls tools; None: it does not). ``stop_requested``:
-    how the service and the intake ask the worker to stop (with an exit code)."""
+    how the service and the intake ask the worker to stop (with an exit code). ``decode_image``:
+    how an image's bytes become the pixels the engine takes (a vision engine's decoder)."""
     topics = Topics(config.mqtt.topic_prefix)
     worker_id = config.effective_worker_id
     settings = MqttSettings.from_config(config, topics, worker_id)
@@ -134,5 +137,6 @@ def wire(
         tools,
         toolbox=toolbox,
         vision_topics=vision_topics,
+        decode_image=decode_image,
     )
     return Parts(transport, intake, service, toolbox, vision_topics)

@@ -55,7 +55,7 @@ from .pending import PendingTurn, ReplyTarget, SessionRuntime
 from .ratelimit import RateLimiter
 from .session_cache import SessionCache
 from .stats import StatsCollector
-from .turns import TurnRunner
+from .turns import ImageDecoder, TurnRunner, keep_bytes
 
 DISPATCH_TRIES = 60
 # At most this many messages waiting in the inbox are taken at once, their sessions read in one
@@ -103,6 +103,7 @@ class Service:
         *,
         toolbox: Toolbox | None = None,
         vision_topics: VisionTopics | None = None,
+        decode_image: ImageDecoder = keep_bytes,
     ) -> None:
         self.config = config
         # A request with images is parsed within the [vision] limits where the model takes
@@ -143,6 +144,7 @@ class Service:
             vision_topics=vision_topics,
             vision=config.vision,
             user_image_bytes=self.sessions.image_bytes,
+            decode_image=decode_image,
             journal=self.sessions,
             # A share group's members answer each other's redeliveries: the group, not the member.
             call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",
