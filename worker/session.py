@@ -427,3 +427,6 @@ class Progress:
 
     turn: Turn
     calls: dict[str, WorkerCallRecord] = field(default_factory=dict)
+    # The bytes of the turn's images (the request's, the tools'): the turn is not yet in the
+    # session, whose images hold only the committed turns'.
+    images: dict[str, StoredImage] = field(default_factory=dict)

@@ -84,3 +84,14 @@ def test_an_mcp_image_item_carries_its_bytes_and_a_device_image_answer_is_an_ima
     assert _image_answer(Delivery("t", png, False, content_type="image/png")) == (png, "image/png")
     assert _image_answer(Delivery("t", png, False, content_type="image/jpeg")) is None  # says one type, holds another
     assert _image_answer(Delivery("t", json.dumps({"a": 1}).encode(), False, content_type="application/json")) is None
+
+
+def test_a_tool_loops_progress_keeps_its_turns_images_for_a_redelivery() -> None:
+    from worker.session import ImageRef, Progress, StoredImage, Turn, UserMessage
+    from worker.store.port import decode_progress, encode_progress
+
+    png = snapshot()
+    sha = hashlib.sha256(png).hexdigest()
+    turn = Turn("k", [UserMessage("look", (ImageRef(sha, "image/png"),))])
+    read = decode_progress("u/s", encode_progress(Progress(turn, {}, {sha: StoredImage(png, "image/png")})))
+    assert read.turn == turn and read.images[sha].data == png

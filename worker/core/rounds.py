@@ -240,6 +240,8 @@ def _resumed(
     elif request.message is not None and open_turn is not None:
         close_unanswered(open_turn)
     turn = progress.turn.copy()
+    for sha, image in progress.images.items():
+        history.images.setdefault(sha, image)
     approvals = {r.tool_call_id for r in request.tool_results or () if r.approved}
     client_tools = {tool.name for tool in history.tools}
     for call in turn.pending_calls():

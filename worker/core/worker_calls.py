@@ -137,8 +137,12 @@ class WorkerCalls:
             )
         return progress
 
-    async def save_progress(self, pending: PendingTurn, progress: Progress) -> None:
+    async def save_progress(self, pending: PendingTurn, progress: Progress, history: SessionHistory) -> None:
         if self.journal is not None:
+            # With the bytes of the turn's images: a redelivery goes on without the request's
+            # (its topics' may have changed) or the tools' (never called again) images.
+            refs = {ref.sha256 for ref in progress.turn.images()}
+            progress.images = {sha: image for sha, image in history.images.items() if sha in refs}
             await self.journal.asave_progress(str(pending.address), pending.key, progress)
 
     async def run_round(self, rounds: RoundState, calls: Sequence[ToolCall], round_: int) -> None:
@@ -146,7 +150,7 @@ class WorkerCalls:
         and is stored before the loop goes on. Calls over max_calls_per_round, or past the
         request's tool time, are not sent: their result says why. The progress is stored
         first: a call is never sent twice."""
-        await self.save_progress(rounds.pending, rounds.progress)
+        await self.save_progress(rounds.pending, rounds.progress, rounds.history)
         limit = self.limits.max_calls_per_round
         started = time.monotonic()
         await asyncio.gather(
@@ -200,7 +204,7 @@ class WorkerCalls:
         rounds.progress.calls[call.id] = WorkerCallRecord(result.outcome, round(seconds * 1000, 1), round_)
         self.stats.record_tool_call(call.name, result.outcome, seconds)
         # Stored first: the line below says the result is on record (a crash after it reuses it).
-        await self.save_progress(pending, rounds.progress)
+        await self.save_progress(pending, rounds.progress, rounds.history)
         logger.info(
             "Request {} of {}: worker call {} ({}) {} in {:.0f} ms",
             log_ref(pending.key),

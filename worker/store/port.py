@@ -92,11 +92,15 @@ def encode_state(history: SessionHistory) -> str:
         # them again: 8 images of 1 MB made a 10.7 MB state, 200 ms a save and 116 ms a load
         # on SQLite (on the store's thread; 0.2 ms for a text session). A table (Redis: a
         # hash) of images by (session, hash), written once, is the way to lower it.
-        state["images"] = {
-            sha: {"mediaType": image.media_type, "data": base64.b64encode(image.data).decode("ascii")}
-            for sha, image in images.items()
-        }
+        state["images"] = _encoded_images(images)
     return json.dumps(state, ensure_ascii=False)
+
+
+def _encoded_images(images: dict[str, StoredImage]) -> dict[str, Any]:
+    return {
+        sha: {"mediaType": image.media_type, "data": base64.b64encode(image.data).decode("ascii")}
+        for sha, image in images.items()
+    }
 
 
 def _images(data: dict[str, Any]) -> dict[str, StoredImage]:
@@ -156,9 +160,10 @@ def encode_progress(progress: Progress) -> str:
         call_id: {"outcome": r.outcome, "durationMs": r.duration_ms, "round": r.round}
         for call_id, r in progress.calls.items()
     }
-    return json.dumps(
-        {"turnKey": progress.turn.key, "messages": progress.turn.template_forms(), "calls": calls}, ensure_ascii=False
-    )
+    data: dict[str, Any] = {"turnKey": progress.turn.key, "messages": progress.turn.template_forms(), "calls": calls}
+    if progress.images:
+        data["images"] = _encoded_images(progress.images)
+    return json.dumps(data, ensure_ascii=False)
 
 
 def decode_progress(session: str, text: str | bytes) -> Progress:
@@ -169,6 +174,7 @@ def decode_progress(session: str, text: str | bytes) -> Progress:
             str(call_id): WorkerCallRecord(str(r["outcome"]), float(r["durationMs"]), int(r["round"]))
             for call_id, r in data["calls"].items()
         }
-    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        images = _images(data)
+    except (ValueError, KeyError, TypeError, AttributeError, binascii.Error) as exc:
         raise SessionUnreadable(session, f"tool-loop progress: {type(exc).__name__}: {str(exc)[:200]}") from None
-    return Progress(turn, calls)
+    return Progress(turn, calls, images)
