@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from . import REPO
 from .mqtt_client import Client
+from .waiting import PATIENCE, eventually
 
 if TYPE_CHECKING:
     import psutil
@@ -118,6 +120,17 @@ class WorkerProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+    def wait_log(self, pattern: str, timeout: float = PATIENCE) -> re.Match[str]:
+        """Until a line of this start's log matches ``pattern`` (a regular expression; the
+        event), while the worker lives: AssertionError with the log's end if it exits first or
+        ``timeout`` passes (waits that would never end; generous for a busy machine)."""
+        return eventually(
+            lambda: re.search(pattern, self.tail(10**8), re.M),
+            lambda: f"no {pattern!r} in the log: {self.tail(3000)}",
+            timeout,
+            alive=self.alive,
+        )
 
     def tail(self, chars: int) -> str:
         """The end of what this start logged."""
