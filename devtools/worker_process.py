@@ -11,6 +11,7 @@ import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -191,6 +192,15 @@ class WorkerProcess:
         code = self.proc.wait(10)
         self._log.close()
         return code
+
+
+def pending_requests(metrics_port: int) -> float:
+    """A worker's ``mqtt_vllm_worker_pending_requests`` (its Prometheus endpoint on this port):
+    the requests it has taken and not answered yet."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=PATIENCE) as response:
+        text = response.read().decode()
+    (line,) = [line for line in text.splitlines() if line.startswith("mqtt_vllm_worker_pending_requests ")]
+    return float(line.split()[1])
 
 
 @contextlib.contextmanager

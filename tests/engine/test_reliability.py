@@ -21,7 +21,6 @@ import json
 import re
 import signal
 import sqlite3
-import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,7 +32,7 @@ from devtools.mqtt_client import Client
 from devtools.net import free_port
 from devtools.systemd import NotifyListener
 from devtools.waiting import PATIENCE, eventually
-from devtools.worker_process import WorkerProcess, engine_args
+from devtools.worker_process import WorkerProcess, engine_args, pending_requests
 from worker.store.sqlite import DATABASE_NAME
 
 pytestmark = pytest.mark.e2e
@@ -341,13 +340,6 @@ def replies_to(broker: Mosquitto, watcher: Client, where: tuple[str, str, str]) 
         found.append(reply)
     assert all(r.get("requestId") == request_id for r in found), found
     return found
-
-
-def pending_requests(metrics_port: int) -> float:
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as response:
-        text = response.read().decode()
-    (line,) = [line for line in text.splitlines() if line.startswith("mqtt_vllm_worker_pending_requests ")]
-    return float(line.split()[1])
 
 
 def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered_once_after_a_restart(
