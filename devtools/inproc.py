@@ -36,6 +36,7 @@ class RecordingTransport(MqttTransport):
         self.connects = 0
         self.acked: list[InboundMessage] = []
         self.subscribed = threading.Event()
+        self.subacks = 0  # one a connect: the broker has the subscriptions again
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self.connects += 1
@@ -43,6 +44,7 @@ class RecordingTransport(MqttTransport):
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
         super()._on_subscribe(client, userdata, mid, reasons, properties)
+        self.subacks += 1
         self.subscribed.set()
 
     def ack(self, message: InboundMessage) -> None:
@@ -106,11 +108,11 @@ class LiveWorker:
         assert isinstance(parts.transport, RecordingTransport)
         self.transport, self.intake, self.service = parts.transport, parts.intake, parts.service
         await parts.start(self._resources)
-        await asyncio.wait_for(self.transport.wait_connected(), 10)
-        await asyncio.to_thread(self.transport.subscribed.wait, 10)
+        await asyncio.wait_for(self.transport.wait_connected(), PATIENCE)
+        await asyncio.to_thread(self.transport.subscribed.wait, PATIENCE)
         self._consumer = asyncio.ensure_future(self.service.consume())
 
-    def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = 30) -> T:
+    def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = PATIENCE) -> T:
         """Run work (a coroutine, or a function) on the worker's loop; its result."""
         if not asyncio.iscoroutine(work):
             function = work
