@@ -52,7 +52,7 @@ def test_messages_reach_a_path_socket_and_the_variables_are_not_inherited(listen
     assert notifier.watchdog_interval == 1.5  # half of WATCHDOG_USEC
     notifier.ready("Serving")
     notifier.stopping("Stopping")
-    listener.wait_for("STOPPING=1", timeout=2)
+    listener.wait_for("STOPPING=1")
     assert [message for _, message in listener.received] == [
         ["READY=1", "STATUS=Serving"],
         ["STOPPING=1", "STATUS=Stopping"],
@@ -63,7 +63,7 @@ def test_abstract_namespace_socket() -> None:
     listener = NotifyListener(f"@worker-test-{uuid.uuid4().hex}")
     try:
         assert Notifier(listener.address).send("STATUS=abstract")
-        listener.wait_for("STATUS=abstract", timeout=2)
+        listener.wait_for("STATUS=abstract")
     finally:
         listener.close()
 
