@@ -213,3 +213,28 @@ def test_a_model_without_vision_refuses_images_naming_the_model() -> None:
 
     with pytest.raises(ImagesRejected, match="the model models/tiny-text takes no images"):
         asyncio.run(first())
+
+
+def test_where_vllm_processes_images_on_the_event_loop_the_worker_does_it_on_its_thread(
+    engine: Engine, template: Any
+) -> None:
+    """vLLM 0.26's add_request runs the HF processor on the event loop; 0.32 has
+    process_inputs_async and is left to do it (its renderer's thread). The 0.26 path, taken
+    here on 0.32 by hiding process_inputs_async: the images are processed on the worker's own
+    thread, and the engine takes the processed request."""
+    vllm_engine: Any = engine.engine
+    assert vllm_engine._process_inputs is None  # 0.32: vLLM's own thread
+    process = vllm_engine._llm.input_processor.process_inputs
+    threads: list[str] = []
+
+    def spy(*args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return process(*args, **kwargs)
+
+    vllm_engine._process_inputs = spy
+    try:
+        update = engine.generate(render(template, FIRST), [picture(9)], "image-thread")
+    finally:
+        vllm_engine._process_inputs = None
+    assert update.image_tokens == 54 and update.completion_tokens == MAX_TOKENS
+    assert len(threads) == 1 and threads[0].startswith("images"), threads
