@@ -32,6 +32,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ..config.models import EngineConfig
 from ..session import ToolSpec
+from .admission import Admission, admission_limits
 from .kvtier import (
     GIB,
     HostMemory,
@@ -690,6 +691,7 @@ class VllmEngine:
         *,
         cpu_backend: bool = False,
         sampling: dict[str, Any] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
@@ -697,6 +699,7 @@ class VllmEngine:
         self._stats = stats
         self.cpu_backend = cpu_backend
         self._sampling = dict(sampling or {})
+        self.admission = admission  # None: every request to the engine at once (engine.admission off)
 
     @classmethod
     async def start(
@@ -766,7 +769,22 @@ class VllmEngine:
                 kv_offload_gib=stats.kv_offload_gib,
             ),
         )
-        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
+        admission = None
+        if config.admission == "fair":
+            scheduler = vllm_config.scheduler_config
+            limits = admission_limits(
+                int(scheduler.max_num_seqs),
+                int(scheduler.max_num_batched_tokens),
+                waiting_requests=config.admission_waiting_requests,
+                waiting_tokens=config.admission_waiting_tokens,
+            )
+            admission = Admission(limits)
+            logger.info("Admission: fair, {}; the rest wait in the worker, users in turn", limits.words())
+        else:
+            logger.info("Admission: off, every request goes to the engine at once")
+        return cls(
+            llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling, admission=admission
+        )
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
         """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
@@ -917,9 +935,15 @@ class VllmEngine:
         prompt_tokens = len(request.prompt_token_ids)
         completion_tokens = cached_tokens = 0
         finished = False
+        admission = self.admission
         try:
+            if admission is not None and not await admission.enter(request.request_id, prompt_tokens):
+                yield GenerationUpdate("", 0, prompt_tokens, 0, True, "cancelled")  # cancelled while it waited
+                return
             async for output in self._llm.generate(prompt, params, request.request_id):
                 completion = output.outputs[0]
+                if admission is not None and not completion_tokens and completion.token_ids:
+                    admission.started(request.request_id)
                 completion_tokens += len(completion.token_ids)
                 cached_tokens = int(output.num_cached_tokens or 0)
                 finished = bool(output.finished)
@@ -956,8 +980,13 @@ class VllmEngine:
             # vLLM wraps the real failure (EngineGenerateError has no message of its own).
             logger.opt(exception=exc).debug("engine failure on request {}", request.request_id)
             raise EngineError(describe(exc)) from exc
+        finally:
+            if admission is not None:
+                admission.leave(request.request_id, prompt_tokens, completion_tokens)
 
     async def abort(self, request_id: str) -> None:
+        if self.admission is not None and self.admission.cancel(request_id):
+            return  # it was waiting in the worker: its stream ends cancelled
         result = self._llm.abort(request_id)
         if asyncio.iscoroutine(result):
             await result
