@@ -17,27 +17,34 @@ from worker.engine.admission import (
     session_of,
 )
 
-H100 = admission_limits(1024, 8192)  # the worker's limits on an H100
+H100 = admission_limits(1024)  # the worker's default on an H100: max_num_seqs 1024
+H100_TOKENS = admission_limits(1024, waiting_tokens=32768)  # with a bound on prompt waiting for prefill
 _TASKS: list[asyncio.Task[None]] = []
 
 
 def test_defaults_follow_the_scheduler_limits() -> None:
-    assert AdmissionLimits(max_num_seqs=1024, waiting_requests=128, waiting_tokens=32768) == H100
-    assert admission_limits(64, 2048) == AdmissionLimits(64, 16, 8192)  # at least 16 waiting
-    assert admission_limits(1024, 8192, waiting_requests=0, waiting_tokens=5000) == AdmissionLimits(1024, 0, 5000)
+    assert AdmissionLimits(max_num_seqs=1024, waiting_requests=128, waiting_tokens=None) == H100
+    assert admission_limits(64) == AdmissionLimits(64, 16, None)  # at least 16 waiting
+    assert admission_limits(1024, waiting_requests=0, waiting_tokens=5000) == AdmissionLimits(1024, 0, 5000)
 
 
 def test_an_idle_engine_takes_any_prompt() -> None:
-    assert may_admit(EngineLoad(), 100_000, H100)  # longer than waiting_tokens: nothing else waits
-    assert may_admit(EngineLoad(in_engine=500, unstarted=0, unstarted_tokens=0), 100_000, H100)
+    assert may_admit(EngineLoad(), 100_000, H100_TOKENS)  # longer than waiting_tokens: nothing else waits
+    assert may_admit(EngineLoad(in_engine=500, unstarted=0, unstarted_tokens=0), 100_000, H100_TOKENS)
 
 
-def test_prompt_tokens_waiting_in_the_engine_bound_it() -> None:
+def test_by_default_every_request_goes_while_the_engine_has_sequences() -> None:
+    """vLLM's own queue fills each step's token budget: the worker holds nothing back below
+    max_num_seqs + waiting_requests, however much prompt waits in the engine."""
+    assert may_admit(EngineLoad(in_engine=999, unstarted=999, unstarted_tokens=300_000), 300, H100)
+    assert not may_admit(EngineLoad(in_engine=1152, unstarted=500, unstarted_tokens=150_000), 300, H100)
+
+
+def test_prompt_tokens_waiting_in_the_engine_bound_it_where_set() -> None:
     load = EngineLoad(in_engine=100, unstarted=100, unstarted_tokens=32_000)
-    assert may_admit(load, 768, H100)  # exactly the bound
-    assert not may_admit(load, 769, H100)
-    # The engine's free sequences do not matter while it has four steps of prefill queued.
-    assert not may_admit(EngineLoad(in_engine=10, unstarted=10, unstarted_tokens=32_768), 1, H100)
+    assert may_admit(load, 768, H100_TOKENS)  # exactly the bound
+    assert not may_admit(load, 769, H100_TOKENS)
+    assert not may_admit(EngineLoad(in_engine=10, unstarted=10, unstarted_tokens=32_768), 1, H100_TOKENS)
 
 
 def test_sequences_bound_it_beyond_max_num_seqs() -> None:
@@ -46,16 +53,18 @@ def test_sequences_bound_it_beyond_max_num_seqs() -> None:
     assert not may_admit(EngineLoad(in_engine=1024 + 128, unstarted=0), 1, H100)
 
 
-def test_no_request_waits_while_the_engine_has_room() -> None:
-    """Whenever the worker holds a request, the engine has every sequence taken (and its
-    queue) or four steps of prompt waiting: a step of prefill for each step in flight."""
-    limits = admission_limits(256, 2048)
-    for in_engine in range(0, 400, 7):
-        for unstarted in range(0, min(in_engine, 60) + 1, 5):
-            for tokens in (0, 1000, 4000, 8191, 8192):
-                load = EngineLoad(in_engine, unstarted, tokens if unstarted else 0)
-                if not may_admit(load, 300, limits):
-                    assert in_engine >= 256 or load.unstarted_tokens + 300 > 4 * 2048
+def test_no_request_waits_while_the_engine_has_a_free_sequence() -> None:
+    """By default the worker holds a request only when every sequence of the engine is taken
+    and waiting_requests more wait there; with waiting_tokens set, also when that much prompt
+    waits for its prefill in the engine."""
+    for limits in (admission_limits(256), admission_limits(256, waiting_tokens=8192)):
+        for in_engine in range(0, 400, 7):
+            for unstarted in range(0, min(in_engine, 60) + 1, 5):
+                for tokens in (0, 1000, 4000, 8191, 8192, 50_000):
+                    load = EngineLoad(in_engine, unstarted, tokens if unstarted else 0)
+                    if not may_admit(load, 300, limits):
+                        bound = limits.waiting_tokens
+                        assert in_engine >= 256 + 32 or (bound is not None and tokens + 300 > bound)
 
 
 def test_session_of_reads_the_worker_request_ids() -> None:
@@ -157,7 +166,7 @@ def test_a_returning_session_counts_only_its_new_tokens() -> None:
 
 
 async def _test_a_returning_session_counts_only_its_new_tokens() -> None:
-    admission = Admission(admission_limits(64, 2048))
+    admission = Admission(admission_limits(64, waiting_tokens=8192))
     assert await admission.enter("u/a/r/1", 2000)
     assert admission.load.unstarted_tokens == 2000
     admission.started("u/a/r/1")

@@ -2,26 +2,32 @@
 
 vLLM runs at most ``max_num_seqs`` requests at once and computes at most
 ``max_num_batched_tokens`` tokens a step; what it is handed beyond that waits in its own queue,
-first come first served. Handing it everything at once (1,000 requests of one burst) gives
-the engine nothing it could not take later, and takes away what the worker can still do with a
-request that has not reached the engine: serve users in turn rather than in arrival order
-(one user's 1,000 requests do not push another user's one behind them all), and cancel it
-without the engine's round trip.
+first come first served. Handing it requests beyond its sequences gives the engine nothing it
+could not take later, and takes away what the worker can still do with a request that has
+not reached the engine: serve users in turn rather than in arrival order (one user's 3,000
+requests do not push another user's one behind them all), and cancel it without the engine's
+round trip.
 
 The policy (``may_admit``): a request goes to the engine now unless
 
 - the engine already has ``max_num_seqs + waiting_requests`` requests (every sequence taken and
   ``waiting_requests`` more queued there to take the next free ones at once), or
-- the requests handed to it that have no token yet (waiting, or in their prefill) hold
-  ``waiting_tokens`` of prompt that is not in the prefix cache (estimated), and this one would
-  add to it. With nothing waiting, a request goes whatever its length.
+- ``waiting_tokens`` is set and the requests handed to it that have no token yet (waiting, or
+  in their prefill) hold that much prompt not in the prefix cache (estimated), and this one
+  would add to it. With nothing waiting, a request goes whatever its length.
 
-``waiting_tokens`` defaults to 4 x ``max_num_batched_tokens``: with async scheduling the engine
-plans step N+1 while step N runs, and the worker sees step N's first tokens only after that;
-four steps' worth of prompt keeps at least one full step of prefill queued in the engine
-meanwhile. So no request waits in the worker while the engine has a free sequence and room in
-its step. ``waiting_requests`` defaults to max_num_seqs / 8 (at least 16): when requests end, as
+So no request waits in the worker while the engine has a free sequence: up to max_num_seqs
+everything goes at once, and vLLM's scheduler fills each step's token budget from its own
+queue. ``waiting_requests`` defaults to max_num_seqs / 8 (at least 16): when requests end, as
 many wait in the engine to take their sequences at the next step.
+
+``waiting_tokens`` is off by default: measured on one H100 (vLLM 0.26, a 2B geometry, one-turn
+sessions of 300 prompt tokens, docs/performance.md "Admission"), holding prompts back to 4 x
+max_num_batched_tokens waiting for their prefill cut tokens/s at 320 sessions from 14.4k to
+5.4k and tripled TTFT p50: the worker sees a request's first token (and lets the next one in)
+a loop pass and an engine step after vLLM could have scheduled more, so the engine ran short of
+prefill. vLLM's own queue is the better buffer for prompts; the worker's is for requests beyond
+the engine's sequences.
 
 Waiting requests are released fairly: users in turn (round robin), each user's requests in
 the order they came. Turns of one session are already in order (one at a time, by the
@@ -44,18 +50,15 @@ SESSIONS_REMEMBERED = 65536
 class AdmissionLimits:
     max_num_seqs: int
     waiting_requests: int  # beyond max_num_seqs, requests queued in the engine
-    waiting_tokens: int  # prompt tokens (uncached, estimated) in the engine without a token yet
+    waiting_tokens: int | None  # prompt tokens (uncached, estimated) in the engine without a token yet; None: any
 
     def words(self) -> str:
-        return (
-            f"up to max_num_seqs {self.max_num_seqs} + {self.waiting_requests} requests in the engine, "
-            f"{self.waiting_tokens} prompt tokens waiting for their prefill there"
-        )
+        tokens = "" if self.waiting_tokens is None else f", {self.waiting_tokens} prompt tokens waiting there"
+        return f"up to max_num_seqs {self.max_num_seqs} + {self.waiting_requests} requests in the engine{tokens}"
 
 
 def admission_limits(
     max_num_seqs: int,
-    max_num_batched_tokens: int,
     *,
     waiting_requests: int | None = None,
     waiting_tokens: int | None = None,
@@ -64,7 +67,7 @@ def admission_limits(
     return AdmissionLimits(
         max_num_seqs=max(1, max_num_seqs),
         waiting_requests=max(16, max_num_seqs // 8) if waiting_requests is None else max(0, waiting_requests),
-        waiting_tokens=4 * max(1, max_num_batched_tokens) if waiting_tokens is None else max(1, waiting_tokens),
+        waiting_tokens=None if waiting_tokens is None else max(1, waiting_tokens),
     )
 
 
@@ -81,8 +84,8 @@ def may_admit(load: EngineLoad, tokens: int, limits: AdmissionLimits) -> bool:
     """Whether a request of ``tokens`` uncached prompt tokens goes to the engine now."""
     if load.in_engine >= limits.max_num_seqs + limits.waiting_requests:
         return False
-    if load.unstarted == 0:
-        return True  # the engine waits for nothing else: a prompt longer than waiting_tokens goes too
+    if limits.waiting_tokens is None or load.unstarted == 0:
+        return True  # nothing else waits in the engine: a prompt longer than waiting_tokens goes too
     return load.unstarted_tokens + tokens <= limits.waiting_tokens
 
 

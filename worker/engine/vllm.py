@@ -774,7 +774,6 @@ class VllmEngine:
             scheduler = vllm_config.scheduler_config
             limits = admission_limits(
                 int(scheduler.max_num_seqs),
-                int(scheduler.max_num_batched_tokens),
                 waiting_requests=config.admission_waiting_requests,
                 waiting_tokens=config.admission_waiting_tokens,
             )
