@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -283,3 +283,9 @@ for _name, _gib, _kv in (
     PROFILES[_name] = Profile(
         PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_kv}, capacity_offload_gib=_gib
     )
+
+# The burst phases on the QwQ-32B geometry (an H200: its KV cache holds 300 sessions of 428
+# tokens beside 65 GB of weights, an H100's does not): 100 and 300 sessions, worker and raw.
+PROFILES["gpu-burst-qwq"] = replace(
+    PROFILES["gpu"], burst_sessions_by_limits={"new": (100, 300)}, burst_first=100, burst_sessions=(100, 300)
+)
