@@ -34,6 +34,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ..config.models import EngineConfig
 from ..session import ToolSpec
+from .admission import Admission, admission_limits
 from .kvtier import (
     GIB,
     HostMemory,
@@ -823,6 +824,7 @@ class VllmEngine:
         *,
         cpu_backend: bool = False,
         sampling: dict[str, Any] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
@@ -842,6 +844,7 @@ class VllmEngine:
             else getattr(processor, "process_inputs", None)
         )
         self._image_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.admission = admission  # None: every request to the engine at once (engine.admission off)
 
     @classmethod
     async def start(
@@ -915,7 +918,21 @@ class VllmEngine:
                 kv_offload_gib=stats.kv_offload_gib,
             ),
         )
-        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
+        admission = None
+        if config.admission == "fair":
+            scheduler = vllm_config.scheduler_config
+            limits = admission_limits(
+                int(scheduler.max_num_seqs),
+                waiting_requests=config.admission_waiting_requests,
+                waiting_tokens=config.admission_waiting_tokens,
+            )
+            admission = Admission(limits)
+            logger.info("Admission: fair, {}; the rest wait in the worker, users in turn", limits.words())
+        else:
+            logger.info("Admission: off, every request goes to the engine at once")
+        return cls(
+            llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling, admission=admission
+        )
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
         """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
@@ -1073,11 +1090,18 @@ class VllmEngine:
         image_tokens = 0
         completion_tokens = cached_tokens = 0
         finished = False
+        admission = self.admission
+        admitted_tokens = prompt_tokens  # as entered: the images' expansion is not known yet
         try:
+            if admission is not None and not await admission.enter(request.request_id, admitted_tokens):
+                yield GenerationUpdate("", 0, prompt_tokens, 0, True, "cancelled")  # cancelled while it waited
+                return
             if request.images and self._process_inputs is not None:
                 prompt = await self._processed(request.request_id, prompt, params)
             async for output in self._llm.generate(prompt, params, request.request_id):
                 completion = output.outputs[0]
+                if admission is not None and not completion_tokens and completion.token_ids:
+                    admission.started(request.request_id)
                 completion_tokens += len(completion.token_ids)
                 cached_tokens = int(output.num_cached_tokens or 0)
                 if request.images and output.prompt_token_ids:
@@ -1122,6 +1146,9 @@ class VllmEngine:
             # vLLM wraps the real failure (EngineGenerateError has no message of its own).
             logger.opt(exception=exc).debug("engine failure on request {}", request.request_id)
             raise EngineError(describe(exc)) from exc
+        finally:
+            if admission is not None:
+                admission.leave(request.request_id, admitted_tokens, completion_tokens)
 
     async def _processed(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
         """The request as vLLM 0.26's engine core takes it, its images processed on the worker's
@@ -1134,6 +1161,8 @@ class VllmEngine:
         return await asyncio.get_running_loop().run_in_executor(self._image_thread, process)
 
     async def abort(self, request_id: str) -> None:
+        if self.admission is not None and self.admission.cancel(request_id):
+            return  # it was waiting in the worker: its stream ends cancelled
         result = self._llm.abort(request_id)
         if asyncio.iscoroutine(result):
             await result
