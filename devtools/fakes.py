@@ -294,7 +294,7 @@ class Harness:
             WordRenderer(),
             self.transport,
             self.stop_codes.append,
-            store,
+            store or MemoryStore(),
             tools=tools,
             toolbox=toolbox,
         )

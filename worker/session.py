@@ -17,11 +17,13 @@ import copy
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
-# One message as the chat template takes it: role, content, and for tool rounds the assistant's
-# tool_calls (arguments as a dict: templates render them with tojson) or the tool result's
-# tool_call_id and name (Hermes-style templates need the name).
+# One message as the chat template takes it (and the stores keep it): role, content, and for
+# tool rounds the assistant's tool_calls (arguments as a dict: templates render them with
+# tojson) or the tool result's tool_call_id and name (Hermes-style templates need the name).
+# The turns hold typed messages (UserMessage, AssistantMessage, ToolResultMessage); this form
+# is made at the edges only: the renderer's input, the stored JSON.
 ChatMessage = dict[str, Any]
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
@@ -75,60 +77,172 @@ class ToolCall:
     name: str
     arguments: dict[str, Any]
 
-
-def assistant_message(content: str, calls: Sequence[ToolCall] = ()) -> ChatMessage:
-    message: ChatMessage = {"role": "assistant", "content": content}
-    if calls:
-        message["tool_calls"] = [
-            {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": copy.deepcopy(c.arguments)}}
-            for c in calls
-        ]
-    return message
+    def template_form(self) -> dict[str, Any]:
+        """OpenAI's form, with the arguments as a dict: templates render them with tojson."""
+        return {"id": self.id, "type": "function", "function": {"name": self.name, "arguments": self.arguments}}
 
 
-def tool_message(call_id: str, name: str, content: str) -> ChatMessage:
-    return {"role": "tool", "tool_call_id": call_id, "name": name, "content": content}
+class _Message:
+    """A turn's message. It also reads as its template form (``message["role"]``), and equals
+    the dict of that form, for code written against the dicts the chat template takes."""
+
+    role: ClassVar[str]
+    content: str
+
+    def template_form(self) -> ChatMessage:
+        raise NotImplementedError
+
+    def __getitem__(self, key: str) -> Any:
+        return self.template_form()[key]
+
+    def get(self, key: str, default: Any = None) -> Any:
+        return self.template_form().get(key, default)
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, _Message):
+            return type(other) is type(self) and other.template_form() == self.template_form()
+        if isinstance(other, dict):
+            return self.template_form() == other
+        return NotImplemented
+
+    __hash__ = None  # type: ignore[assignment]
 
 
-def calls_of(message: ChatMessage) -> list[ToolCall]:
-    """The tool calls of an assistant message ([] for any other)."""
-    return [
-        ToolCall(str(c["id"]), str(c["function"]["name"]), dict(c["function"]["arguments"]))
-        for c in message.get("tool_calls") or ()
-    ]
+@dataclass(frozen=True, eq=False)
+class UserMessage(_Message):
+    """The message that opens a turn."""
+
+    content: str
+    role: ClassVar[str] = "user"
+
+    def template_form(self) -> ChatMessage:
+        return {"role": "user", "content": self.content}
+
+
+@dataclass(frozen=True, eq=False)
+class AssistantMessage(_Message):
+    """What the model said: its text, and the calls it made (a tool round), checked."""
+
+    content: str
+    tool_calls: tuple[ToolCall, ...] = ()
+    role: ClassVar[str] = "assistant"
+
+    def template_form(self) -> ChatMessage:
+        message: ChatMessage = {"role": "assistant", "content": self.content}
+        if self.tool_calls:
+            message["tool_calls"] = [call.template_form() for call in self.tool_calls]
+        return message
+
+
+@dataclass(frozen=True, eq=False)
+class ToolResultMessage(_Message):
+    """The result of one call (Hermes-style templates need the tool's name too)."""
+
+    call_id: str
+    name: str
+    content: str
+    role: ClassVar[str] = "tool"
+
+    def template_form(self) -> ChatMessage:
+        return {"role": "tool", "tool_call_id": self.call_id, "name": self.name, "content": self.content}
+
+
+Message = UserMessage | AssistantMessage | ToolResultMessage
+
+
+def message_from_dict(data: ChatMessage) -> Message:
+    """A message from its template form (how the stores keep it). TypeError or KeyError for
+    a dict that is no message of a turn."""
+    role, content = data["role"], str(data.get("content") or "")
+    if role == "user":
+        return UserMessage(content)
+    if role == "assistant":
+        calls = tuple(
+            ToolCall(str(c["id"]), str(c["function"]["name"]), dict(c["function"]["arguments"]))
+            for c in data.get("tool_calls") or ()
+        )
+        return AssistantMessage(content, calls)
+    if role == "tool":
+        return ToolResultMessage(str(data["tool_call_id"]), str(data.get("name") or ""), content)
+    raise TypeError(f"a turn holds no message of role {str(role)[:40]!r}")
+
+
+def as_message(message: Message | ChatMessage) -> Message:
+    return message if isinstance(message, _Message) else message_from_dict(message)
+
+
+def template_form(message: Message | ChatMessage) -> ChatMessage:
+    """The dict the chat template takes (a dict is taken as it is)."""
+    return message.template_form() if isinstance(message, _Message) else message
+
+
+def assistant_message(content: str, calls: Sequence[ToolCall] = ()) -> AssistantMessage:
+    """The model's message; the calls' arguments copied (the turn keeps them as they were)."""
+    return AssistantMessage(content, tuple(ToolCall(c.id, c.name, copy.deepcopy(c.arguments)) for c in calls))
+
+
+def tool_message(call_id: str, name: str, content: str) -> ToolResultMessage:
+    return ToolResultMessage(call_id, name, content)
 
 
 @dataclass
 class Turn:
-    """One user message and all it led to (see the module's docstring)."""
+    """One user message and all it led to (see the module's docstring). Messages given in
+    their template form (a stored turn) are read into their types."""
 
     key: str  # the request key of the message that opened it
-    messages: list[ChatMessage] = field(default_factory=list)
+    messages: list[Message] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.messages = [as_message(m) for m in self.messages]
 
     @classmethod
     def plain(cls, key: str, user: str, assistant: str) -> Turn:
-        return cls(key, [{"role": "user", "content": user}, {"role": "assistant", "content": assistant}])
+        return cls(key, [UserMessage(user), AssistantMessage(assistant)])
 
     @property
     def user(self) -> str:
         """The user message that opened the turn."""
-        return next((str(m.get("content") or "") for m in self.messages if m.get("role") == "user"), "")
+        return next((m.content for m in self.messages if isinstance(m, UserMessage)), "")
 
     @property
     def assistant(self) -> str:
         """The turn's last assistant text (its answer, once the turn is closed)."""
-        return next((str(m.get("content") or "") for m in reversed(self.messages) if m.get("role") == "assistant"), "")
+        return next((m.content for m in reversed(self.messages) if isinstance(m, AssistantMessage)), "")
+
+    @property
+    def rounds(self) -> int:
+        """How many tool rounds (assistant messages with calls) the turn has had."""
+        return sum(1 for m in self.messages if isinstance(m, AssistantMessage) and m.tool_calls)
+
+    def calls(self) -> list[ToolCall]:
+        """Every call of the turn, in the order they were made."""
+        return [c for m in self.messages if isinstance(m, AssistantMessage) for c in m.tool_calls]
+
+    def results(self) -> dict[str, str]:
+        """Call id -> its result, for the calls that have one."""
+        return {m.call_id: m.content for m in self.messages if isinstance(m, ToolResultMessage)}
+
+    def last_assistant(self) -> int:
+        """The index of the turn's last assistant message (-1: none)."""
+        return max((i for i, m in enumerate(self.messages) if isinstance(m, AssistantMessage)), default=-1)
 
     def pending_calls(self) -> list[ToolCall]:
         """The calls of the turn's last tool round that have no result yet ([]: not open)."""
-        answered = {m.get("tool_call_id") for m in self.messages if m.get("role") == "tool"}
-        for message in reversed(self.messages):
-            if message.get("role") == "assistant":
-                return [c for c in calls_of(message) if c.id not in answered]
-        return []
+        last = self.last_assistant()
+        if last < 0:
+            return []
+        message = self.messages[last]
+        assert isinstance(message, AssistantMessage)
+        answered = self.results()
+        return [c for c in message.tool_calls if c.id not in answered]
+
+    def template_forms(self) -> list[ChatMessage]:
+        return [m.template_form() for m in self.messages]
 
     def copy(self) -> Turn:
-        return Turn(self.key, copy.deepcopy(self.messages))
+        """A copy to add to (the messages themselves never change: they are shared)."""
+        return Turn(self.key, list(self.messages))
 
 
 @dataclass
@@ -157,7 +271,7 @@ class SessionHistory:
         if self.system_prompt:
             out.append({"role": "system", "content": self.system_prompt})
         for turn in self.turns if turns is None else turns:
-            out.extend(turn.messages)
+            out.extend(turn.template_forms())
         return out
 
     def tool_forms(self) -> list[dict[str, Any]] | None:

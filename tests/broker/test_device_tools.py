@@ -96,10 +96,8 @@ def test_a_call_goes_out_with_its_properties_and_its_answer_comes_back(broker: M
                 assert json.loads(reading.content) == SENSOR
 
                 assert tools.pending == 0
-                assert tools.counts == {
-                    "lamp_set": {"calls": 2, "timeouts": 0, "errors": 0},
-                    "sensor": {"calls": 1, "timeouts": 0, "errors": 0},
-                }
+                # Each call reached its device once (the second lamp_set as a duplicate).
+                assert [c["topic"] for c in devices.calls] == [f"{p}/lamp/set", f"{p}/lamp/set", f"{p}/sensor/read"]
                 # Answers are the tools', never requests for the service.
                 assert transport.inbox.empty()
 
@@ -124,7 +122,6 @@ def test_a_device_that_does_not_answer_is_a_timeout(broker: Mosquitto) -> None:
             outcome = await tools.call("nobody", {"x": 1}, context(1))
             assert (outcome.outcome, outcome.content) == ("timeout", "Error: the device did not answer within 0.5 s.")
             assert tools.pending == 0
-            assert tools.counts["nobody"] == {"calls": 1, "timeouts": 1, "errors": 0}
 
     asyncio.run(run())
 
@@ -226,7 +223,6 @@ def test_a_device_topic_the_broker_refuses_is_unavailable(tmp_path: Path) -> Non
                 refused = await tools.call("garage", {"open": True}, context(1))
                 assert refused.outcome == "unavailable", refused
                 assert "not sent" in refused.content
-                assert tools.counts["garage"] == {"calls": 1, "timeouts": 0, "errors": 1}
                 granted = await tools.call("lamp_set", {"on": True}, context(2))
                 assert granted.ok and json.loads(granted.content) == {"on": True}, granted
                 assert [c["topic"] for c in devices.calls] == ["devices/lamp/set"]
@@ -286,7 +282,7 @@ def test_a_retained_answer_is_refused_live_and_dropped_when_replayed(broker: Mos
                 outcome = await asyncio.wait_for(tools.call("lamp_get", {}, context(1)), 10)  # not the 20 s timeout
                 assert outcome.outcome == "error" and "retain" in outcome.content, outcome
                 assert "secret" not in outcome.content
-                assert tools.counts["lamp_get"] == {"calls": 1, "timeouts": 0, "errors": 1}
+                assert tools.pending == 0
             finally:
                 await tools.close()
         # A later subscription (another start) gets the retained answer replayed: dropped.

@@ -71,12 +71,19 @@ def test_discovery_call_and_withdrawal(broker: Mosquitto) -> None:
 
     async def scenario() -> None:
         async with transport_on(broker.port) as messaging:
-            changes: list[int] = []
+            # The offered tools changed: logged at INFO ("... offers: ...", "tools of ... withdrawn").
+            changes: list[str] = []
+            sink = logger.add(
+                lambda m: changes.append(m.record["message"]),
+                level="INFO",
+                filter=lambda r: (
+                    f"home-{suffix}/" in r["message"] and ("offers:" in r["message"] or "withdrawn" in r["message"])
+                ),
+            )
             config = McpMqttConfig(
                 server_filter=f"home-{suffix}/#", allow=["get_temperature", "set_temperature"], users=["alice"]
             )
             provider = McpOverMqtt(config, messaging, f"worker-{suffix}")
-            provider.on_change(lambda: changes.append(1))
             await provider.start()
             prefix = f"home-{suffix}_livingroom_thermostat_"
             try:
@@ -85,7 +92,7 @@ def test_discovery_call_and_withdrawal(broker: Mosquitto) -> None:
                 tool = next(t for t in provider.tools() if t.name == prefix + "set_temperature")
                 assert tool.parameters is not None and tool.parameters["required"] == ["celsius"]
                 assert (tool.users, tool.source) == (("alice",), f"mcp-mqtt:home-{suffix}/livingroom/thermostat")
-                assert changes == [1]
+                assert len(changes) == 1, changes
 
                 done = await provider.call(prefix + "set_temperature", {"celsius": 23.5}, CTX)
                 assert done == ToolOutcome("target set to 23.5 °C", "ok")
@@ -104,12 +111,13 @@ def test_discovery_call_and_withdrawal(broker: Mosquitto) -> None:
 
                 room.stop()  # clears its presence
                 await eventually(lambda: not provider.tools(), "the tools are withdrawn")
-                assert changes == [1, 1]
+                assert len(changes) == 2, changes
                 gone = await provider.call(prefix + "get_temperature", {}, CTX)
                 assert gone.outcome == "unavailable"
             finally:
                 await provider.close()
                 other.stop()
+                logger.remove(sink)
 
     run(scenario)
 

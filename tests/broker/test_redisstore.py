@@ -13,7 +13,7 @@ import pytest
 
 from devtools.redis_server import RedisServer
 from devtools.waiting import eventually
-from worker.core.sessions import SessionCache
+from worker.core.session_cache import SessionCache
 from worker.intake.streams import RedisStreams
 from worker.session import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 from worker.store.redis import RedisStore

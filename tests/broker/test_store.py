@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from worker.core.sessions import SessionCache
+from worker.core.session_cache import SessionCache
 from worker.session import ANSWERED_KEYS_PER_SESSION, SessionHistory, Turn
 from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore, StoreUnavailable

@@ -28,7 +28,7 @@ from paho.mqtt.properties import Properties
 from devtools.mosquitto import Mosquitto
 from devtools.waiting import PATIENCE, eventually
 from devtools.worker_process import WorkerProcess, engine_args
-from worker.store.port import parse_state
+from worker.store.port import parse_session
 from worker.store.sqlite import DATABASE_NAME
 
 pytestmark = pytest.mark.e2e
@@ -170,7 +170,7 @@ def check_stored_histories(database: Path, answers: dict[str, list[bytes]]) -> N
     assert len(states) == SESSIONS
     for session in range(SESSIONS):
         name = f"user/s{session}"
-        _, turns, _ = parse_state(name, states[name])
+        _, turns, _, _ = parse_session(name, states[name])
         keys = [t.key for t in turns]
         assert 1 <= len(keys) <= MAX_HISTORY_TURNS and keys == [
             f"s{session}-t{t}" for t in range(TURNS + 1 - len(keys), TURNS + 1)

@@ -15,7 +15,7 @@ import pytest
 from devtools.fakes import Sent
 from worker.chat.client import Answer, ChatClient, ClientSettings, Delta
 from worker.chat.terminal import REPLY, InputLine, Pending, Terminal
-from worker.chat.tools import ToolSetupError, tool_choice, tool_event_line, worker_call_line, worker_tools
+from worker.chat.tool_calling import ToolSetupError, tool_choice, tool_event_line, worker_call_line, worker_tools
 from worker.protocol.messages import (
     ChatReply,
     FunctionCall,

@@ -18,7 +18,7 @@ import pytest
 from devtools.fakes import Sent
 from worker.chat.cli import main
 from worker.chat.terminal import REPLY, InputLine, Pending, Terminal, printable
-from worker.chat.tools import Results, ToolCommand, ToolSettings, ToolSetupError, load_tools, tool_choice
+from worker.chat.tool_calling import Results, ToolCommand, ToolSettings, ToolSetupError, load_tools, tool_choice
 from worker.protocol.messages import ChatReply, FunctionCall, Latency, ToolCallOut, Usage
 
 

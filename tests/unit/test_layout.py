@@ -53,8 +53,10 @@ ADAPTERS: dict[str, set[str]] = {
     },
     "http": {"worker/web/__init__.py"},
     "urllib": {"worker/web/__init__.py"},
-    "subprocess": {"worker/prepare_model.py", "worker/chat/tools.py"},
+    "subprocess": {"worker/prepare_model.py", "worker/chat/tool_calling.py"},
     "ctypes": {"worker/system/children.py"},
+    # Pillow: image decoding, its parsers kept to one module (worker/vision/images.py)
+    "PIL": {"worker/vision/images.py"},
 }
 # Importable without any of the libraries above: the logic, the wire and the ports.
 PURE = [
@@ -72,12 +74,14 @@ PURE = [
     "worker.engine.port",
     "worker.transport.port",
     "worker.store.port",
-    "worker.core.sessions",
-    "worker.core.tools",
+    "worker.core.session_cache",
+    "worker.core.calls",
     "worker.session",
     "worker.schemacheck",
     "worker.store.memory",
     "worker.intake.group",
+    "worker.protocol.images",
+    "worker.vision.topics",
 ]
 # What the pure modules must not load, even indirectly (the standard library's asyncio loads
 # socket and ssl, pydantic loads urllib: those are not checked at run time).

@@ -213,8 +213,8 @@ def test_the_demo_model_calls_tools_in_plain_text_markup(real_model: Path) -> No
     worker picks vLLM's hermes parser from the template all the same, the parser finds a call
     in that text, the stream holds the markup back, and a tool round's prompt extends the one
     before token for token."""
+    from worker.core.calls import MarkupHold
     from worker.core.history import HistoryLimits, build_prompt
-    from worker.core.tools import MarkupHold
     from worker.engine.tokenizer import ChatTokenizer
     from worker.engine.vllm import TOOL_CALL_FORMATS, VllmToolParser
     from worker.session import SessionHistory, ToolCall, ToolSpec, assistant_message, tool_message

@@ -18,8 +18,8 @@ from loguru import logger
 
 from devtools.net import ConnectionRecorder
 from worker.config.models import McpMqttConfig, McpServerConfig, MqttToolConfig
+from worker.core.calls import check_calls, forced_call_schema, schema_violation
 from worker.core.history import user_message
-from worker.core.tools import check_calls, forced_call_schema, schema_violation
 from worker.engine.port import ParsedTools, ToolCallFormat
 from worker.engine.tokenizer import ChatTokenizer
 from worker.protocol.messages import ErrorCode, RequestError, parse_chat_request

@@ -200,7 +200,7 @@ def test_messages_taken_with_a_batch_go_back_to_the_inbox_when_the_consumer_stop
 def test_store_calls_queued_together_run_in_order_and_answer_their_own_callers() -> None:
     """Calls made while the store's thread is busy run as one batch: in the order they were
     made, each result (or error) to its own caller."""
-    from worker.core.sessions import SessionCache
+    from worker.core.session_cache import SessionCache
     from worker.store.port import StoreUnavailable
 
     class Failing(SlowStore):

@@ -296,7 +296,7 @@ async def _save_state(h: Harness, **session: Any) -> None:
 
 
 def test_context_ids_are_stable_for_a_redelivery() -> None:
-    from worker.core.tools import call_id, call_key
+    from worker.core.calls import call_id, call_key
 
     request = call_key("chat/gpu-1", "u/s", "r1")
     assert call_id(request, 0, 0) == call_id(call_key("chat/gpu-1", "u/s", "r1"), 0, 0) != call_id(request, 1, 0)
@@ -306,7 +306,7 @@ def test_context_ids_are_stable_for_a_redelivery() -> None:
 def test_call_ids_are_unique_across_users_sessions_and_workers() -> None:
     """The same requestId in another namespace, another session or another worker (group)
     names other calls; parts cannot run into each other."""
-    from worker.core.tools import call_id, call_key
+    from worker.core.calls import call_id, call_key
 
     keys = [
         call_key("chat/gpu-1", "alice/s1", "h1"),
@@ -330,7 +330,7 @@ def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: A
     import shutil
 
     from devtools.tinymodel import qwen25_chat_template
-    from worker.core.turns import _Continuation
+    from worker.core.pending import Continuation as _Continuation
 
     model = tmp_path / "qwen"
     model.mkdir()
@@ -367,7 +367,7 @@ def test_the_next_generation_continues_the_ids_the_model_generated(tiny_model: A
 def test_a_redelivery_does_not_force_its_first_round_again(tmp_path: Any, tokenizer: ChatTokenizer) -> None:
     """The forced first round happened before the crash (its call is in the progress): the
     redelivered request goes on with the next round, generated freely, not forced again."""
-    from worker.core.tools import call_id, call_key
+    from worker.core.calls import call_id, call_key
 
     store = SqliteStore(tmp_path)
     box = FakeToolbox(SENSOR)

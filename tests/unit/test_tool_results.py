@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from devtools.fakes import FakeToolbox, Harness
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import tool_support
-from worker.store.port import encode_state, parse_state
+from worker.store.port import encode_state, parse_session
 from worker.tools.mcp import result_outcome
 from worker.tools.port import ToolOutcome, WorkerTool, cut_utf8, error_message, safe_text, utf8_size
 
@@ -113,7 +113,7 @@ def test_any_result_text_becomes_a_result_the_turn_stores_and_replies_with(
     assert encodes(result)
     assert safe_text(text).startswith(result.split("\n[The result was cut")[0])
     stored = encode_state(history).encode()  # what the store writes: UTF-8
-    assert parse_state("u/p", stored)[1][-1].messages == history.turns[-1].messages
+    assert parse_session("u/p", stored)[1][-1].messages == history.turns[-1].messages
 
 
 def test_a_long_result_is_cut_in_bytes_first_and_the_cut_is_said(tokenizer: ChatTokenizer) -> None:

@@ -16,8 +16,8 @@ import pytest
 
 from devtools.fakes import Harness
 from devtools.tinymodel import qwen25_chat_template
+from worker.core.calls import MarkupHold, check_calls, forced_call_schema
 from worker.core.history import HistoryLimits, build_prompt
-from worker.core.tools import MarkupHold, check_calls, forced_call_schema
 from worker.engine.port import ParsedTools, ToolSupport
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import TOOL_CALL_FORMATS, VllmToolParser, tool_support
@@ -424,11 +424,11 @@ def test_pending_calls_survive_a_restart(tmp_path: Path) -> None:
 
 
 def test_a_state_stored_before_tool_calling_still_reads(tmp_path: Path) -> None:
-    from worker.store.port import parse_state
+    from worker.store.port import parse_session
 
     old = json.dumps({"systemPrompt": "S", "turns": [{"key": "k", "user": "hi", "assistant": "hello"}]})
-    system_prompt, turns, tools = parse_state("u/s", old)
-    assert system_prompt == "S" and turns == [Turn.plain("k", "hi", "hello")] and tools == []
+    system_prompt, turns, tools, worker_tools = parse_session("u/s", old)
+    assert system_prompt == "S" and turns == [Turn.plain("k", "hi", "hello")] and tools == worker_tools == []
 
 
 def test_the_llama3_json_parser_is_wrapped_too(tiny_model: Path, tmp_path: Path) -> None:

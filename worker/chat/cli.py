@@ -12,7 +12,7 @@ message on stdin): prints the reply and exits with
 
 Tools (``--tools FILE``) are kept by the session. A reply that calls tools is answered by
 the user in the terminal, or without asking by ``--tool-result`` values and ``--tool-command``
-(tools.py); the model then goes on until it replies without calls.
+(tool_calling.py); the model then goes on until it replies without calls.
 
 Connection flags are the worker's (``--mqtt-host`` ...), their environment variables
 ``CHAT_`` + the flag (``CHAT_MQTT_PASSWORD``): a chat client has its own MQTT user.
@@ -50,8 +50,9 @@ from .client import (
     Ready,
     Refused,
 )
+from .images import read_image
 from .terminal import Terminal, budget_note, length_note, printable, usage_line
-from .tools import (
+from .tool_calling import (
     Results,
     ToolCommand,
     ToolSettings,
@@ -160,11 +161,27 @@ def build_parser() -> argparse.ArgumentParser:
         epilog=TOOLS_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    add_chat_arguments(parser)
+    add_tool_arguments(parser)
+    add_connection_arguments(parser)
+    return parser
+
+
+def add_chat_arguments(parser: argparse.ArgumentParser) -> None:
+    """The conversation and its requests: who, which session, the message, sampling, waiting."""
     parser.add_argument(
         "--user", help="User namespace (topic level after the prefix). Default: the MQTT username, or anon."
     )
     parser.add_argument("--session", help="Session id: the conversation to join or resume. Default: a fresh one.")
     parser.add_argument("--message", help="Send this one message, print the reply and exit.")
+    parser.add_argument(
+        "--image",
+        action="append",
+        default=[],
+        metavar="FILE",
+        help="Send this image (JPEG, PNG, GIF, WebP or BMP) with the message (interactively: with the first); "
+        "again for more. The model must have vision.",
+    )
     parser.add_argument(
         "--show-stats", action="store_true", help="After each reply: tokens (cached), TTFT and latency (/verbose)."
     )
@@ -196,6 +213,10 @@ def build_parser() -> argparse.ArgumentParser:
         f"(default {CONNECT_TIMEOUT:g}; at most --timeout).",
     )
     parser.add_argument("--version", action="version", version=f"%(prog)s {__version__}")
+
+
+def add_tool_arguments(parser: argparse.ArgumentParser) -> None:
+    """The "tool calling" group: tools to declare, the worker's tools to use, how calls are answered."""
     tools = parser.add_argument_group("tool calling", "The model asks the client to run tools; see the end.")
     tools.add_argument(
         "--tools",
@@ -239,6 +260,11 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="N",
         help="Tool rounds per message (default 8); the results of the last one ask for a text answer.",
     )
+
+
+def add_connection_arguments(parser: argparse.ArgumentParser) -> None:
+    """The "connection" group: the worker's own MQTT flags (CONNECTION_KEYS), each also from
+    the environment as CHAT_ + the flag."""
     group = parser.add_argument_group(
         "connection", "The worker's flags; each also from the environment as CHAT_ + the flag, e.g. CHAT_MQTT_HOST."
     )
@@ -251,7 +277,6 @@ def build_parser() -> argparse.ArgumentParser:
             group.add_argument(flag, dest=key, action=argparse.BooleanOptionalAction, default=None, help=text)
         else:
             group.add_argument(flag, dest=key, default=None, metavar=key.upper(), help=text)
-    return parser
 
 
 def load_settings(args: argparse.Namespace, environ: Mapping[str, str]) -> ClientSettings:
@@ -335,17 +360,16 @@ def one_shot(
     """Send one message (or ``pending``: the results of the session's pending tool calls) and
     the results of the tool rounds it leads to; print the final reply on stdout (and each
     reply's numbers on stderr with --show-stats)."""
-    settings = client.settings
-    common: dict[str, Any] = {
-        "max_tokens": args.max_tokens,
-        "temperature": args.temperature,
-        "system_prompt": args.system_prompt,
-        "include_reasoning": True,  # its deltas say the worker is still at it (see --timeout)
-    }
+    common = request_options(args)
     try:  # checked before anything waits
         if message is not None:
             request = client.request(
-                message, tools=tools.tools, tool_choice=tools.choice, worker_tools=tools.worker_tools, **common
+                message,
+                tools=tools.tools,
+                tool_choice=tools.choice,
+                worker_tools=tools.worker_tools,
+                images=[data for _, data in getattr(args, "images", ())],
+                **common,
             )
         else:
             request = client.request(
@@ -358,6 +382,28 @@ def one_shot(
     except ValueError as exc:
         err(f"invalid request: {exc}")
         return EXIT_USAGE
+    unreachable = check_reachable(client, args)
+    if unreachable is not None:
+        return unreachable
+    client.publish(request)
+    assert request.request_id is not None  # client.request sets one
+    return follow_replies(client, args, tools, request.request_id, common)
+
+
+def request_options(args: argparse.Namespace) -> dict[str, Any]:
+    """What every request of a one-shot run carries, the first and each round's results."""
+    return {
+        "max_tokens": args.max_tokens,
+        "temperature": args.temperature,
+        "system_prompt": args.system_prompt,
+        "include_reasoning": True,  # its deltas say the worker is still at it (see --timeout)
+    }
+
+
+def check_reachable(client: ChatClient, args: argparse.Namespace) -> int | None:
+    """None when the broker took the connection and a worker is online; else, said on stderr,
+    the exit status (a message that no worker would answer is not sent)."""
+    settings = client.settings
     problem = wait_ready(client, min(args.timeout, args.connect_timeout))
     if problem is not None:
         err(f"{problem}; is the broker running there? (--mqtt-host, --mqtt-port)")
@@ -371,9 +417,14 @@ def one_shot(
             "Start a worker (python -m worker), or chat interactively, where requests wait for one"
         )
         return EXIT_NO_ANSWER
-    client.publish(request)
-    request_id = request.request_id
-    assert request_id is not None  # client.request sets one
+    return None
+
+
+def follow_replies(
+    client: ChatClient, args: argparse.Namespace, tools: ToolSettings, request_id: str, common: dict[str, Any]
+) -> int:
+    """Wait for the reply to ``request_id``; answer its tool calls and wait for the next, until
+    a reply without calls (printed on stdout), an error, or --timeout without a word."""
     rounds = 0
     sent = last_heard = time.monotonic()
     try:
@@ -395,35 +446,46 @@ def one_shot(
                 return EXIT_ERROR_REPLY
             elif isinstance(event, Answer) and event.reply.request_id == request_id:
                 reply = event.reply
-                if args.show_reasoning and reply.reasoning is not None:
-                    print(f"[reasoning]\n{reply.reasoning}\n[answer]", file=sys.stderr, flush=True)
-                for worker_call in reply.worker_calls or ():
-                    print(f"[{printable(worker_call_line(worker_call))}]", file=sys.stderr, flush=True)
-                if args.show_stats:
-                    print(f"[{usage_line(reply, (time.monotonic() - sent) * 1000)}]", file=sys.stderr, flush=True)
-                if reply.tool_calls:
-                    rounds += 1
-                    results = answer_calls(reply, tools, args.timeout)
-                    if results is None:
-                        return EXIT_TOOL_CALLS
-                    request_id = client.send(tool_results=results, tool_choice=tools.choice_after(rounds), **common)
-                    sent = last_heard = time.monotonic()
-                    continue
-                if reply.tool_parse_error:
-                    err(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
-                print(reply.reply, flush=True)
-                if reply.finish_reason == "length":  # a script's reader should know it is cut
-                    err(length_note(reply, args.max_tokens))
-                if reply.finish_reason == "cancelled":
-                    err("the reply was cancelled")
-                    return EXIT_ERROR_REPLY
-                if reply.finish_reason == REASONING_BUDGET:
-                    err(budget_note(reply))
-                    return EXIT_ERROR_REPLY
-                return EXIT_OK
+                show_reply_notes(reply, args, time.monotonic() - sent)
+                if not reply.tool_calls:
+                    return final_reply(reply, args)
+                rounds += 1
+                results = answer_calls(reply, tools, args.timeout)
+                if results is None:
+                    return EXIT_TOOL_CALLS
+                request_id = client.send(tool_results=results, tool_choice=tools.choice_after(rounds), **common)
+                sent = last_heard = time.monotonic()
     except KeyboardInterrupt:
         client.cancel(request_id)
         return EXIT_INTERRUPTED
+
+
+def show_reply_notes(reply: ChatReply, args: argparse.Namespace, took: float) -> None:
+    """On stderr, before a reply's text or calls: its reasoning (--show-reasoning), the worker's
+    own tool calls it made, its numbers (--show-stats)."""
+    if args.show_reasoning and reply.reasoning is not None:
+        print(f"[reasoning]\n{reply.reasoning}\n[answer]", file=sys.stderr, flush=True)
+    for worker_call in reply.worker_calls or ():
+        print(f"[{printable(worker_call_line(worker_call))}]", file=sys.stderr, flush=True)
+    if args.show_stats:
+        print(f"[{usage_line(reply, took * 1000)}]", file=sys.stderr, flush=True)
+
+
+def final_reply(reply: ChatReply, args: argparse.Namespace) -> int:
+    """Print the reply without calls on stdout, what a script's reader should know about it on
+    stderr; the exit status."""
+    if reply.tool_parse_error:
+        err(f"the model wrote a tool call that was not taken: {reply.tool_parse_error}")
+    print(reply.reply, flush=True)
+    if reply.finish_reason == "length":  # a script's reader should know it is cut
+        err(length_note(reply, args.max_tokens))
+    if reply.finish_reason == "cancelled":
+        err("the reply was cancelled")
+        return EXIT_ERROR_REPLY
+    if reply.finish_reason == REASONING_BUDGET:
+        err(budget_note(reply))
+        return EXIT_ERROR_REPLY
+    return EXIT_OK
 
 
 def answer_calls(reply: ChatReply, tools: ToolSettings, timeout: float) -> list[tuple[str, str]] | None:
@@ -492,8 +554,16 @@ def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = 
         args.max_tokens = ONE_SHOT_MAX_TOKENS
     if message is None and not interactive and not answering:
         message = sys.stdin.read().rstrip("\n")
-    if message is not None and not message.strip():
+    if message is not None and not message.strip() and not args.image:
         err("empty message")
+        return EXIT_USAGE
+    if args.image and answering:
+        err("--image goes with a message, not with --tool-result")
+        return EXIT_USAGE
+    try:  # read and checked before anything is sent: (file name, bytes)
+        args.images = [(path, read_image(path)) for path in args.image]
+    except ValueError as exc:
+        err(str(exc))
         return EXIT_USAGE
     pending = None
     if answering:

@@ -10,6 +10,7 @@ by ``worker.topics`` from validated parts.
 
 from __future__ import annotations
 
+import base64
 import json
 import queue
 import sys
@@ -282,13 +283,15 @@ class ChatClient:
         system_prompt: str | None = None,
         stream: bool = True,
         include_reasoning: bool = False,
+        images: Sequence[bytes] = (),
     ) -> str:
         """Publish a request (QoS 1; kept and sent after a reconnect); its requestId. It carries
         the message, or the results of the session's pending tool calls ((toolCallId, content)
         pairs; a bool instead of content approves or declines a call with needsConfirmation);
         ``tools`` replaces the session's tools, ``worker_tools`` the session's choice of the
-        worker's own tools (names, or ["*"]), ``tool_choice`` is for this request.
-        ValueError when a value is not one the contract allows."""
+        worker's own tools (names, or ["*"]), ``tool_choice`` is for this request; ``images``
+        (the files' bytes) go with the message. ValueError when a value is not one the
+        contract allows."""
         request = self.request(
             message,
             tool_results=tool_results,
@@ -300,6 +303,7 @@ class ChatClient:
             system_prompt=system_prompt,
             stream=stream,
             include_reasoning=include_reasoning,
+            images=images,
         )
         self.publish(request)
         assert request.request_id is not None
@@ -321,6 +325,7 @@ class ChatClient:
         system_prompt: str | None = None,
         stream: bool = True,
         include_reasoning: bool = False,
+        images: Sequence[bytes] = (),
     ) -> ChatRequest:
         """A request with a fresh requestId, not sent (see send). ValueError when a value is not
         one the contract allows."""
@@ -336,6 +341,8 @@ class ChatClient:
             ]
         if include_reasoning:
             fields["includeReasoning"] = True
+        if images:  # Ollama's shape: base64, before the text (docs/protocol.md#images)
+            fields["images"] = [base64.b64encode(data).decode("ascii") for data in images]
         for key, value in (
             ("maxTokens", max_tokens),
             ("temperature", temperature),

@@ -33,7 +33,8 @@ from .client import (
     Unreadable,
     WorkerStatus,
 )
-from .tools import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
+from .images import read_image
+from .tool_calling import ToolSettings, call_line, result_line, tool_event_line, worker_call_line
 
 PROMPT = "you> "
 REPLY = "bot> "
@@ -45,12 +46,13 @@ Type a message and press Enter; the reply streams as it is generated.
   /verbose [on|off] after each reply: tokens (cached), TTFT and latency
   /reasoning [on|off] show a reasoning model's thinking as it streams
   /tools           the tools this client declared (--tools) and how their calls are answered
+  /image FILE      send this image with the next message (/image alone: drop the attached ones)
   /help            this text
   /quit            leave (Ctrl-D too)
 When a reply calls tools, each call is shown and its result asked for ("tool NAME> "): type it
 and press Enter (an empty line is an empty result); Ctrl-C or /cancel leaves the calls
 unanswered (the next message tells the model they were not run)."""
-COMMANDS = ("/reset", "/cancel", "/stats", "/verbose", "/reasoning", "/tools", "/help", "/quit", "/exit")
+COMMANDS = ("/reset", "/cancel", "/stats", "/verbose", "/reasoning", "/tools", "/image", "/help", "/quit", "/exit")
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,9 @@ def length_note(reply: ChatReply, max_tokens: int | None) -> str:
 def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:
     usage, latency = reply.usage, reply.latency
     text = (
-        f"prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached), reply {usage.completion_tokens} "
+        f"prompt {usage.prompt_tokens} tokens ({usage.cached_tokens} cached"
+        + (f", {usage.image_tokens} of images" if usage.image_tokens else "")
+        + f"), reply {usage.completion_tokens} "
         f"tokens, ttft {latency.ttft_ms:.0f} ms, total {latency.total_ms:.0f} ms"
     )
     if round_trip_ms is not None:
@@ -159,6 +163,8 @@ class Terminal:
         self.failing = False  # a connection failure was reported and no connection came since
         self.started = False  # the prompt is shown once the banner is out
         self.leaving = False  # Ctrl-C at the prompt, and no line since: a second one leaves
+        # Images that go with the next message (--image, /image FILE): (file name, bytes).
+        self.attached: list[tuple[str, bytes]] = list(getattr(args, "images", ()))
 
     # -- output -------------------------------------------------------------------------
 
@@ -497,6 +503,7 @@ class Terminal:
     def send(self, text: str) -> None:
         # The session keeps the tools: sent with the first message, and again after a reset.
         tools = None if self.tools_sent else self.tools.tools
+        images: dict[str, Any] = {"images": [data for _, data in self.attached]} if self.attached else {}
         try:
             request_id = self.client.send(
                 text,
@@ -504,18 +511,37 @@ class Terminal:
                 tool_choice=self.tools.choice,
                 worker_tools=None if self.tools_sent else self.tools.worker_tools,
                 **self._request_fields(),
+                **images,
             )
         except ValueError as exc:
             self.note(f"not sent: {exc}")
             return
+        self.attached = []
         self.tools_sent = True
         self.rounds = 0
         now = time.monotonic()
         self.pending = Pending(request_id, now, now)
         self.write(REPLY)
 
+    def attach(self, path: str) -> None:
+        """/image FILE: the file goes with the next message; /image alone drops those attached."""
+        if not path:
+            self.note(f"dropped {len(self.attached)} attached image(s)" if self.attached else "no image attached")
+            self.attached = []
+            return
+        try:
+            data = read_image(path)
+        except ValueError as exc:
+            self.note(str(exc))
+            return
+        self.attached.append((path, data))
+        self.note(f"{path} ({len(data)} bytes) goes with your next message")
+
     def command(self, text: str) -> None:
         name, _, rest = text.partition(" ")
+        if name.lower() == "/image":  # the file name as typed, not lowercased
+            self.attach(rest.strip())
+            return
         name, rest = name.lower(), rest.strip().lower()
         if name in ("/quit", "/exit"):
             self.running = False

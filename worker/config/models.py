@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import re
 import socket
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -22,6 +23,7 @@ from pydantic import (
     Field,
     SecretStr,
     ValidationError,
+    ValidationInfo,
     field_validator,
     model_validator,
 )
@@ -197,6 +199,30 @@ class EngineConfig(Section):
         "GPU of 70 GiB or more other than an A100, 2048 on others (vllm serve's; vLLM's library default is 2048), "
         "at least max_num_seqs; on the CPU backend vLLM's default.",
         flag="--max-num-batched-tokens",
+        ge=1,
+    )
+    admission: Literal["fair", "off"] = opt(
+        "fair",
+        "Which requests go to the engine now. fair: up to max_num_seqs plus admission_waiting_requests (and "
+        "admission_waiting_tokens, where set); the rest wait in the worker and go users in turn, each user's in "
+        "order. off: every request at once, in vLLM's order (first come, first served). "
+        'docs/performance.md, "Admission".',
+        flag="--admission",
+    )
+    admission_waiting_requests: int | None = opt(
+        None,
+        "Requests the engine may hold beyond max_num_seqs (fair admission), to take sequences as they free "
+        "up. Default: max_num_seqs / 8, at least 16.",
+        flag="--admission-waiting-requests",
+        ge=0,
+    )
+    admission_waiting_tokens: int | None = opt(
+        None,
+        "Prompt tokens (not found in the prefix cache, estimated) of requests in the engine that have no token "
+        "yet (fair admission): more waits in the worker. Default: no such bound (holding prompts back to 4 x "
+        "max_num_batched_tokens cut the tokens/s at 320 sessions on an H100 from 14.4k to 5.4k). A request goes when "
+        "nothing waits in the engine, however long its prompt.",
+        flag="--admission-waiting-tokens",
         ge=1,
     )
     allow_idle_gpus: bool = opt(
@@ -603,8 +629,14 @@ def _some_namespaces(value: list[str]) -> list[str]:
     return value
 
 
-# The user namespaces a worker tool is offered to: at least one (or "*"); never a default.
+# The user namespaces a worker tool (or a vision topic) is offered to: at least one (or "*");
+# never a default.
 Namespaces = Annotated[list[str], AfterValidator(_some_namespaces)]
+
+
+def namespace_allowed(users: Sequence[str], user: str) -> bool:
+    """Whether a Namespaces allowlist lets the user namespace ``user`` in: it names it, or is "*"."""
+    return "*" in users or user in users
 
 
 class MqttToolConfig(Section):
@@ -771,6 +803,144 @@ class ToolsConfig(Section):
         return self
 
 
+def _filters_overlap(first: str, second: str) -> bool:
+    """Whether some topic name matches both filters."""
+    a, b = first.split("/"), second.split("/")
+    for index in range(max(len(a), len(b))):
+        x = a[index] if index < len(a) else None
+        y = b[index] if index < len(b) else None
+        if x == "#" or y == "#":
+            return True
+        if x is None or y is None:
+            return False
+        if x != "+" and y != "+" and x != y:
+            return False
+    return True
+
+
+class VisionTopicConfig(Section):
+    """MQTT topics whose latest image a session may ask for (``[[vision.topics]]``): a camera's
+    snapshots, such as Frigate's ``frigate/<camera>/<object>/snapshot``."""
+
+    name: str = Field(description="What logs and metrics call it (^[A-Za-z0-9_-]{1,64}$).")
+    topic: str = Field(
+        description="An MQTT topic filter (+ and # allowed): a request's imageTopics entry must be a topic it matches."
+    )
+    users: Namespaces = Field(description='User namespaces that may read it; ["*"]: all. No default.')
+    max_age: float = Field(
+        60.0,
+        ge=0,
+        description="Oldest image taken, in seconds since the worker received it; an older one is "
+        "waited on like a topic without one. A retained image the broker held before the worker "
+        "subscribed has no known age: it is taken only with 0 (any age).",
+    )
+    timeout: float = Field(
+        5.0, gt=0, le=600, description="Seconds to wait for an image where the topic has none recent enough."
+    )
+
+    @field_validator("name")
+    @classmethod
+    def _name(cls, value: str) -> str:
+        if not NAME_OF_TOOL.match(value):
+            raise ValueError(f"vision topic name {value[:80]!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
+        return value
+
+    @field_validator("topic")
+    @classmethod
+    def _topic(cls, value: str) -> str:
+        levels = value.split("/")
+        if (
+            not value
+            or value.startswith("$")
+            or "\x00" in value
+            or any(("+" in level or "#" in level) and len(level) > 1 for level in levels)
+            or "#" in levels[:-1]
+        ):
+            raise ValueError(
+                f"vision topic {value[:120]!r} must be an MQTT topic filter (+ a whole level, # the last "
+                "level) that does not start with $"
+            )
+        return value
+
+    def allows(self, user: str) -> bool:
+        return namespace_allowed(self.users, user)
+
+
+class VisionConfig(Section):
+    max_request_bytes: int = opt(
+        4 * 1024 * 1024,
+        "Largest payload of a request that carries images, in bytes (base64 makes an image a third "
+        "larger); above it too_large. limits.max_payload_bytes stays the limit of every other "
+        "payload. The broker has its own limit, which must be at least this: mosquitto's "
+        "message_size_limit (default: none), EMQX's mqtt.max_packet_size (default 1 MB).",
+        flag="--max-image-request-bytes",
+        ge=1024,
+    )
+    max_images_per_request: int = opt(
+        4,
+        "Images one request may carry: content parts, images and imageTopics together; above it invalid_request.",
+        flag="--max-images-per-request",
+        ge=1,
+    )
+    max_images_per_session: int = opt(
+        32,
+        "Images a session's kept history may hold; a request that would exceed it is refused "
+        "(invalid_request) until a reset or the trimming of old turns makes room.",
+        flag="--max-images-per-session",
+        ge=1,
+    )
+    max_images_in_prompt: int = opt(
+        8,
+        "Images one prompt may hold, the kept history's included (the engine's limit_mm_per_prompt).",
+        flag="--max-images-in-prompt",
+        ge=1,
+    )
+    max_pixels: int = opt(
+        1024 * 1024,
+        "Pixels of an image as the model sees it: a larger image is scaled down to it (keeping its "
+        "aspect) by the model's processor. Bounds an image's tokens: about max_pixels / 784 for "
+        "Qwen2-VL and Qwen3-VL (28x28 pixels a token), 1337 tokens at the default.",
+        flag="--max-pixels",
+        ge=784,
+    )
+    max_image_pixels: int = opt(
+        50_000_000,
+        "Largest image accepted, in pixels (width x height, read from its header before its "
+        "pixels are decoded); above it invalid_request. Bounds the memory a decompression bomb "
+        "can take (3 bytes a pixel).",
+        flag="--max-image-pixels",
+        ge=1,
+    )
+    max_stored_bytes_per_session: int = opt(
+        32 * 1024 * 1024,
+        "Bytes of images one session's stored history may hold (each image once, as sent); a "
+        "request that would exceed it is refused (invalid_request).",
+        flag="--max-image-bytes-per-session",
+        ge=1,
+    )
+    max_stored_bytes_per_user: int = opt(
+        256 * 1024 * 1024,
+        "Bytes of images the stored sessions of one user namespace may hold together; a request that "
+        "would exceed it is refused (invalid_request).",
+        flag="--max-image-bytes-per-user",
+        ge=1,
+    )
+    topics: list[VisionTopicConfig] = opt(
+        [],
+        "MQTT topics a session may read images from with imageTopics ([[vision.topics]] tables; see "
+        "docs/protocol.md#images). As a flag or variable: one JSON object per topic.",
+        flag="--vision-topics",
+    )
+
+    @model_validator(mode="after")
+    def _unique_names(self) -> VisionConfig:
+        names = [topic.name for topic in self.topics]
+        duplicates = sorted({n for n in names if names.count(n) > 1})
+        if duplicates:
+            raise ValueError(f"two vision.topics are named {duplicates[0]!r}")
+        return self
+
+
 class StatsConfig(Section):
     interval: float = opt(
         30.0, "Seconds between stats log lines and stats messages; 0 disables.", flag="--stats-interval", ge=0
@@ -820,6 +990,23 @@ class WorkerConfig(Section):
     stats: StatsConfig = StatsConfig()
     logging: LoggingConfig = LoggingConfig()
     tools: ToolsConfig = ToolsConfig()
+    vision: VisionConfig = VisionConfig()
+
+    @field_validator("vision")
+    @classmethod
+    def _vision_topics_outside_the_workers(cls, vision: VisionConfig, info: ValidationInfo) -> VisionConfig:
+        # A vision topic under the worker's prefix would let a session read other sessions'
+        # requests and replies as "images". (mqtt is validated before vision: declared first.)
+        mqtt = info.data.get("mqtt")
+        if mqtt is None:
+            return vision
+        own = mqtt.topic_prefix + "/#"
+        for entry in vision.topics:
+            if _filters_overlap(entry.topic, own):
+                raise ValueError(
+                    f"vision topic {entry.name!r} ({entry.topic}) overlaps the worker's own topics ({own})"
+                )
+        return vision
 
     @property
     def effective_worker_id(self) -> str:

@@ -16,7 +16,7 @@ from types import EllipsisType
 from typing import Any, Protocol
 
 from ..protocol.messages import ErrorCode, RequestError
-from ..session import THINK_CLOSE, THINK_OPEN, ChatMessage, SessionHistory
+from ..session import THINK_CLOSE, THINK_OPEN, ChatMessage, Message, SessionHistory, template_form
 
 Tools = Sequence[dict[str, Any]] | None  # the session's tools as the chat template takes them
 
@@ -83,11 +83,11 @@ class _PromptRenderings:
         self,
         renderer: PromptRenderer,
         history: SessionHistory,
-        current: Sequence[ChatMessage],
+        current: Sequence[Message | ChatMessage],
         tools: list[dict[str, Any]] | EllipsisType | None = ...,
     ) -> None:
         self.renderer, self.history = renderer, history
-        self.current = list(current)
+        self.current = [template_form(m) for m in current]
         self.tools = history.tool_forms() if tools is ... else tools
         self._bare = self._render(history.messages(turns=[]))
         self.update()
@@ -105,6 +105,7 @@ class _PromptRenderings:
 
 
 def user_message(text: str) -> ChatMessage:
+    """A user message in the template's form (a turn holds a ``UserMessage``)."""
     return {"role": "user", "content": text}
 
 
@@ -116,7 +117,7 @@ def history_tokens(renderer: PromptRenderer, history: SessionHistory, message: s
 def build_prompt(
     renderer: PromptRenderer,
     history: SessionHistory,
-    current: str | Sequence[ChatMessage],
+    current: str | Sequence[Message | ChatMessage],
     *,
     limits: HistoryLimits,
     max_tokens: int,

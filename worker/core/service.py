@@ -45,15 +45,15 @@ from ..protocol.messages import (
 from ..protocol.packets import fit_answer
 from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
 from ..session import SessionHistory
-from ..store.memory import MemoryStore
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
 from ..tools.port import Toolbox
 from ..transport.port import InboundMessage, PublishNotSent, PublishRefused, Transport, log_publish_failure
 from .history import HistoryLimits, PromptRenderer
+from .pending import PendingTurn, ReplyTarget, SessionRuntime
 from .ratelimit import RateLimiter
-from .sessions import SessionCache
+from .session_cache import SessionCache
 from .stats import StatsCollector
-from .turns import PendingTurn, ReplyTarget, SessionRuntime, TurnRunner
+from .turns import TurnRunner
 
 DISPATCH_TRIES = 60
 # At most this many messages waiting in the inbox are taken at once, their sessions read in one
@@ -95,7 +95,7 @@ class Service:
         renderer: PromptRenderer,
         transport: Transport,
         stop_requested: Callable[[int], None],
-        store: HistoryStore | None = None,
+        store: HistoryStore,
         in_flight: InFlight | None = None,
         tools: ToolSupport | None = None,
         *,
@@ -107,7 +107,7 @@ class Service:
         self.transport = transport
         self.topics = Topics(config.mqtt.topic_prefix)
         self.worker_id = config.effective_worker_id
-        self.sessions = SessionCache(store or MemoryStore(), config.history.max_sessions)
+        self.sessions = SessionCache(store, config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
         self._runtime: dict[str, SessionRuntime] = {}
         self.rate_limiter = RateLimiter(config.limits.max_requests_per_user_per_minute)
@@ -129,10 +129,10 @@ class Service:
             publisher=transport,
             stats=self.stats,
             engine_died=stop_requested,
-            tools=tools,
+            tool_support=tools,
             max_tool_result_bytes=config.limits.max_tool_result_bytes,
             toolbox=toolbox,
-            tools_config=config.tools,
+            tool_limits=config.tools,
             journal=self.sessions,
             # A share group's members answer each other's redeliveries: the group, not the member.
             call_scope=f"{config.mqtt.topic_prefix}/{config.mqtt.share_group or self.worker_id}",

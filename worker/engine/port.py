@@ -26,6 +26,14 @@ class StructuredOutputRejected(EngineError):
     backend does not support or fails to compile); answered as invalid_schema."""
 
 
+class ImagesRejected(EngineError):
+    """The request's images cannot go with its prompt: the model takes no images, more images
+    than the engine's limit per prompt, or a prompt whose image placeholders do not match its
+    images one for one. Found before the engine sees the request (vLLM expands placeholders
+    that are already expanded again, and takes more placeholders than images, silently);
+    answered as invalid_request, the session unchanged. The message names the model."""
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """Constrain the reply to JSON: valid for ``json_schema`` when given, else any JSON object.
@@ -44,10 +52,26 @@ class SamplingOptions:
 
 
 @dataclass(frozen=True)
+class EngineImage:
+    """One image of a prompt, decoded (worker/vision/images.py, off the event loop).
+
+    ``uuid``: its identifier for the engine, the content hash of its bytes as sent: the same
+    image sent again on a later turn (every turn re-sends the kept history's images) gets the
+    same one, so vLLM's prefix cache, which hashes it into the blocks the image covers, finds
+    the earlier turn's blocks, and its processor cache skips the image's preprocessing."""
+
+    pixels: Any  # a PIL.Image.Image in RGB, fully loaded (typed loosely: the port imports no PIL)
+    uuid: str
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     request_id: str
     prompt_token_ids: list[int]
     sampling: SamplingOptions
+    # In prompt order: the ids carry one placeholder per image (VisionInfo.placeholder), as the
+    # chat template renders an image part, not yet expanded to the image's tokens.
+    images: tuple[EngineImage, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -61,6 +85,8 @@ class GenerationUpdate:
     finished: bool = False
     finish_reason: str | None = None  # "stop", "length", "cancelled" once finished
     token_ids: tuple[int, ...] = ()  # the ids generated since the previous update (() where unknown)
+    # Of prompt_tokens, those the images stand for (each image's placeholder expanded to them).
+    image_tokens: int = 0
 
 
 @dataclass
@@ -99,6 +125,28 @@ class WarmupPlan:
 
 
 @dataclass(frozen=True)
+class VisionSettings:
+    """How the engine takes images (the configuration's [vision] section; engine.extra's
+    limit_mm_per_prompt, mm_processor_kwargs and mm_processor_cache_gb win over these)."""
+
+    max_pixels: int = 1024 * 1024  # an image is scaled down to this many pixels (its tokens' bound)
+    max_images_in_prompt: int = 8  # the engine's limit_mm_per_prompt
+    processor_cache_gib: float | None = None  # the processor cache, per process; None: from host memory
+
+
+@dataclass(frozen=True)
+class VisionInfo:
+    """What a vision model's prompts need: an image part renders as ``placeholder`` (Qwen2-VL
+    and Qwen3-VL: <|vision_start|><|image_pad|><|vision_end|>), of which ``image_token_id`` is
+    the token the engine expands to the image's tokens."""
+
+    image_token_id: int
+    placeholder: tuple[int, ...]
+    max_images: int  # per prompt
+    max_pixels: int | None  # None: the model processor's own bound
+
+
+@dataclass(frozen=True)
 class EngineInfo:
     name: str
     version: str
@@ -107,6 +155,7 @@ class EngineInfo:
     block_size: int | None
     prefix_caching: bool
     kv_cache_tokens: int | None = None  # the GPU KV cache's size in tokens, where the engine says
+    vision: VisionInfo | None = None  # None: the model takes no images
 
 
 @dataclass(frozen=True)

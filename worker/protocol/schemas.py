@@ -24,8 +24,9 @@ from typing import Any
 from pydantic import BaseModel
 from pydantic.json_schema import JsonSchemaMode
 
-from ..config.models import GenerationConfig, LimitsConfig
+from ..config.models import GenerationConfig, LimitsConfig, VisionConfig
 from ..schemacheck import MAX_SCHEMA_DEPTH, MAX_SCHEMA_NODES
+from .images import CONTENT_PARTS, MEDIA_TYPES
 from .messages import (
     ChatReply,
     ChatRequest,
@@ -67,7 +68,7 @@ class Payload:
 
 def request_rules() -> str:
     """What the worker checks in a request beyond its schema (limits at their defaults)."""
-    generation, limits = GenerationConfig(), LimitsConfig()
+    generation, limits, vision = GenerationConfig(), LimitsConfig(), VisionConfig()
     return (
         "QoS 1, not retained (a retained request is ignored). A field that is absent or null takes the "
         "worker's configured default. Checked by the worker beyond this schema: the payload is UTF-8 JSON "
@@ -83,7 +84,13 @@ def request_rules() -> str:
         "limited (`rate_limited`) and so are pending ones (`busy`, `expired`). Tools: names are unique, "
         "`toolChoice` names a declared tool, `parameters` is checked like `responseFormat.schema` "
         "(`invalid_schema`, naming the tool), `toolResults` answer exactly the session's pending calls, each "
-        f"of at most `max_tool_result_bytes` bytes (default {limits.max_tool_result_bytes}; else `too_large`)."
+        f"of at most `max_tool_result_bytes` bytes (default {limits.max_tool_result_bytes}; else `too_large`). "
+        "Images: a payload with images may be up to `vision.max_request_bytes` bytes (default "
+        f"{vision.max_request_bytes}; else `too_large`); an `image_url` is a `data:` URL of a JPEG, PNG, GIF, "
+        "WebP or BMP image in strict base64, never fetched, and so is each `images` entry; at most "
+        f"`vision.max_images_per_request` images (default {vision.max_images_per_request}) with "
+        "`imageTopics`, each a topic the configuration's `[[vision.topics]]` lets the user namespace read; "
+        "a model without vision takes none (all `invalid_request`)."
     )
 
 
@@ -184,9 +191,32 @@ def _objects(schema: dict[str, Any]) -> list[dict[str, Any]]:
     return [node for node in nodes if node.get("type") == "object"]
 
 
+def _with_content_parts(schema: dict[str, Any]) -> dict[str, Any]:
+    """The request's ``message``: text, or OpenAI content parts, which parse_chat_request
+    turns into the text and the images the request model keeps (so the model's own schema
+    says text only)."""
+    parts = CONTENT_PARTS.json_schema(ref_template="#/$defs/{model}")
+    schema.setdefault("$defs", {}).update(parts.pop("$defs"))
+    parts["minItems"] = 1
+    schema["properties"]["message"] = {
+        "anyOf": [{"type": "string"}, parts],
+        "description": "The user's message: text (not empty, unless the request carries images), or a list "
+        "of OpenAI content parts, text and image_url (a data: URL of " + ", ".join(MEDIA_TYPES) + ").",
+    }
+    # An empty text only beside images.
+    schema["anyOf"] = [
+        {"required": ["images"]},
+        {"required": ["imageTopics"]},
+        {"properties": {"message": {"not": {"const": ""}}}},
+    ]
+    return schema
+
+
 def schema_for(payload: Payload) -> dict[str, Any]:
     mode: JsonSchemaMode = "validation" if payload.inbound else "serialization"
     generated = payload.model.model_json_schema(by_alias=True, mode=mode)
+    if payload.model is ChatRequest:
+        generated = _with_content_parts(generated)
     for node in _objects(generated):
         _tidy(node)
         if not payload.inbound:

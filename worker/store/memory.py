@@ -1,7 +1,7 @@
 """The session store in this process's memory (history.store = "memory").
 
 For tests and throwaway runs: the sessions are gone when the worker exits. Called like every
-store, on the store's thread (core/sessions.py), though nothing here waits: the tests run the
+store, on the store's thread (core/session_cache.py), though nothing here waits: the tests run the
 service's one path."""
 
 from __future__ import annotations

@@ -42,7 +42,7 @@ class HistoryStore(Protocol):
     # one loaded it, so it is loaded again for every request.
     shared: bool
     # Its calls may wait (for a lock, a network): they run on the store's thread
-    # (core/sessions.py). False only for the memory store, whose calls are dict operations:
+    # (core/session_cache.py). False only for the memory store, whose calls are dict operations:
     # made on the event loop, as a hop to another thread would cost more than the call.
     waits: bool
 
@@ -76,7 +76,7 @@ class HistoryStore(Protocol):
 
 
 def encode_state(history: SessionHistory) -> str:
-    turns = [{"key": t.key, "messages": t.messages} for t in history.turns]
+    turns = [{"key": t.key, "messages": t.template_forms()} for t in history.turns]
     state: dict[str, Any] = {"systemPrompt": history.system_prompt, "turns": turns}
     if history.worker_tools:
         state["workerTools"] = history.worker_tools
@@ -96,12 +96,6 @@ def _turn(data: dict[str, Any]) -> Turn:
 
 def _tool(data: dict[str, Any]) -> ToolSpec:
     return ToolSpec(str(data["name"]), data.get("description"), data.get("parameters"), data.get("strict"))
-
-
-def parse_state(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec]]:
-    """The system prompt, turns and tools of a stored state (see parse_session)."""
-    system_prompt, turns, tools, _ = parse_session(session, state)
-    return system_prompt, turns, tools
 
 
 def parse_session(session: str, state: str | bytes) -> tuple[str | None, list[Turn], list[ToolSpec], list[str]]:
@@ -132,7 +126,7 @@ def encode_progress(progress: Progress) -> str:
         for call_id, r in progress.calls.items()
     }
     return json.dumps(
-        {"turnKey": progress.turn.key, "messages": progress.turn.messages, "calls": calls}, ensure_ascii=False
+        {"turnKey": progress.turn.key, "messages": progress.turn.template_forms(), "calls": calls}, ensure_ascii=False
     )
 
 

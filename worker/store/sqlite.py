@@ -36,7 +36,7 @@ from .port import StoreUnavailable, decode_history, encode_state
 
 DATABASE_NAME = "sessions.sqlite3"
 # How long one statement waits for another connection's lock, and how often it is tried. The
-# service calls the store on a thread of its own (core/sessions.py), so a wait holds the
+# service calls the store on a thread of its own (core/session_cache.py), so a wait holds the
 # requests that need the store (their dispatch, their commit), not the event loop: streams go
 # on (bench/storelock.py). 1 s x 3 tries rides out a backup's or a shell's short transaction;
 # a lock held longer gets store_unavailable answers until it is released.
@@ -134,7 +134,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
 
 class SqliteStore:
     """The HistoryStore contract (port.py) on one SQLite connection. The service calls it from
-    one thread (core/sessions.py), which the connection allows (check_same_thread=False: it
+    one thread (core/session_cache.py), which the connection allows (check_same_thread=False: it
     is opened on another); a call from elsewhere (a test reading what was stored, the close
     at the end) waits for the one under way, so a transaction is never interleaved with
     another call and the connection is not closed under a running statement."""

@@ -31,7 +31,7 @@ from ..config.models import StatsConfig
 from ..core.stats import StatsCollector
 from ..engine.port import EngineStats
 from ..protocol.messages import ErrorCode, Latency, Usage
-from ..tools.port import Outcome
+from ..tools.port import CallStatus
 
 PREFIX = "mqtt_vllm_worker"
 
@@ -43,7 +43,7 @@ FINISH_OUTCOMES = {
     "reasoning_budget": "reasoning_budget",
     "cancelled": "cancelled",
 }
-TOOL_OUTCOMES: tuple[str, ...] = get_args(Outcome)  # every label exported from the start
+TOOL_OUTCOMES: tuple[str, ...] = get_args(CallStatus)  # every label exported from the start
 OUTCOMES: tuple[str, ...] = (
     "replied",
     "length",

@@ -22,8 +22,7 @@ import asyncio
 import base64
 import contextlib
 import json
-import re
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from loguru import logger
@@ -36,8 +35,6 @@ INSTALL_HINT = "pip install -e '.[mcp]' in the worker's clone (or pip install 'm
 
 # JSON-RPC error code of a connection that closed under a request (the SDK's CONNECTION_CLOSED).
 CONNECTION_CLOSED = -32000
-
-_NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
 
 class McpSdkMissing(RuntimeError):
@@ -82,8 +79,7 @@ class McpServerTools:
         self.backoff = backoff
         self.health_interval = health_interval
         self._prefix = f"{config.name}_"
-        self._tools: dict[str, tuple[WorkerTool, str]] = {}  # offered name -> (tool, the server's name)
-        self._listeners: list[Callable[[], None]] = []
+        self._tools: offer.Offered = {}
         self._session: Any = None  # the SDK's ClientSession while the server is up
         self._supervisor: asyncio.Task[None] | None = None
         self._attempted = asyncio.Event()  # the first connection attempt ended (listed or failed)
@@ -92,15 +88,12 @@ class McpServerTools:
         self._lost: str | None = None
         self._stopping = False
         self._up: bool | None = None  # None: no attempt ended yet
-        self._warnings = offer.OfferWarnings("MCP server")
+        self._offering = offer.ToolOffer(config, "MCP server")
 
     # -- ToolProvider -------------------------------------------------------------------
 
     def tools(self) -> Sequence[WorkerTool]:
         return [tool for tool, _ in self._tools.values()]
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        self._listeners.append(callback)
 
     async def start(self) -> None:
         if self._supervisor is None:
@@ -276,63 +269,24 @@ class McpServerTools:
                 yield streams
 
     async def _list(self, session: Any) -> None:
-        listed: list[dict[str, Any]] = []
-        cursor: str | None = None
-        while True:
+        async def page(cursor: str | None) -> dict[str, Any]:
             if cursor is None:
-                page = await asyncio.wait_for(session.list_tools(), 30.0)
-            else:
-                from mcp import types
+                return _dump(await asyncio.wait_for(session.list_tools(), 30.0))
+            from mcp import types
 
-                params = types.PaginatedRequestParams(cursor=cursor)
-                page = await asyncio.wait_for(session.list_tools(params=params), 30.0)
-            data = _dump(page)
-            listed.extend(data.get("tools") or [])
-            cursor = data.get("nextCursor")
-            if not cursor:
-                break
-        allowed = [item for item in listed if self._allowed(item)]
-        self._offer(allowed, await asyncio.to_thread(offer.screen, allowed))
+            params = types.PaginatedRequestParams(cursor=cursor)
+            return _dump(await asyncio.wait_for(session.list_tools(params=params), 30.0))
 
-    def _allowed(self, item: dict[str, Any]) -> bool:
-        real = str(item.get("name", ""))
-        return bool(real) and ("*" in self.config.allow or real in self.config.allow)
+        self._offer(*await self._offering.list_all(page))
 
     def _offer(self, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None) -> None:
         """Offer the listed tools that ``allow`` names and whose name and schema can be used
         (``problems``: offer.screen's verdicts, computed here when not given)."""
-        config = self.config
-        listed = [item for item in listed if self._allowed(item)] if problems is None else listed
-        problems = offer.screen(listed) if problems is None else problems
-        offered: dict[str, tuple[WorkerTool, str]] = {}
-        for item, problem in zip(listed, problems, strict=True):
-            real = str(item.get("name", ""))
-            schema = item.get("inputSchema")
-            if problem is not None:
-                self._warnings.left_out(config.name, real, schema, problem)
-                continue
-            name = self._prefix + _NOT_NAME.sub("_", real)
-            if len(name) > 64 or name in offered:
-                logger.warning("MCP server {}: tool {!r} is not offered (name too long or clashing)", config.name, real)
-                continue
-            offered[name] = (
-                WorkerTool(
-                    name=name,
-                    description=offer.description(item.get("description")),
-                    parameters=schema,
-                    users=tuple(config.users),
-                    confirm=config.confirm,
-                    timeout=config.timeout,
-                    source=self.name,
-                ),
-                real,
-            )
+        offered = self._offering.offered(self.config.name, self._prefix, self.name, listed, problems)
         changed = offered != self._tools
         self._tools = offered
         if changed:
-            logger.info("MCP server {} offers: {}", config.name, ", ".join(sorted(offered)) or "no tools")
-            for listener in self._listeners:
-                listener()
+            logger.info("MCP server {} offers: {}", self.config.name, ", ".join(sorted(offered)) or "no tools")
 
     async def _on_message(self, message: Any) -> None:
         """The SDK's message handler (in the session's task): a tools/list_changed makes the

@@ -1,7 +1,21 @@
 """MCP servers discovered on the broker, as worker tools (``[tools.mcp_mqtt]``): EMQX's "MCP
 over MQTT" (https://docs.emqx.com/en/emqx/latest/emqx-ai/mcp-over-mqtt/specification.html),
 the client side, on the worker's one broker connection through the Messaging port only (no
-paho, no MCP SDK: the JSON-RPC messages are few and plain).
+paho, no MCP SDK: the JSON-RPC messages are few and plain). What it offers of a server's tool
+list is decided as for [[tools.mcp]] (offer.ToolOffer: allow, the checks, the names).
+
+Why not the official SDK's ClientSession over memory streams fed by the RPC topic, as the
+stdio and HTTP servers use it (mcp.py): it is slower, measured. ``python -m bench.mcp_mqtt``
+(1,000 calls of ``add`` to devtools/mcp_mqtt_server.py through mosquitto, 2 shared CPU cores,
+load 5-15, five runs each, interleaved) against the same provider on SDK 2.3's ClientSession
+(bench/mcp_mqtt_sdk.py): one call at a time 4.4-8.2 ms (median 6.9) here, 10.5-12.0 ms
+(median 11.4) on the SDK; 16 at a time 121-221 calls/s (median 182) here, 101-123 (median
+103) on the SDK; discovery to tools offered 51-60 ms here, 56-104 on the SDK. Without a
+broker, in one process, the SDK's session costs 1.3 ms of CPU a call (pydantic models, its
+dispatcher, a result schema check), this module's JSON-RPC 0.06 ms. The SDK also refuses the
+error shapes and oversize answers this module ends as one call's ``error``; over MQTT it
+would need the repairs mcp.py gives stdio, and a transport that routes instances. Measure
+again with a new SDK.
 
 What is implemented, with ``R`` the configured ``topic_root`` ("$mcp" as the specification
 has it), ``C`` the worker's mcp-client-id (the ``client_id`` given), ``S`` a server's
@@ -68,7 +82,6 @@ PROTOCOL_VERSION = "2025-06-18"  # the MCP revision the specification is written
 INIT_TIMEOUT = 30.0  # the specification's recommended timeouts for initialize and tools/list
 LIST_TIMEOUT = 30.0
 
-_NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
 _ID = re.compile(rb'"id"\s*:\s*(\d{1,15})\b')
 
 
@@ -103,7 +116,7 @@ class _Server:
     instances: list[str] = field(default_factory=list)  # server-ids, in the order they came online
     active: str | None = None  # the instance initialized (or being initialized)
     ready: bool = False
-    tools: dict[str, tuple[WorkerTool, str]] = field(default_factory=dict)  # offered -> (tool, the server's name)
+    tools: offer.Offered = field(default_factory=dict)
     task: asyncio.Task[None] | None = None  # initialize + list, or list again
 
 
@@ -137,18 +150,14 @@ class McpOverMqtt:
         self._servers: dict[str, _Server] = {}
         self._pending: dict[int, tuple[str, str, asyncio.Future[Any]]] = {}  # id -> (server, instance, answer)
         self._ids = itertools.count(1)
-        self._listeners: list[Callable[[], None]] = []
         self._watching: list[str] = []
         self._closing = False
-        self._warnings = offer.OfferWarnings("MCP over MQTT: server")
+        self._offering = offer.ToolOffer(config, "MCP over MQTT: server")
 
     # -- ToolProvider -------------------------------------------------------------------
 
     def tools(self) -> Sequence[WorkerTool]:
         return [tool for server in self._servers.values() for tool, _ in server.tools.values()]
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        self._listeners.append(callback)
 
     async def start(self) -> None:
         """Watch the RPC and capability topics first, the presence topic last: a retained
@@ -324,7 +333,6 @@ class McpOverMqtt:
         elif server.tools:
             server.tools = {}
             logger.info("MCP over MQTT: tools of {} withdrawn", server.name)
-            self._changed()
 
     def _spawn(self, server: _Server, work: Any) -> None:
         if server.task is not None and not server.task.done():
@@ -356,9 +364,7 @@ class McpOverMqtt:
                 server.active, server.ready = None, False
                 with contextlib.suppress(ValueError):
                     server.instances.remove(instance)
-                if server.tools:
-                    server.tools = {}
-                    self._changed()
+                server.tools = {}
             return
         logger.info("MCP over MQTT: {} ({}) initialized, {} tools offered", server.name, instance, len(server.tools))
 
@@ -372,59 +378,21 @@ class McpOverMqtt:
             logger.debug("MCP over MQTT: listing the tools of {} failed: {}", server.name, exc)
 
     async def _list(self, server: _Server) -> None:
-        listed: list[dict[str, Any]] = []
-        cursor: str | None = None
-        while True:
-            page = await self._request(server, "tools/list", {"cursor": cursor} if cursor else {}, LIST_TIMEOUT)
-            if not isinstance(page, dict):
-                raise RpcError(-32603, "a tools/list result that is not an object")
-            listed.extend(item for item in page.get("tools") or [] if isinstance(item, dict))
-            cursor = page.get("nextCursor")
-            if not cursor:
-                break
-        allowed = [item for item in listed if self._allowed(item)]
-        self._offer(server, allowed, await asyncio.to_thread(offer.screen, allowed))
+        async def page(cursor: str | None) -> Any:
+            return await self._request(server, "tools/list", {"cursor": cursor} if cursor else {}, LIST_TIMEOUT)
 
-    def _allowed(self, item: dict[str, Any]) -> bool:
-        real = str(item.get("name", ""))
-        return bool(real) and ("*" in self.config.allow or real in self.config.allow)
+        self._offer(server, *await self._offering.list_all(page))
 
     def _offer(
         self, server: _Server, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None
     ) -> None:
         """Offer the listed tools that ``allow`` names and whose name and schema can be used
         (``problems``: offer.screen's verdicts, computed here when not given)."""
-        config = self.config
-        prefix = _NOT_NAME.sub("_", server.name) + "_"
-        listed = [item for item in listed if self._allowed(item)] if problems is None else listed
-        problems = offer.screen(listed) if problems is None else problems
-        offered: dict[str, tuple[WorkerTool, str]] = {}
-        for item, problem in zip(listed, problems, strict=True):
-            real = str(item.get("name", ""))
-            schema = item.get("inputSchema")
-            if problem is not None:
-                self._warnings.left_out(server.name, real, schema, problem)
-                continue
-            name = prefix + _NOT_NAME.sub("_", real)
-            if len(name) > 64 or name in offered:
-                logger.warning("MCP over MQTT: tool {!r} of {} not offered (too long or clashing)", real, server.name)
-                continue
-            offered[name] = (
-                WorkerTool(
-                    name=name,
-                    description=offer.description(item.get("description")),
-                    parameters=schema,
-                    users=tuple(config.users),
-                    confirm=config.confirm,
-                    timeout=config.timeout,
-                    source=f"mcp-mqtt:{server.name}",
-                ),
-                real,
-            )
+        prefix = offer.name_part(server.name) + "_"
+        offered = self._offering.offered(server.name, prefix, f"mcp-mqtt:{server.name}", listed, problems)
         if offered != server.tools:
             server.tools = offered
             logger.info("MCP over MQTT: {} offers: {}", server.name, ", ".join(sorted(offered)) or "no tools")
-            self._changed()
 
     async def _request(
         self,
@@ -472,10 +440,6 @@ class McpOverMqtt:
         for server_name, instance, answer in list(self._pending.values()):
             if which(server_name, instance) and not answer.done():
                 answer.set_exception(ServerGone(server_name))
-
-    def _changed(self) -> None:
-        for listener in self._listeners:
-            listener()
 
 
 def _from_client(delivery: Delivery) -> bool:

@@ -23,8 +23,7 @@ import contextlib
 import json
 import math
 import os
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from loguru import logger
@@ -53,18 +52,6 @@ def response_topic_for(topic_prefix: str, worker_id: str) -> str:
 
 class ToolsClosed(Exception):
     """The provider closed while a call waited for its answer."""
-
-
-@dataclass
-class ToolCounts:
-    """One device tool's calls since the start, for the stats and metrics."""
-
-    calls: int = 0
-    timeouts: int = 0
-    errors: int = 0  # the device said so (outcome=error) or the call could not be sent
-
-    def as_dict(self) -> dict[str, int]:
-        return {"calls": self.calls, "timeouts": self.timeouts, "errors": self.errors}
 
 
 class DeviceTools:
@@ -99,7 +86,6 @@ class DeviceTools:
         ]
         # The only topics calls go to: from the configuration, never from the model.
         self._topics = {c.name: c.topic for c in configs}
-        self._counts = {c.name: ToolCounts() for c in configs}
         # Calls waiting for their answer, by correlation data.
         self._pending: dict[bytes, asyncio.Future[Delivery]] = {}
         # Why calls cannot be answered (the broker refused the response topic): None when they can.
@@ -110,14 +96,6 @@ class DeviceTools:
 
     def tools(self) -> Sequence[WorkerTool]:
         return list(self._tools)
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        """The device tools are the configured ones: their list never changes."""
-
-    @property
-    def counts(self) -> dict[str, dict[str, int]]:
-        """Per tool: calls, timeouts, errors since the start."""
-        return {name: counts.as_dict() for name, counts in self._counts.items()}
 
     @property
     def pending(self) -> int:
@@ -163,17 +141,25 @@ class DeviceTools:
         config = next((t for t in self._tools if t.name == tool), None)
         if topic is None or config is None:
             return ToolOutcome(f"Error: the tool {tool} is not a device tool.", "unavailable")
-        counts = self._counts[tool]
-        counts.calls += 1
-        ref = log_text(context.tool_call_id)  # an id the client's requestId is part of: escaped
         if self._unavailable is not None:
-            counts.errors += 1
             return ToolOutcome(f"Error: the device tool {tool} is unavailable: {self._unavailable}.", "unavailable")
         try:
             payload = json.dumps(dict(arguments), separators=(",", ":"), ensure_ascii=False).encode()
         except (TypeError, ValueError):
-            counts.errors += 1
             return ToolOutcome(f"Error: the arguments of {tool} are not JSON.", "error")
+        ref = log_text(context.tool_call_id)  # an id the client's requestId is part of: escaped
+        logger.debug("Device tool {} call {} to {}: {}", tool, ref, topic, payload[:2000])
+        delivery = await self._exchange(config, topic, payload, context, ref)
+        if isinstance(delivery, ToolOutcome):
+            return delivery
+        return self._answer(tool, ref, delivery)
+
+    async def _exchange(
+        self, config: WorkerTool, topic: str, payload: bytes, context: CallContext, ref: str
+    ) -> Delivery | ToolOutcome:
+        """Publish one call and wait for its answer, within the tool's timeout: the answer, or
+        the outcome of a call that got none (not sent, timed out, the provider closing)."""
+        tool = config.name
         correlation = os.urandom(16)
         properties = OutboundProperties(
             response_topic=self.response_topic,
@@ -182,24 +168,20 @@ class DeviceTools:
             user_properties=(("requestId", context.request_id), ("toolCallId", context.tool_call_id)),
             content_type=CONTENT_TYPE,
         )
-        loop = asyncio.get_running_loop()
-        answer: asyncio.Future[Delivery] = loop.create_future()
+        answer: asyncio.Future[Delivery] = asyncio.get_running_loop().create_future()
         self._pending[correlation] = answer  # before the publish: an answer may come at once
         taken = False  # by the broker (its PUBACK)
-        logger.debug("Device tool {} call {} to {}: {}", tool, ref, topic, payload[:2000])
         try:
             # One timer from the publish to the answer. asyncio.timeout, not wait_for: Python
             # 3.11's wait_for swallows a cancellation that comes as the awaited future completes.
             async with asyncio.timeout(config.timeout):
                 await self._messaging.send(topic, payload, qos=1, properties=properties)
                 taken = True
-                delivery = await answer
+                return await answer
         except PublishFailed as exc:
-            counts.errors += 1
             logger.warning("Device tool {} call {}: not sent to {}: {}", tool, ref, topic, exc)
             return ToolOutcome(f"Error: the device tool {tool} is unavailable (the call was not sent).", "unavailable")
         except TimeoutError:
-            counts.timeouts += 1
             if taken:
                 logger.warning("Device tool {} call {}: no answer within {:g} s", tool, ref, config.timeout)
                 return ToolOutcome(f"Error: the device did not answer within {config.timeout:g} s.", "timeout")
@@ -212,17 +194,18 @@ class DeviceTools:
                 "timeout",
             )
         except ToolsClosed:
-            counts.errors += 1
             return ToolOutcome(
                 f"Error: the device tool {tool} was not answered: the worker is stopping.", "unavailable"
             )
         finally:
             self._pending.pop(correlation, None)
+
+    def _answer(self, tool: str, ref: str, delivery: Delivery) -> ToolOutcome:
+        """A device's answer as the call's result."""
         if delivery.retain:
             # A retained answer stays on the broker and is replayed to every later subscription
             # of the response topic: never taken as a result (a replay names no pending call
             # and is dropped; this one, live, ends its call as an error, not a 5 s wait).
-            counts.errors += 1
             logger.warning("Device tool {} call {}: the answer was published retained; refused", tool, ref)
             return ToolOutcome(
                 f"Error: the device's answer was refused: it was published with the retain flag, "
@@ -234,7 +217,6 @@ class DeviceTools:
         size = len(delivery.payload) if cut else None
         logger.debug("Device tool {} call {} answered: {}", tool, ref, content[:2000])
         if ("outcome", "error") in delivery.user_properties:
-            counts.errors += 1
             logger.info("Device tool {} call {}: the device reported an error", tool, ref)
             return ToolOutcome(content, "error", size)
         logger.info("Device tool {} call {} answered ({} bytes)", tool, ref, len(delivery.payload))

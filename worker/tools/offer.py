@@ -1,5 +1,7 @@
 """A server's tool list as it is offered (MCP servers, MCP over MQTT): each tool checked at
 the boundary, before the model or the grammar backend sees it. No I/O but the log.
+``ToolOffer`` is what both MCP providers share: every page of a tools/list, the ``allow`` list,
+the checks below, and the name the model calls (``<prefix><tool>``).
 
 - The input schema must be usable as a client tool's parameters are
   (worker/schemacheck.py: valid, only local references that resolve, within the size caps,
@@ -16,22 +18,41 @@ text, so listing again costs a hash.
 
 from __future__ import annotations
 
+import asyncio
 import functools
 import hashlib
 import json
-from collections.abc import Sequence
-from typing import Any
+import re
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
 
 from loguru import logger
 
 from ..protocol.messages import log_text
 from ..schemacheck import SchemaUnusable, check_parameters, is_valid_text, valid_text
+from .port import WorkerTool
 
-__all__ = ["OfferWarnings", "SchemaUnusable", "description", "schema_problem", "screen"]
+__all__ = [
+    "OfferWarnings",
+    "Offered",
+    "SchemaUnusable",
+    "ToolOffer",
+    "description",
+    "name_part",
+    "schema_problem",
+    "screen",
+]
 
 # How many (server, tool, schema) warnings are remembered: a server that changes its schemas
 # without end must not grow the worker's memory without end either.
 MAX_WARNED = 10_000
+# The longest tool name offered to the model (OpenAI's function names: 64 of [A-Za-z0-9_-]).
+MAX_NAME = 64
+
+_NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
+
+# The offered tools of one server: the name the model calls -> (the tool, the server's own name).
+Offered = dict[str, tuple[WorkerTool, str]]
 
 
 def _schema_text(schema: Any) -> str | None:
@@ -99,3 +120,99 @@ class OfferWarnings:
         reason = problem.reason.removeprefix("has a name that ") if subject == "its name" else problem.reason
         logger.warning("{} {}: tool {} is not offered: {} {}", self.what, server, log_text(tool), subject, reason)
         logger.debug("{} {}: tool {}: {}", self.what, server, log_text(tool), problem.message)
+
+
+def name_part(text: str) -> str:
+    """``text`` as part of a name the model calls: each character but [A-Za-z0-9_-] is "_"."""
+    return _NOT_NAME.sub("_", text)
+
+
+class OfferConfig(Protocol):
+    """What a provider's configuration says about its servers' tools ([[tools.mcp]],
+    [tools.mcp_mqtt])."""
+
+    @property
+    def allow(self) -> Sequence[str]: ...
+    @property
+    def users(self) -> Sequence[str]: ...
+    @property
+    def timeout(self) -> float: ...
+    @property
+    def confirm(self) -> bool: ...
+
+
+class ToolOffer:
+    """How one MCP provider turns a server's tools/list into the tools it offers: the tools
+    ``allow`` names, whose name and schema can be used (``screen``), named ``<prefix><tool>``
+    with at most MAX_NAME characters of [A-Za-z0-9_-], no two alike. ``what`` names the
+    servers in the log ("MCP server", "MCP over MQTT: server")."""
+
+    def __init__(self, config: OfferConfig, what: str) -> None:
+        self.config = config
+        self.what = what
+        self.warnings = OfferWarnings(what)
+
+    def allowed(self, item: dict[str, Any]) -> bool:
+        real = str(item.get("name", ""))
+        return bool(real) and ("*" in self.config.allow or real in self.config.allow)
+
+    async def list_all(
+        self, fetch: Callable[[str | None], Awaitable[Any]]
+    ) -> tuple[list[dict[str, Any]], list[SchemaUnusable | None]]:
+        """Every page of a server's tools/list (``fetch(cursor)``: a page's result as its wire
+        JSON; None for the first), then the tools ``allow`` names and screen's verdicts on
+        them (in a worker thread: it grows with the schemas). ValueError: a page that is not
+        a JSON object."""
+        listed: list[dict[str, Any]] = []
+        cursor: str | None = None
+        while True:
+            page = await fetch(cursor)
+            if not isinstance(page, dict):
+                raise ValueError("a tools/list result that is not an object")
+            listed.extend(item for item in page.get("tools") or [] if isinstance(item, dict))
+            cursor = page.get("nextCursor")
+            if not cursor:
+                break
+        allowed = [item for item in listed if self.allowed(item)]
+        return allowed, await asyncio.to_thread(screen, allowed)
+
+    def offered(
+        self,
+        server: str,
+        prefix: str,
+        source: str,
+        listed: list[dict[str, Any]],
+        problems: list[SchemaUnusable | None] | None = None,
+    ) -> Offered:
+        """The listed tools that ``allow`` names and whose name and schema can be used, by the
+        name the model calls (``problems``: screen's verdicts, computed here, on the allowed
+        tools, when not given). ``source``: the tools' WorkerTool.source."""
+        config = self.config
+        listed = [item for item in listed if self.allowed(item)] if problems is None else listed
+        problems = screen(listed) if problems is None else problems
+        offered: Offered = {}
+        for item, problem in zip(listed, problems, strict=True):
+            real = str(item.get("name", ""))
+            schema = item.get("inputSchema")
+            if problem is not None:
+                self.warnings.left_out(server, real, schema, problem)
+                continue
+            name = prefix + name_part(real)
+            if len(name) > MAX_NAME or name in offered:
+                logger.warning(
+                    "{} {}: tool {} is not offered (name too long or clashing)", self.what, server, log_text(real)
+                )
+                continue
+            offered[name] = (
+                WorkerTool(
+                    name=name,
+                    description=description(item.get("description")),
+                    parameters=schema,
+                    users=tuple(config.users),
+                    confirm=config.confirm,
+                    timeout=config.timeout,
+                    source=source,
+                ),
+                real,
+            )
+        return offered

@@ -10,16 +10,18 @@ that says so, and the turn goes on.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol
 
+from ..config.models import namespace_allowed
 from ..session import ToolSpec
 
-# ok; error (the tool said so); timeout; unavailable (not reachable, not listed); and, set by
-# the core: declined (the user did not approve), unknown (maybe sent before the worker
-# stopped: not sent again), skipped (a limit: calls per round, tool time).
-Outcome = Literal["ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped"]
+# How a worker tool's call ended: ok; error (the tool said so); timeout; unavailable (not
+# reachable, not listed); and, set by the core: declined (the user did not approve), unknown
+# (maybe sent before the worker stopped: not sent again), skipped (a limit: calls per round,
+# tool time).
+CallStatus = Literal["ok", "error", "timeout", "unavailable", "declined", "unknown", "skipped"]
 
 
 # A JSON-RPC error's message as the model gets it, at most (a server's words: bounded like any
@@ -118,7 +120,7 @@ class WorkerTool:
     source: str = ""  # where it runs, for logs and metrics: "mqtt", "mcp:<server>", "mcp-mqtt:<server>"
 
     def allows(self, user: str) -> bool:
-        return "*" in self.users or user in self.users
+        return namespace_allowed(self.users, user)
 
     def spec(self) -> ToolSpec:
         return ToolSpec(self.name, self.description, self.parameters)
@@ -138,7 +140,7 @@ class ToolOutcome:
     """A call's result as the model gets it, and how it ended."""
 
     content: str
-    outcome: Outcome = "ok"
+    outcome: CallStatus = "ok"
     # The result's size in bytes where its provider already cut it to max_tool_result_bytes
     # (a device's answer is cut before it is decoded); None: ``content`` is all of it.
     size: int | None = None
@@ -165,9 +167,6 @@ class ToolProvider(Protocol):
         background: it never stops the worker from starting."""
 
     async def close(self) -> None: ...
-
-    def on_change(self, callback: Callable[[], None]) -> None:
-        """Call ``callback`` (on the event loop) whenever the tool list changed."""
 
 
 class Toolbox(Protocol):

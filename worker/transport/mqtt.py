@@ -127,6 +127,11 @@ def outbound_properties(properties: OutboundProperties | None) -> Properties | N
     return props if props.pack() != b"\x00" else None  # type: ignore[no-untyped-call]
 
 
+def _content_type(props: Properties | None) -> str | None:
+    value = getattr(props, "ContentType", None) if props else None
+    return str(value) if value else None
+
+
 def _matchable(topic_filter: str) -> str:
     """The filter a shared subscription ($share/<group>/<filter>) matches topics with."""
     if topic_filter.startswith("$share/"):
@@ -135,11 +140,12 @@ def _matchable(topic_filter: str) -> str:
     return topic_filter
 
 
-def _watch_options(qos: int) -> SubscribeOptions:
+def _watch_options(qos: int, retain_as_published: bool = True) -> SubscribeOptions:
     """A watched filter's subscription: Retain As Published, so that a Delivery's ``retain``
     is the publisher's flag on live messages too (the broker clears it by default), and a
-    device answer published retained is recognised (tools/mqtt.py refuses it)."""
-    return SubscribeOptions(qos=qos, retainAsPublished=True)  # type: ignore[no-untyped-call]
+    device answer published retained is recognised (tools/mqtt.py refuses it). Without it
+    (vision topics), ``retain`` marks only what the broker held when the filter was subscribed."""
+    return SubscribeOptions(qos=qos, retainAsPublished=retain_as_published)  # type: ignore[no-untyped-call]
 
 
 @dataclass(frozen=True)
@@ -149,6 +155,7 @@ class _Watch:
     topic_filter: str
     handler: Callable[[Delivery], None]
     qos: int
+    retain_as_published: bool = True
 
 
 def set_tcp_nodelay(client: mqtt.Client) -> None:
@@ -421,7 +428,7 @@ class MqttTransport:
             # also after unsubscribe(), as a draining worker's tool calls still want answers.
             watches = self._watch_list
             if watches:
-                client.subscribe([(w.topic_filter, _watch_options(w.qos)) for w in watches])
+                client.subscribe([(w.topic_filter, _watch_options(w.qos, w.retain_as_published)) for w in watches])
             if self._unwatched:
                 client.unsubscribe(list(self._unwatched))
             client.publish(self.settings.status_topic, ONLINE, qos=1, retain=True)
@@ -584,6 +591,8 @@ class MqttTransport:
             correlation_data=bytes(correlation) if correlation is not None else None,
             response_topic=getattr(props, "ResponseTopic", None) if props else None,
             user_properties=tuple((str(k), str(v)) for k, v in user_properties or ()),
+            content_type=_content_type(props),
+            received_at=time.monotonic(),
         )
         for watch in watchers:
             self._loop.call_soon_threadsafe(self._deliver, watch, delivery)
@@ -741,15 +750,22 @@ class MqttTransport:
             return
         self._client.ack(message.mid, message.qos)
 
-    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
+    async def watch(
+        self,
+        topic_filter: str,
+        handler: Callable[[Delivery], None],
+        *,
+        qos: int = 1,
+        retain_as_published: bool = True,
+    ) -> None:
         """Messaging.watch. The filter is remembered before the SUBSCRIBE goes out, so every
         reconnect subscribes it again (a resumed session has it anyway). Refused (the ACL): it
         is forgotten and PublishRefused raised. No connection now: PublishNotSent, but it
         stays watched and is subscribed once the client is connected again."""
-        self._watches[topic_filter] = _Watch(topic_filter, handler, qos)
+        self._watches[topic_filter] = _Watch(topic_filter, handler, qos, retain_as_published)
         self._watch_list = tuple(self._watches.values())
         self._unwatched = tuple(f for f in self._unwatched if f != topic_filter)
-        rc, mid = self._client.subscribe([(topic_filter, _watch_options(qos))])
+        rc, mid = self._client.subscribe([(topic_filter, _watch_options(qos, retain_as_published))])
         if rc != mqtt.MQTT_ERR_SUCCESS or mid is None:
             raise PublishNotSent(f"not subscribed now ({mqtt.error_string(rc)}); subscribed on the next connect")
         answered: asyncio.Future[None] = self._loop.create_future()

@@ -117,10 +117,13 @@ class Delivery:
     correlation_data: bytes | None = None
     response_topic: str | None = None
     user_properties: tuple[tuple[str, str], ...] = ()
+    content_type: str | None = None  # its MQTT 5 Content Type (a camera's image/jpeg, ...;base64)
+    received_at: float | None = None  # time.monotonic() when paho handed it over
 
 
 class Messaging(Protocol):
-    """Publish-and-watch for the worker's own tools (worker/tools/): the MQTT adapter
+    """Publish-and-watch for the worker's own tools (worker/tools/) and its vision topics
+    (worker/vision/topics.py): the MQTT adapter
     implements it on the worker's one broker connection."""
 
     def send(
@@ -134,10 +137,19 @@ class Messaging(Protocol):
     ) -> asyncio.Future[None]:
         """Like Publisher.publish, with MQTT 5 properties."""
 
-    async def watch(self, topic_filter: str, handler: Callable[[Delivery], None], *, qos: int = 1) -> None:
+    async def watch(
+        self,
+        topic_filter: str,
+        handler: Callable[[Delivery], None],
+        *,
+        qos: int = 1,
+        retain_as_published: bool = True,
+    ) -> None:
         """Subscribe to ``topic_filter`` (again after every reconnect) and hand each message on
         it to ``handler``, on the event loop. Returns once the broker granted the subscription;
-        raises PublishFailed (refused or not sent) otherwise."""
+        raises PublishFailed (refused or not sent) otherwise. ``retain_as_published``: a
+        Delivery's ``retain`` is the publisher's flag; False: it marks only a retained message
+        the broker sent because the filter was subscribed (MQTT 5's default)."""
 
     def unwatch(self, topic_filter: str) -> None:
         """Stop watching ``topic_filter`` (unsubscribe)."""

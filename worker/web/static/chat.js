@@ -76,8 +76,13 @@
   const local = window.localStorage;
   const tab = window.sessionStorage;
   const transcriptKey = () => `mqtt-vllm-worker:turns:${page.prefix}/${page.user}/${page.session}`;
+  // A request with images is megabytes: kept in this tab's memory only (localStorage holds about
+  // 5 MB); after a reload such a pending message is not sent again (publishRequest says so).
+  const KEPT_PAYLOAD = 256 * 1024;
   function saveTurns() {
-    const kept = page.turns.map(({ stream, ...turn }) => turn);
+    const kept = page.turns.map(({ stream, payload, ...turn }) =>
+      payload && payload.length <= KEPT_PAYLOAD ? { ...turn, payload } : turn,
+    );
     local.setItem(transcriptKey(), JSON.stringify(kept));
   }
   function loadTurns() {
@@ -181,6 +186,7 @@
     page.ready = ready;
     $("message").disabled = !ready;
     $("send").disabled = !ready;
+    $("attach").disabled = !ready;
     $("reset").disabled = !ready;
     $("connect").disabled = !!page.client;
     $("disconnect").disabled = !page.client;
@@ -292,7 +298,16 @@
       }
     } else {
       user.className = "bubble user";
-      user.textContent = turn.message;
+      if (turn.thumbs && turn.thumbs.length) {
+        const thumbs = document.createElement("div");
+        thumbs.className = "thumbs";
+        for (const src of turn.thumbs) thumbs.append(thumbnail(src));
+        const text = document.createElement("div");
+        text.textContent = turn.message;
+        user.append(thumbs, text);
+      } else {
+        user.textContent = turn.message;
+      }
     }
     const assistant = document.createElement("div");
     assistant.className = "bubble assistant";
@@ -404,7 +419,9 @@
     const l = turn.latency || {};
     const reasoningPart = u.reasoningTokens ? `, ${u.reasoningTokens} reasoning` : "";
     meta.textContent =
-      `${turn.finishReason} · ${u.promptTokens} prompt tokens (${u.cachedTokens} cached) · ` +
+      `${turn.finishReason} · ${u.promptTokens} prompt tokens (${u.cachedTokens} cached` +
+      (u.imageTokens ? `, ${u.imageTokens} of images` : "") +
+      `) · ` +
       `${u.completionTokens} completion${reasoningPart} · first token ${fmtMs(l.ttftMs)}, ` +
       `total ${fmtMs(l.totalMs)} in the worker (queue ${fmtMs(l.queueMs)})` +
       (turn.roundTripMs ? ` · ${fmtMs(turn.roundTripMs)} here` : "");
@@ -536,6 +553,10 @@
   }
 
   function publishRequest(turn) {
+    if (!turn.payload) {
+      failTurn(turn, "not_sent", "the page was reloaded before this message with images was answered: send it again");
+      return;
+    }
     page.client.publish(topic("request"), turn.payload, { qos: 1 }, (err) => {
       if (err) failTurn(turn, err.code === 135 ? "not_authorized" : "publish_failed", err.message);
     });
@@ -653,13 +674,110 @@
     publishRequest(turn);
   }
 
+  // ---- images (docs/protocol.md, "Images"): attached with the file picker or by pasting,
+  // sent as OpenAI content parts with data: URLs, shown as thumbnails.
+  const IMAGE_TYPES = ["image/jpeg", "image/png", "image/gif", "image/webp", "image/bmp"];
+  // What fits the worker's default limit of a request with images (4 MiB) once base64.
+  const MAX_IMAGE_BYTES = 3 * 1024 * 1024 - 4096;
+  const THUMB_EDGE = 128;
+  const attached = []; // {url: the data: URL sent, thumb: a small copy kept with the transcript}
+
+  function thumbnail(src) {
+    const img = document.createElement("img");
+    img.className = "thumb";
+    img.alt = "an image sent with the message";
+    img.src = src;
+    return img;
+  }
+  function attachProblem(text) {
+    $("attach-problem").textContent = text;
+    $("attach-problem").hidden = !text;
+  }
+  function readAsDataUrl(file) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader();
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(file);
+    });
+  }
+  // A small JPEG of the image for the transcript (localStorage keeps it across reloads).
+  function makeThumb(url) {
+    return new Promise((resolve) => {
+      const img = new Image();
+      img.onload = () => {
+        const scale = Math.min(1, THUMB_EDGE / Math.max(img.naturalWidth, img.naturalHeight));
+        const canvas = document.createElement("canvas");
+        canvas.width = Math.max(1, Math.round(img.naturalWidth * scale));
+        canvas.height = Math.max(1, Math.round(img.naturalHeight * scale));
+        canvas.getContext("2d").drawImage(img, 0, 0, canvas.width, canvas.height);
+        resolve(canvas.toDataURL("image/jpeg", 0.8));
+      };
+      img.onerror = () => resolve(null);
+      img.src = url;
+    });
+  }
+  async function attachFiles(files) {
+    attachProblem("");
+    for (const file of files) {
+      if (!IMAGE_TYPES.includes(file.type)) {
+        attachProblem(`${file.name || "the pasted file"} is not a JPEG, PNG, GIF, WebP or BMP image`);
+        continue;
+      }
+      if (file.size > MAX_IMAGE_BYTES) {
+        attachProblem(`${file.name || "the pasted image"} is ${file.size} bytes; at most ${MAX_IMAGE_BYTES} go in a message`);
+        continue;
+      }
+      const url = await readAsDataUrl(file);
+      const thumb = await makeThumb(url);
+      if (!thumb) {
+        attachProblem(`${file.name || "the pasted image"} cannot be read as an image`);
+        continue;
+      }
+      attached.push({ url, thumb, name: file.name || "pasted image" });
+    }
+    renderAttachments();
+  }
+  function renderAttachments() {
+    const box = $("attachments");
+    box.replaceChildren(
+      ...attached.map((image, index) => {
+        const item = document.createElement("span");
+        item.className = "attachment";
+        item.title = image.name;
+        const drop = document.createElement("button");
+        drop.type = "button";
+        drop.textContent = "×";
+        drop.title = "do not send this image";
+        drop.addEventListener("click", () => {
+          attached.splice(index, 1);
+          renderAttachments();
+        });
+        item.append(thumbnail(image.thumb), drop);
+        return item;
+      }),
+    );
+    box.hidden = attached.length === 0;
+  }
+
   // ---- actions
   function send() {
     const message = $("message").value;
-    if (!page.ready || !message.trim()) return;
+    const images = attached.splice(0);
+    if (!page.ready || (!message.trim() && !images.length)) {
+      attached.push(...images);
+      return;
+    }
     // Always a requestId of our own: the idempotency key (a redelivered or re-sent request is
     // answered from the worker's store) and how replies, deltas and cancels find their turn.
     const request = requestOptions({ message, requestId: randomId("r-"), stream: true, includeReasoning: true });
+    if (images.length) {
+      // Content parts: the images, then the text.
+      request.message = [
+        ...images.map((image) => ({ type: "image_url", image_url: { url: image.url } })),
+        ...(message ? [{ type: "text", text: message }] : []),
+      ];
+    }
     // The page's tools, or none ([] clears what an earlier message offered).
     const offered = $("offer-time-tool").checked;
     request.tools = offered ? [LOCAL_TIME_TOOL] : [];
@@ -677,6 +795,7 @@
     const turn = {
       requestId: request.requestId,
       message,
+      thumbs: images.map((image) => image.thumb),
       payload: JSON.stringify(request),
       status: "pending",
       sentAt: Date.now(),
@@ -687,6 +806,7 @@
     render(turn);
     atEnd = true; // one's own message: always show it, and what follows
     $("message").value = "";
+    renderAttachments();
     updateCancel();
     publishRequest(turn);
   }
@@ -737,6 +857,18 @@
       if (e.key === "Enter" && !e.shiftKey && !e.isComposing) {
         e.preventDefault();
         send();
+      }
+    });
+    $("attach").addEventListener("click", () => $("image-file").click());
+    $("image-file").addEventListener("change", (e) => {
+      attachFiles(Array.from(e.target.files));
+      e.target.value = ""; // the same file again is a change too
+    });
+    $("message").addEventListener("paste", (e) => {
+      const files = Array.from(e.clipboardData ? e.clipboardData.files : []);
+      if (files.length) {
+        e.preventDefault(); // an image, not its name, goes with the message
+        attachFiles(files);
       }
     });
     $("cancel").addEventListener("click", cancel);

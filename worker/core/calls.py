@@ -28,7 +28,7 @@ from ..protocol.messages import (
     ToolSpecIn,
 )
 from ..schemacheck import SchemaUnusable, grammar_schema, validator
-from ..session import DECLINED_RESULT, NOT_RUN_RESULT, ToolCall, ToolSpec, Turn, calls_of, tool_message
+from ..session import DECLINED_RESULT, NOT_RUN_RESULT, AssistantMessage, ToolCall, ToolResultMessage, ToolSpec, Turn
 from .history import partial_tag_suffix
 
 
@@ -161,30 +161,33 @@ def apply_results(
         if result.approved:
             approved.append(call)
         elif result.approved is False:
-            turn.messages.append(tool_message(call.id, call.name, DECLINED_RESULT))
+            turn.messages.append(ToolResultMessage(call.id, call.name, DECLINED_RESULT))
         else:
-            turn.messages.append(tool_message(call.id, call.name, result.content or ""))
+            turn.messages.append(ToolResultMessage(call.id, call.name, result.content or ""))
     return approved
 
 
 def order_results(turn: Turn) -> None:
     """Put the tool messages after the turn's last assistant message in its calls' order (the
     worker's parallel calls end in any order; the template shows results as the calls were made)."""
-    last = max((i for i, m in enumerate(turn.messages) if m.get("role") == "assistant"), default=-1)
+    last = turn.last_assistant()
     if last < 0:
         return
-    order = {call.id: index for index, call in enumerate(calls_of(turn.messages[last]))}
+    message = turn.messages[last]
+    assert isinstance(message, AssistantMessage)
+    order = {call.id: index for index, call in enumerate(message.tool_calls)}
     tail = turn.messages[last + 1 :]
-    if all(m.get("role") == "tool" for m in tail):
-        tail.sort(key=lambda m: order.get(str(m.get("tool_call_id")), len(order)))
-        turn.messages[last + 1 :] = tail
+    results = [m for m in tail if isinstance(m, ToolResultMessage)]
+    if len(results) == len(tail):
+        results.sort(key=lambda m: order.get(m.call_id, len(order)))
+        turn.messages[last + 1 :] = results
 
 
 def close_unanswered(turn: Turn) -> None:
     """A new message while calls are pending: each pending call gets a result saying it was
     not run, so the template never sees a call without its result."""
     for call in turn.pending_calls():
-        turn.messages.append(tool_message(call.id, call.name, NOT_RUN_RESULT))
+        turn.messages.append(ToolResultMessage(call.id, call.name, NOT_RUN_RESULT))
 
 
 def escape_raw_controls(body: str) -> str:
@@ -202,11 +205,6 @@ def escape_raw_controls(body: str) -> str:
     except ValueError:
         return body  # cut off at maxTokens, say: the parser reports it
     return json.dumps(value, ensure_ascii=False)
-
-
-def rounds_in(turn: Turn) -> int:
-    """How many tool rounds (assistant messages with calls) the turn has had."""
-    return sum(1 for m in turn.messages if m.get("role") == "assistant" and m.get("tool_calls"))
 
 
 @dataclass(frozen=True)
