@@ -246,7 +246,7 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     # Deadlines generous, the event the condition: 2 busy cores have taken over 30 s (issue 33).
     devices.wait_until(lambda: any(a["toolCallId"] == answered_call for a in devices.answered), timeout=300)
     (answer,) = [a["payload"] for a in devices.answered if a["toolCallId"] == answered_call]
-    # The worker has the result (turns.py stores it before it logs this line) and is
+    # The worker has the result (core/worker_calls.py stores it before it logs this line) and is
     # generating again.
     first.wait_log(r"worker call lamp_get \(\S+\) ok in \d+ ms")
     assert not any(a["toolCallId"] == slow_call for a in devices.answered)  # A's call still outstanding
