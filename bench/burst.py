@@ -163,7 +163,11 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     kv = KV_TOKENS.search(text)
     limits_line, engine_line = LIMITS_LINE.search(text), ENGINE_LINE.search(text)
     kv_tokens = int(kv.group(1)) if kv else None
-    sizes, skipped = fitting_sessions(profile.burst_sessions, kv_tokens, per_session)
+    wanted = profile.burst_sessions_by_limits.get(name, profile.burst_sessions)
+    sizes, skipped = fitting_sessions(wanted, kv_tokens, per_session)
+    # The warm-up burst is the first after the start: at burst_first sessions where that is run
+    # later too, its tok/s against the later one's shows what the engine's warm-up left out.
+    first = profile.burst_first if profile.burst_first in sizes else min(sizes or [1])
     result.update(
         {
             "kv_cache_tokens": kv_tokens,
@@ -177,9 +181,13 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     driver = MqttDriver("127.0.0.1", broker.port)
     runs: dict[str, Any] = {"worker": {}, "raw": {}}
     try:
-        driver.run_concurrent(
-            "burst-warm", _seeded(workload, 0), tokenizer.count_text, sessions=min(sizes or [1]), turns=1, stream=False
+        records = driver.run_concurrent(
+            "burst-warm", _seeded(workload, 0), tokenizer.count_text, sessions=first, turns=1, stream=False
         )
+        wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+        runs["worker"]["first"] = {**burst_summary([worker_outcome(r) for r in records], wall), "sessions": first}
+        print(f"burst {name} worker first burst ({first}): {_line(runs['worker']['first'])}", flush=True)
+        time.sleep(1.5)
         for count in sizes:
             before = len(driver.stats)
             # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the largest burst.
@@ -215,12 +223,17 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         messages = (seeded.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
         return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
 
+    result["runs"] = runs
+    first_runs = {"worker": runs["worker"].pop("first")}
+    result["first_burst"] = first_runs
+    if name in profile.burst_worker_only:
+        return result
     prompts = {n: rendered(n, n) for n in sizes}
-    prompts[0] = rendered(0, min(sizes or [1]))  # the warm-up burst's
+    prompts[0] = rendered(0, first)  # the warm-up burst's
     raw = asyncio.run(_raw_side(EngineConfig(model=str(model), **settings), tokenizer, prompts, sizes, profile, name))
     runs["raw"] = raw.pop("runs")
+    first_runs["raw"] = raw.pop("first")
     result.update(raw)
-    result["runs"] = runs
     result["worker_over_raw"] = {
         count: round(runs["worker"][count]["tok_per_s"] / runs["raw"][count]["tok_per_s"], 3)
         for count in sizes
@@ -244,7 +257,8 @@ async def _raw_side(
         "runs": {},
     }
     try:
-        await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
+        outcomes, wall = await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
+        result["first"] = burst_summary(outcomes, wall)
         for count in sizes:
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
             result["runs"][count] = {
@@ -334,6 +348,14 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
             + (f"; not run (the KV cache does not hold them): {skipped}" if skipped else ""),
             f"  - Engine: {result.get('engine_log')}",
         ]
+        for side, first in (result.get("first_burst") or {}).items():
+            later = result["runs"][side].get(str(first["sessions"])) or result["runs"][side].get(first["sessions"])
+            if later and later.get("tok_per_s") and first.get("tok_per_s"):
+                lines.append(
+                    f"  - {side}: the first burst after the start ({first['sessions']} sessions) "
+                    f"{first['tok_per_s']:,.0f} tok/s, TTFT p50 {first['ttft_p50_ms']} ms: "
+                    f"{first['tok_per_s'] / later['tok_per_s']:.2f}x the later one's tok/s"
+                )
     return "\n".join(lines) + "\n"
 
 
@@ -354,8 +376,10 @@ def plot_bursts(results: dict[str, dict[str, Any]], path: Path) -> None:
             rows = [runs.get(str(c)) or runs.get(c) for c in counts]
             left.plot(counts, [r["tok_per_s"] for r in rows], style, label=f"{side}, {name} limits")
             right.plot(counts, [r["ttft_p50_ms"] for r in rows], style, label=f"{side}, {name} limits")
-    left.set(xlabel="sessions at once", ylabel="generated tokens/s", title="throughput")
-    right.set(xlabel="sessions at once", ylabel="TTFT p50 (ms)", title="time to first token", yscale="log")
+    left.set(xlabel="sessions at once", ylabel="generated tokens/s", title="throughput", xscale="log")
+    right.set(
+        xlabel="sessions at once", ylabel="TTFT p50 (ms)", title="time to first token", yscale="log", xscale="log"
+    )
     for axis in (left, right):
         axis.grid(alpha=0.3)
         axis.legend(fontsize=8)

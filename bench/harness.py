@@ -20,7 +20,8 @@ not fit one command continues where it stopped):
   returning_offload  the same with the host-memory KV tier
   burst_old  one-turn sessions all at once (320, 1,000, 2,000), through the worker and raw
              AsyncLLM, at the limits the worker had before (128 seqs, 2048 tokens; bench/burst.py)
-  burst_new  the same at the limits the worker chooses now
+  burst_new  the same at the limits the worker chooses now, at 1 to 2,000 sessions
+  burst_off  burst_new's limits with admission off (every request to vLLM at once): the worker only
 """
 
 from __future__ import annotations
@@ -334,11 +335,12 @@ PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
     "returning_offload": functools.partial(_returning, offload=True),
     "burst_old": functools.partial(_burst, name="old"),
     "burst_new": functools.partial(_burst, name="new"),
+    "burst_off": functools.partial(_burst, name="off"),
 }
 # The phases whose results capacity.md reports (and that need no report of their own).
 CAPACITY_PHASES = ("capacity", "capacity_offload", "fp8", "returning", "returning_offload")
 # The phases whose results burst.md and burst.png report.
-BURST_PHASES = ("burst_old", "burst_new")
+BURST_PHASES = ("burst_old", "burst_new", "burst_off")
 
 
 def stamped(result: dict[str, Any]) -> dict[str, Any]:

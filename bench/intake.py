@@ -3,6 +3,12 @@ until it is queued as a turn or answered) and a flood through a real broker.
 
     python -m bench.intake [--requests 650] [--sessions 650] [--store memory|sqlite|both]
         [--repeat 5] [--flood 2000] [--flood-sessions 200] [--out FILE]
+    python -m bench.intake --to-engine MODEL_DIR --requests 1000 [--store ...] [--repeat 5]
+
+- **to the engine** (``--to-engine``): ``--requests`` one-turn requests of about 300 tokens,
+  each its own session, all in the inbox at once, through the real Service and the model's
+  tokenizer (chat template, encoding) to an engine that records when each reached it: the
+  time until the last and the median reached it, and the event loop's CPU per request.
 
 - **dispatch**: one user's ``--requests`` requests over ``--sessions`` sessions, all in the
   inbox at once, through the real Service on a MemoryTransport and an engine that answers at
@@ -174,6 +180,90 @@ def flood(per_round: int, sessions: int) -> dict[str, Any]:
     return {"per_round": per_round, "sessions": sessions, "round_s": rounds, "codes": dict(codes)}
 
 
+class HoldingEngine:
+    """Records when each request reached ``generate``; answers them all (a few tokens) once
+    the last has come: the time to the engine, with nothing else on the loop."""
+
+    def __init__(self, requests: int) -> None:
+        from worker.engine.port import EngineInfo
+
+        self.info = EngineInfo("hold", "0", "hold", max_model_len=16384, block_size=16, prefix_caching=True)
+        self.requests, self.called = requests, list[float]()
+        self.release = asyncio.Event()
+
+    async def generate(self, request: Any) -> Any:
+        from worker.engine.port import GenerationUpdate
+
+        self.called.append(time.perf_counter())
+        if len(self.called) >= self.requests:
+            self.release.set()
+        await self.release.wait()
+        yield GenerationUpdate("w " * 4, 4, len(request.prompt_token_ids), 0, True, "length")
+
+    async def abort(self, request_id: str) -> None:
+        pass
+
+    def take_stats(self) -> Any:
+        from worker.engine.port import EngineStats
+
+        return EngineStats()
+
+    def is_alive(self) -> bool:
+        return True
+
+    async def shutdown(self) -> None:
+        pass
+
+
+async def _to_engine_run(model: str, requests: int, store_kind: str, state: Path) -> dict[str, Any]:
+    from worker.engine.tokenizer import ChatTokenizer
+
+    config = WorkerConfig.model_validate(
+        {"engine": {"model": model}, "mqtt": {"worker_id": "bench"}, "limits": {"max_requests_per_user_per_minute": 0}}
+    )
+    store: Any = MemoryStore()
+    if store_kind == "sqlite":
+        from worker.store.sqlite import SqliteStore
+
+        store = SqliteStore(state)
+    transport, engine = MemoryTransport(), HoldingEngine(requests)
+    service = Service(config, engine, ChatTokenizer(model), transport, lambda code: None, store)  # type: ignore[arg-type]
+    text = " ".join(f"word{i % 97}" for i in range(280))  # about 300 tokens with the chat markup
+    for n in range(requests):
+        transport.deliver(f"chat/bench/s{n}/request", {"message": f"{n} {text}", "requestId": f"r{n}"})
+    started, loop_cpu = time.perf_counter(), time.thread_time()
+    consumer = asyncio.ensure_future(service.consume())
+    try:
+        while len(transport.published) < requests:
+            await asyncio.sleep(0.002)
+    finally:
+        consumer.cancel()
+    loop_cpu = time.thread_time() - loop_cpu
+    store.close()
+    reached = sorted(t - started for t in engine.called)
+    return {
+        "last_to_engine_s": round(reached[-1], 3),
+        "median_to_engine_s": round(reached[len(reached) // 2], 3),
+        "loop_cpu_ms_per_request": round(loop_cpu * 1000 / requests, 3),  # the event loop's thread, to the answers
+    }
+
+
+def to_engine(model: str, requests: int, store_kind: str, repeat: int) -> dict[str, Any]:
+    """``requests`` one-turn requests of about 300 tokens, all in the inbox at once, through the
+    real Service and the model's real tokenizer (chat template, encoding) to an engine that
+    records when each reached it (HoldingEngine): the worker's own cost per request at intake."""
+    runs = []
+    for _ in range(repeat):
+        with tempfile.TemporaryDirectory() as state:
+            runs.append(asyncio.run(_to_engine_run(model, requests, store_kind, Path(state))))
+    return {
+        "store": store_kind,
+        "requests": requests,
+        **{key: statistics.median(r[key] for r in runs) for key in runs[0]},
+        "runs": runs,
+    }
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=650)
@@ -183,6 +273,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--flood", type=int, default=2000, help="requests per flood round; 0: no flood")
     parser.add_argument("--flood-sessions", type=int, default=200)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON here")
+    parser.add_argument(
+        "--to-engine", metavar="MODEL", default=None, help="only the time to the engine, with this model's tokenizer"
+    )
     args = parser.parse_args(argv)
     import sys
 
@@ -190,6 +283,14 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.remove()  # the worker's DEBUG lines would cost more than what is measured
     logger.add(sys.stderr, level="WARNING")
+    if args.to_engine:
+        kinds = ["memory", "sqlite"] if args.store == "both" else [args.store]
+        report = {kind: to_engine(args.to_engine, args.requests, kind, args.repeat) for kind in kinds}
+        for kind, result in report.items():
+            print(f"to the engine, {kind}: {json.dumps({k: v for k, v in result.items() if k != 'runs'})}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(report, indent=1) + "\n")
+        return 0
     results: dict[str, Any] = {"dispatch": []}
     for kind in ["memory", "sqlite"] if args.store == "both" else [args.store]:
         result = dispatch(kind, args.requests, args.sessions, args.repeat)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +14,9 @@ from worker.config.models import EngineConfig, flag_for
 BURST_LIMITS: dict[str, dict[str, Any]] = {
     "old": {"max_num_seqs": 128, "max_num_batched_tokens": 2048},
     "new": {},
+    # The new limits with every request handed to the engine at once (the worker's intake before
+    # its admission policy): the worker's side only, raw AsyncLLM is burst_new's.
+    "off": {"admission": "off"},
 }
 
 
@@ -70,6 +73,12 @@ class Profile:
     burst_max_tokens: int = 128
     burst_limits: dict[str, dict[str, Any]] = field(default_factory=lambda: dict(BURST_LIMITS))
     burst_engine: dict[str, Any] = field(default_factory=dict)
+    # Sizes for one limits setting instead of burst_sessions (the sweep for the plot).
+    burst_sessions_by_limits: dict[str, tuple[int, ...]] = field(
+        default_factory=lambda: {"new": (1, 10, 100, 320, 1000, 2000)}
+    )
+    burst_worker_only: tuple[str, ...] = ("off",)  # limits settings run through the worker alone
+    burst_first: int = 320  # the first burst after the start (its tok/s against the later one's)
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -156,6 +165,8 @@ PROFILES: dict[str, Profile] = {
         returning_user_tokens=(10, 20),
         returning_max_tokens=8,
         burst_sessions=(2, 4),
+        burst_sessions_by_limits={"new": (1, 2, 4)},
+        burst_first=4,
         burst_prompt_tokens=60,
         burst_max_tokens=8,
     ),
@@ -272,3 +283,9 @@ for _name, _gib, _kv in (
     PROFILES[_name] = Profile(
         PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_kv}, capacity_offload_gib=_gib
     )
+
+# The burst phases on the QwQ-32B geometry (an H200: its KV cache holds 300 sessions of 428
+# tokens beside 65 GB of weights, an H100's does not): 100 and 300 sessions, worker and raw.
+PROFILES["gpu-burst-qwq"] = replace(
+    PROFILES["gpu"], burst_sessions_by_limits={"new": (100, 300)}, burst_first=100, burst_sessions=(100, 300)
+)

@@ -22,6 +22,8 @@ Modules:
 - ``acl``: mosquitto with users and the topic ACL of docs/security.md
 - ``chat_terminal``: the chat client (``python -m worker.chat``) in a pseudo-terminal
 - ``layout``: docs/architecture.md's layout table from the docstrings (``python -m devtools.layout --write``)
+- ``waiting``: ``eventually`` (a test waits for an event, never for a while) and ``PATIENCE``,
+  how long a wait for one may take on a busy machine
 - ``warmup_check``: a worker's warm-up logs no ERROR line and does every step
   (``python -m devtools.warmup_check MODEL``)
 """

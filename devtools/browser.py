@@ -14,6 +14,8 @@ from urllib.parse import urlencode
 
 from worker.web import page_url, start
 
+from .waiting import PATIENCE
+
 CHROMIUM = "/usr/bin/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
 
@@ -68,7 +70,7 @@ def chromium(profile: Path, timezone: str | None = None) -> Iterator[Any]:
         driver.quit()
 
 
-def wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float = 120) -> Any:
+def wait(driver: Any, condition: Callable[[Any], Any], what: str, timeout: float = PATIENCE) -> Any:
     from selenium.webdriver.support.ui import WebDriverWait
 
     return WebDriverWait(driver, timeout, poll_frequency=0.05).until(condition, f"waiting for {what}")

@@ -36,6 +36,8 @@ from worker.store.port import HistoryStore
 from worker.tools.port import CallContext, Toolbox, ToolOutcome, WorkerTool
 from worker.transport.port import InboundMessage
 
+from .waiting import PATIENCE
+
 
 class WordRenderer:
     """One token per word; enough for the service's bookkeeping."""
@@ -320,7 +322,7 @@ class Harness:
             toolbox=toolbox,
         )
 
-    async def run_until(self, condition: Any, timeout: float = 10) -> None:
+    async def run_until(self, condition: Any, timeout: float = PATIENCE) -> None:
         consumer = asyncio.ensure_future(self.service.consume())
         deadline = time.monotonic() + timeout
         try:

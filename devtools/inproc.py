@@ -10,7 +10,6 @@ import asyncio
 import contextlib
 import itertools
 import threading
-import time
 from collections.abc import Callable, Coroutine
 from typing import Any, TypeVar
 
@@ -23,6 +22,7 @@ from worker.transport.port import InboundMessage
 from worker.wiring import wire
 
 from .fakes import FakeEngine, WordRenderer
+from .waiting import PATIENCE, eventually
 
 T = TypeVar("T")
 _ids = itertools.count()
@@ -36,6 +36,7 @@ class RecordingTransport(MqttTransport):
         self.connects = 0
         self.acked: list[InboundMessage] = []
         self.subscribed = threading.Event()
+        self.subacks = 0  # one a connect: the broker has the subscriptions again
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self.connects += 1
@@ -43,6 +44,7 @@ class RecordingTransport(MqttTransport):
 
     def _on_subscribe(self, client: Any, userdata: Any, mid: int, reasons: Any, properties: Any) -> None:
         super()._on_subscribe(client, userdata, mid, reasons, properties)
+        self.subacks += 1
         self.subscribed.set()
 
     def ack(self, message: InboundMessage) -> None:
@@ -106,11 +108,11 @@ class LiveWorker:
         assert isinstance(parts.transport, RecordingTransport)
         self.transport, self.intake, self.service = parts.transport, parts.intake, parts.service
         await parts.start(self._resources)
-        await asyncio.wait_for(self.transport.wait_connected(), 10)
-        await asyncio.to_thread(self.transport.subscribed.wait, 10)
+        await asyncio.wait_for(self.transport.wait_connected(), PATIENCE)
+        await asyncio.to_thread(self.transport.subscribed.wait, PATIENCE)
         self._consumer = asyncio.ensure_future(self.service.consume())
 
-    def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = 30) -> T:
+    def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = PATIENCE) -> T:
         """Run work (a coroutine, or a function) on the worker's loop; its result."""
         if not asyncio.iscoroutine(work):
             function = work
@@ -128,19 +130,19 @@ class LiveWorker:
         """Nothing in flight: no task, no session runtime, nothing waiting in the inbox."""
         return self.call(lambda: not self.service._tasks and not self.service._runtime and self.transport.inbox.empty())
 
-    def wait_idle(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while not self.idle():
-            assert time.monotonic() < deadline, "the worker did not become idle"
-            time.sleep(0.05)
+    def wait_idle(self, timeout: float = PATIENCE) -> None:
+        eventually(self.idle, "the worker did not become idle", timeout)
 
-    def wait_acked(self, count: int, timeout: float = 15) -> list[InboundMessage]:
+    def wait_acked(self, count: int, timeout: float = PATIENCE) -> list[InboundMessage]:
         """The acknowledged messages once there are count of them (a request is acknowledged
         after its answer's PUBACK, so slightly after the client has the answer)."""
-        deadline = time.monotonic() + timeout
-        while len(acked := self.call(lambda: list(self.transport.acked))) < count:
-            assert time.monotonic() < deadline, f"{len(acked)} of {count} acknowledged"
-            time.sleep(0.02)
+        acked: list[InboundMessage] = []
+
+        def enough() -> bool:
+            acked[:] = self.call(lambda: list(self.transport.acked))
+            return len(acked) >= count
+
+        eventually(enough, lambda: f"{len(acked)} of {count} acknowledged", timeout, interval=0.02)
         return acked
 
     def close(self) -> None:

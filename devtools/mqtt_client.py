@@ -152,6 +152,17 @@ class Client:
     def wait_topic(self, topic: str, timeout: float = 120) -> Received:
         return self.wait_for(lambda m: m.topic == topic, timeout)
 
+    def received(self, predicate: Callable[[Received], bool]) -> list[Received]:
+        """What has arrived so far that satisfies predicate, without waiting: for "nothing
+        else came" once a later message (a marker, a status) has been waited for. The broker
+        forwards one publisher's messages in the order it got them, so whatever the worker
+        published before that message is here."""
+        while True:
+            try:
+                self.seen.append(self.messages.get_nowait())
+            except queue.Empty:
+                return [m for m in self.seen if predicate(m)]
+
     def close(self) -> None:
         self._client.disconnect()
         self._client.loop_stop()

@@ -62,6 +62,17 @@ class RedisServer:
         finally:
             client.close()
 
+    def pending(self, streams: str, group: str = "workers") -> int:
+        """The entries of the streams whose keys match ``streams`` (a glob) that a consumer of
+        ``group`` has read and not acknowledged yet: a request a worker has taken."""
+        import redis
+
+        client = redis.Redis(port=self.port)
+        try:
+            return sum(int(client.xpending(key, group)["pending"]) for key in client.scan_iter(match=streams))
+        finally:
+            client.close()
+
     def stop(self) -> None:
         if self.proc and self.proc.poll() is None:
             self.proc.terminate()

@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from . import REPO
+from .waiting import PATIENCE, eventually
 
 SYSTEMD = REPO / "systemd"
 UNIT = SYSTEMD / "mqtt-vllm-worker.service"
@@ -69,14 +70,16 @@ class NotifyListener:
         """When each message carrying ``line`` (or, for a key ending in "=", any value) arrived."""
         return [t for t, message in list(self.received) if any(m == line or m.startswith(line) for m in message)]
 
-    def wait_for(self, line: str, timeout: float) -> float:
-        """The time the first message carrying ``line`` arrived (waiting up to ``timeout``)."""
-        deadline = time.monotonic() + timeout
-        while not self.times(line):
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"no {line!r} within {timeout}s; received {self.lines()[-20:]}")
-            time.sleep(0.02)
-        return self.times(line)[0]
+    def wait_for(self, line: str, timeout: float = PATIENCE, *, count: int = 1, after: float = 0.0) -> float:
+        """The time the ``count``-th message carrying ``line`` arrived after ``after`` (a
+        ``time.monotonic()``), waiting up to ``timeout``."""
+        times = eventually(
+            lambda: [t for t in self.times(line) if t > after][count - 1 :],
+            lambda: f"{count} x {line!r}; received {self.lines()[-20:]}",
+            timeout,
+            interval=0.02,
+        )
+        return times[0]
 
     def close(self) -> None:
         self._closed = True

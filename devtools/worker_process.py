@@ -6,16 +6,19 @@ from __future__ import annotations
 
 import contextlib
 import os
+import re
 import signal
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from . import REPO
 from .mqtt_client import Client
+from .waiting import PATIENCE, eventually
 
 if TYPE_CHECKING:
     import psutil
@@ -119,6 +122,17 @@ class WorkerProcess:
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
 
+    def wait_log(self, pattern: str, timeout: float = PATIENCE) -> re.Match[str]:
+        """Until a line of this start's log matches ``pattern`` (a regular expression; the
+        event), while the worker lives: AssertionError with the log's end if it exits first or
+        ``timeout`` passes (waits that would never end; generous for a busy machine)."""
+        return eventually(
+            lambda: re.search(pattern, self.tail(10**8), re.M),
+            lambda: f"no {pattern!r} in the log: {self.tail(3000)}",
+            timeout,
+            alive=self.alive,
+        )
+
     def tail(self, chars: int) -> str:
         """The end of what this start logged."""
         with open(self.log_path, "rb") as fh:
@@ -178,6 +192,15 @@ class WorkerProcess:
         code = self.proc.wait(10)
         self._log.close()
         return code
+
+
+def pending_requests(metrics_port: int) -> float:
+    """A worker's ``mqtt_vllm_worker_pending_requests`` (its Prometheus endpoint on this port):
+    the requests it has taken and not answered yet."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=PATIENCE) as response:
+        text = response.read().decode()
+    (line,) = [line for line in text.splitlines() if line.startswith("mqtt_vllm_worker_pending_requests ")]
+    return float(line.split()[1])
 
 
 @contextlib.contextmanager

@@ -1,26 +1,82 @@
-"""Makes docs/chat-page.png: the chat page in headless Chromium (Selenium), a short conversation
-with a running worker through a broker's WebSockets listener.
+"""Makes the chat page's pictures for the docs: the page in headless Chromium (Selenium), a short
+conversation with a running worker through a broker's WebSockets listener, saved as a PNG.
 
     python scripts/chat_page_screenshot.py --broker-url ws://127.0.0.1:9001 docs/chat-page.png
+    scripts/tools-demo.sh --screenshot docs/chat-page-tools.png   # a round of the worker's tools
 
 Needs Debian's chromium and chromium-driver and the test extra's selenium (scripts/setup.sh).
-The docs' picture: SmolLM2-135M-Instruct on the CPU (``--dtype float32 --block-size 32``),
-at temperature 0 (this small model's answers are much better greedy).
+The docs' pictures: SmolLM2-135M-Instruct on the CPU (``--dtype float32 --block-size 32``),
+at temperature 0 (this small model's answers are much better greedy). ``--worker-tools`` ticks
+"Use the worker's tools" and ``--tool-choice NAME`` forces that tool, one for each ``--message``
+(the demo model calls one only when forced); tools-demo.sh passes them with a worker that has
+tools.
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 import tempfile
 import uuid
+from functools import partial
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
 
-from selenium import webdriver
-from selenium.webdriver.chrome.service import Service
-from selenium.webdriver.support.ui import WebDriverWait
-
-from worker.web import page_url, start
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from devtools.browser import chromium, served_page, wait
+from worker.web import page_url
 
 QUESTIONS = ["What is the capital of France?", "What is it famous for?", "Write a haiku about it."]
+PATIENCE = 300.0  # a reply of the CPU demo model on a busy 2-core machine: seconds to a minute
+
+
+def set_field(driver: Any, field_id: str, value: object) -> None:
+    field = driver.find_element("id", field_id)
+    field.clear()
+    field.send_keys(str(value))
+
+
+def set_options(driver: Any, args: argparse.Namespace) -> None:
+    """The page's Options, then folded again (the picture shows the conversation)."""
+    driver.find_element("css selector", "#options summary").click()
+    set_field(driver, "max-tokens", args.max_tokens)
+    set_field(driver, "temperature", args.temperature)
+    if args.system_prompt:
+        set_field(driver, "system-prompt", args.system_prompt)
+    if args.worker_tools:
+        driver.find_element("id", "use-worker-tools").click()
+    driver.find_element("css selector", "#options summary").click()
+
+
+def force_tool(driver: Any, name: str) -> None:
+    """Options' Tool choice: force the tool named ``name`` (the page sends it with each message)."""
+    from selenium.webdriver.support.select import Select
+
+    driver.find_element("css selector", "#options summary").click()
+    Select(driver.find_element("id", "tool-choice")).select_by_value("named")
+    set_field(driver, "forced-tool-name", name)
+    driver.find_element("css selector", "#options summary").click()
+
+
+def settled_turns(driver: Any) -> int:
+    """How many turns the page shows with their reply ended (not pending)."""
+    return len(driver.find_elements("css selector", "article.turn:not([data-status='pending'])"))
+
+
+def has_settled(driver: Any, count: int) -> bool:
+    return settled_turns(driver) == count
+
+
+def save_small(driver: Any, output: str) -> None:
+    """The screenshot as an optimised palette PNG: a text page keeps its look in 256 colours,
+    at about a third of the bytes of Chromium's RGB PNG."""
+    from io import BytesIO
+
+    from PIL import Image
+
+    image = Image.open(BytesIO(driver.get_screenshot_as_png())).convert("RGB")
+    image.quantize(colors=256, method=Image.Quantize.MEDIANCUT).save(output, optimize=True)
 
 
 def main() -> None:
@@ -30,39 +86,34 @@ def main() -> None:
     parser.add_argument("--user", default="alice")
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--temperature", type=float, default=0.0)
+    parser.add_argument("--system-prompt", default="")
+    parser.add_argument("--worker-tools", action="store_true", help='tick "Use the worker\'s tools"')
+    parser.add_argument(
+        "--tool-choice",
+        metavar="NAME",
+        action="append",
+        help="force this tool's call in the first round of a message (repeatable: one for each --message)",
+    )
+    parser.add_argument("--message", action="append", help="a message to send (repeatable; default: three questions)")
+    parser.add_argument("--window-size", default="900,900", help="WIDTH,HEIGHT of the browser window")
     args = parser.parse_args()
+    width, height = (int(n) for n in args.window_size.split(","))
 
-    server, _ = start("127.0.0.1", 0)
-    port = int(server.server_address[1])
-    options = webdriver.ChromeOptions()
-    options.binary_location = "/usr/bin/chromium"
-    for flag in ("--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking", "--no-first-run"):
-        options.add_argument(flag)
-    options.add_argument("--window-size=900,900")
-    options.add_argument(f"--user-data-dir={tempfile.mkdtemp(prefix='chromium-')}")
-    driver = webdriver.Chrome(options=options, service=Service(executable_path="/usr/bin/chromedriver"))
-    try:
-        session = "demo-" + uuid.uuid4().hex[:8]
-        driver.get(f"{page_url('127.0.0.1', port, args.broker_url)}&user={args.user}&session={session}")
+    with served_page() as page, chromium(Path(tempfile.mkdtemp(prefix="chromium-"))) as driver:
+        driver.set_window_size(width, height)
+        host, port = page.removeprefix("http://").rsplit(":", 1)
+        query = urlencode({"user": args.user, "session": "demo-" + uuid.uuid4().hex[:8]})
+        driver.get(f"{page_url(host, int(port), args.broker_url)}&{query}")
         driver.find_element("id", "connect").click()
-        wait = WebDriverWait(driver, 300, poll_frequency=0.1)
-        wait.until(lambda d: d.find_element("id", "send").is_enabled())
-        wait.until(lambda d: "online" in d.find_element("id", "worker-status").text)
-        driver.find_element("css selector", "#options summary").click()
-        for field_id, value in (("max-tokens", args.max_tokens), ("temperature", args.temperature)):
-            field = driver.find_element("id", field_id)
-            field.clear()
-            field.send_keys(str(value))
-        driver.find_element("css selector", "#options summary").click()
-        for i, question in enumerate(QUESTIONS, 1):
+        wait(driver, lambda d: d.find_element("id", "send").is_enabled(), "subscribed", PATIENCE)
+        wait(driver, lambda d: "online" in d.find_element("id", "worker-status").text, "the worker", PATIENCE)
+        set_options(driver, args)
+        for i, question in enumerate(args.message or QUESTIONS, 1):
+            if args.tool_choice:  # the i-th message's, the last one's for those after it
+                force_tool(driver, args.tool_choice[min(i, len(args.tool_choice)) - 1])
             driver.find_element("id", "message").send_keys(question + "\n")
-            wait.until(
-                lambda d, n=i: len(d.find_elements("css selector", "article.turn:not([data-status='pending'])")) == n
-            )
-        driver.save_screenshot(args.output)
-    finally:
-        driver.quit()
-        server.shutdown()
+            wait(driver, partial(has_settled, count=i), f"reply {i}", PATIENCE)
+        save_small(driver, args.output)
 
 
 if __name__ == "__main__":

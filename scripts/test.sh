@@ -1,15 +1,26 @@
 #!/usr/bin/env bash
 # Sets up (scripts/setup.sh) and runs every check CI runs: ruff, mypy, a benchmark smoke run,
 # the tests. Extra arguments go to pytest (and skip the smoke run): `bash scripts/test.sh -k config`.
+# It says how long each step took and, at the end, the whole run (also when a step fails).
+# Measured on 2 cores: the setup ~6 minutes on a fresh machine (seconds later); ruff and mypy
+# ~1; the smoke runs 7.3 idle (7 engine starts of ~50 s: 186 + 247 + 4 s), 14.6 beside other
+# jobs; pytest 31.7 idle. The whole run 39.6 minutes on idle cores with the setup done, 45.5
+# on CI's fresh 2-core machine, setup included.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+minutes() { awk -v s="$1" 'BEGIN { printf "%d s (%.1f min)", s, s / 60 }'; }
+trap 'status=$?; echo "==> scripts/test.sh: $([ $status -eq 0 ] && echo passed || echo "failed (exit code $status)") after $(minutes $((SECONDS - started)))"' EXIT
 bash scripts/setup.sh
+echo "    setup: $(minutes $((SECONDS - started)))"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 echo "==> ruff"
+step=$SECONDS
 .venv/bin/ruff check worker devtools tests scripts bench
 .venv/bin/ruff format --check worker devtools tests scripts bench
 echo "==> mypy"
 .venv/bin/mypy
+echo "    ruff and mypy: $(minutes $((SECONDS - step)))"
 # A long step: its output into a file, its phase lines ("worker: 95 s": each phase's
 # duration) shown as they come, and how long it took; on failure the end of its output.
 run_step() {  # run_step NAME LOGFILE COMMAND...
@@ -21,16 +32,15 @@ run_step() {  # run_step NAME LOGFILE COMMAND...
   set -o pipefail
   if [ "$status" -ne 0 ]; then
     tail -50 "$log"
-    echo "$name: failed after $((SECONDS - start)) s (exit code $status; whole output: $log)"
+    echo "$name: failed after $(minutes $((SECONDS - start))) (exit code $status; whole output: $log)"
     exit 1
   fi
-  echo "    $name: $((SECONDS - start)) s"
+  echo "    $name: $(minutes $((SECONDS - start)))"
 }
 if [ $# -eq 0 ]; then
-  # The three smoke runs take about 5.5 minutes on 2 idle cores, 15 on 2 cores shared with
-  # other jobs (14.6 measured, issue 33); each prints its phases as they end. The whole script
-  # (what CI runs) takes 27-29 minutes on 2 idle cores, 4 more the first time (setup.sh's
-  # packages and .venv), and about twice as long beside other jobs (54 minutes measured).
+  # The three smoke runs: 7.3 minutes on 2 idle cores, almost all of it engine starts (each
+  # phase but the scale run starts one), 14.6 beside other jobs; each prints its phases as
+  # they end.
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
   run_step "benchmark smoke run" "$smoke/bench.out" \
@@ -57,5 +67,7 @@ assert s['replies'] == s['sent'] == 100 and s['error_replies'] == 0, s" "$smoke/
   echo "scale load test smoke run: ok ($smoke/scale/scale.md)"
 fi
 echo "==> pytest"
+step=$SECONDS
 # --durations: the slowest tests and fixtures (an engine start is ~50 s of a fixture's setup).
 .venv/bin/python -m pytest -ra --durations=15 "$@"
+echo "    pytest: $(minutes $((SECONDS - step)))"

@@ -10,17 +10,22 @@
 #   scripts/tools-demo.sh          the conversation in this terminal, then everything stops
 #   scripts/tools-demo.sh --web    the chat page instead (worker/web): open the address it
 #                                  prints, tick "Use the worker's tools"; Ctrl-C stops it all
+#   scripts/tools-demo.sh --screenshot FILE.png
+#                                  the chat page in headless Chromium, one message with a
+#                                  forced sensor_read, saved as a picture (the README's), then
+#                                  everything stops (scripts/chat_page_screenshot.py)
 #
 # This 135M model calls a tool only when forced (it never called one on its own in the
 # measurements, docs/benchmarks/demo-model.md): the conversation forces each call with
 # --tool-choice (a forced choice applies to the first round of a message only).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WEB=""
+WEB="" SCREENSHOT=""
 case "${1:-}" in
   --web) WEB=1 ;;
+  --screenshot) [ -n "${2:-}" ] || { echo "usage: $0 --screenshot FILE.png" >&2; exit 2; }; WEB=1; SCREENSHOT=$(realpath -m "$2") ;;
   "") ;;
-  *) echo "usage: $0 [--web]" >&2; exit 2 ;;
+  *) echo "usage: $0 [--web | --screenshot FILE.png]" >&2; exit 2 ;;
 esac
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -122,6 +127,16 @@ WORKER=$!
 echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log: $RUN/worker.log)"
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
 
+SYSTEM="You look after a living room through tools. After a tool's result, tell the user in one short sentence what it means."
+if [ -n "$SCREENSHOT" ]; then
+  echo "==> the chat page in headless Chromium: one message, sensor_read forced (the demo model calls a tool only then)"
+  .venv/bin/python scripts/chat_page_screenshot.py --broker-url "ws://127.0.0.1:$WS_PORT" --user demo \
+    --window-size 1000,700 --worker-tools --system-prompt "$SYSTEM" \
+    --message "Is anyone in the room?" --tool-choice sensor_read "$SCREENSHOT"
+  echo "==> saved $SCREENSHOT ($(stat -c %s "$SCREENSHOT") bytes)"
+  exit 0
+fi
+
 if [ -n "$WEB" ]; then
   PAGE_PORT=$(free_port)
   setsid .venv/bin/python -m worker.web --port "$PAGE_PORT" >"$RUN/web.log" 2>&1 &
@@ -140,7 +155,6 @@ if [ -n "$WEB" ]; then
 fi
 
 SESSION="tools-$$"
-SYSTEM="You look after a living room through tools. After a tool's result, tell the user in one short sentence what it means."
 ask() {  # ask MESSAGE [chat flags...]: one message of the conversation, its replies and tool calls
   local message=$1
   shift

@@ -9,7 +9,6 @@ from __future__ import annotations
 import asyncio
 import json
 import queue
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -23,6 +22,7 @@ from devtools.devices import SimulatedDevices
 from devtools.fakes import mentions
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Received, probe_settings
+from devtools.waiting import PATIENCE
 from worker.config.models import MqttToolConfig
 from worker.tools.mqtt import DeviceTools, response_topic_for
 from worker.tools.port import CallContext
@@ -51,7 +51,7 @@ class UserClient:
         self._client.on_publish = lambda c, u, mid, reason, p: self.puback.put(reason)
         self._client.connect("127.0.0.1", port, keepalive=30)
         self._client.loop_start()
-        self.connect_reason = self._connected.get(timeout=10)
+        self.connect_reason = self._connected.get(timeout=PATIENCE)
 
     @property
     def connected(self) -> bool:
@@ -59,17 +59,22 @@ class UserClient:
 
     def subscribe(self, topic: str) -> Any:
         self._client.subscribe(topic, qos=1)
-        return self.suback.get(timeout=5)[0]
+        return self.suback.get(timeout=PATIENCE)[0]
 
     def publish(self, topic: str, payload: dict[str, Any]) -> Any:
         self._client.publish(topic, json.dumps(payload).encode(), qos=1)
-        return self.puback.get(timeout=5)
+        return self.puback.get(timeout=PATIENCE)
 
-    def next(self, timeout: float) -> Received | None:
+    def next(self, timeout: float = PATIENCE) -> Received | None:
+        """The next message, or None once ``timeout`` has passed (0: what has arrived)."""
         try:
-            return self.messages.get(timeout=timeout)
+            return self.messages.get(timeout=timeout) if timeout else self.messages.get_nowait()
         except queue.Empty:
             return None
+
+    def arrived(self) -> list[Received]:
+        """Whatever has arrived and not been taken yet, without waiting."""
+        return list(iter(lambda: self.next(0), None))
 
     def close(self) -> None:
         self._client.disconnect()
@@ -102,36 +107,50 @@ def test_each_user_reaches_only_its_own_namespace(acl_broker: Mosquitto) -> None
         assert (
             alice.publish("chat/alice/s1/request", {"message": "hello", "requestId": "a1", "maxTokens": 3}).value < 0x80
         )
-        reply = alice.next(15)
+        reply = alice.next()
         assert reply is not None and reply.topic == "chat/alice/s1/reply"
         assert reply.json()["requestId"] == "a1" and "error" not in reply.json()
 
         # bob's own request is answered to bob, not to alice
         assert bob.publish("chat/bob/s1/request", {"message": "hi", "requestId": "b1", "maxTokens": 3}).value < 0x80
-        mine = bob.next(15)
+        mine = bob.next()
         while mine is not None and mine.topic == PRESENCE:  # chat/# covers it, and the ACL grants it
-            mine = bob.next(15)
+            mine = bob.next()
         assert mine is not None and mine.topic == "chat/bob/s1/reply"
 
         live.wait_idle()
-        time.sleep(0.5)  # anything misrouted would have arrived by now
-        bob_rest = [m for m in iter(lambda: bob.next(0.1), None) if m.topic != PRESENCE]
-        assert list(iter(lambda: alice.next(0.1), None)) == []
-        # bob's overlapping subscriptions bring copies of his own reply and stream; nothing else
-        assert all(m.topic.startswith("chat/bob/s1/") for m in bob_rest), [m.topic for m in bob_rest]
         assert not any(mentions(started, "evil") or mentions(started, "injected") for started in live.engine.started)
         assert len(live.engine.started) == 2
         # alice's history holds her turn only: bob's reset never reached it
         assert live.call(lambda: len(live.service.sessions.get("alice/s1").turns)) == 1
+        # Markers: one more turn each. Anything misrouted, published by the worker before
+        # their answers, has arrived before them.
+        alice.publish("chat/alice/s1/request", {"message": "again", "requestId": "a2", "maxTokens": 3})
+        bob.publish("chat/bob/s1/request", {"message": "again", "requestId": "b2", "maxTokens": 3})
+        alice_rest, bob_rest = until_reply(alice, "a2"), until_reply(bob, "b2")
+        assert alice_rest == [], [m.topic for m in alice_rest]
+        # bob's overlapping subscriptions bring copies of his own reply and stream; nothing else
+        bob_rest = [m for m in bob_rest if m.topic != PRESENCE]
+        assert all(m.topic.startswith("chat/bob/s1/") for m in bob_rest), [m.topic for m in bob_rest]
 
         # Every user sees the workers' presence (retained), as chat frontends show it.
         assert alice.subscribe("chat/_worker/+/status").value < 0x80
-        status = alice.next(5)
+        status = alice.next()
         assert status is not None and (status.topic, status.payload) == (PRESENCE, b"online")
     finally:
         alice.close()
         bob.close()
         live.close()
+
+
+def until_reply(user: UserClient, request_id: str) -> list[Received]:
+    """What the user received before the reply to ``request_id``, which must come."""
+    before: list[Received] = []
+    while (message := user.next()) is not None:
+        if message.topic.endswith("/reply") and message.json().get("requestId") == request_id:
+            return before
+        before.append(message)
+    raise AssertionError(f"no reply to {request_id}; before it: {[m.topic for m in before]}")
 
 
 def test_anonymous_and_wrong_passwords_are_refused(acl_broker: Mosquitto) -> None:
@@ -163,9 +182,9 @@ def test_the_device_tools_recipe_lets_only_the_worker_call_devices_and_read_thei
         )
         transport = MqttTransport(settings, asyncio.get_running_loop())
         transport.start()
-        await asyncio.wait_for(transport.wait_connected(), 10)
+        await asyncio.wait_for(transport.wait_connected(), PATIENCE)
         tools = DeviceTools(
-            [MqttToolConfig(name="lamp_set", topic="devices/lamp/set", users=["*"], timeout=10)],
+            [MqttToolConfig(name="lamp_set", topic="devices/lamp/set", users=["*"], timeout=PATIENCE)],
             transport,
             response_topic_for("chat", "gpu-1"),
         )
@@ -183,10 +202,11 @@ def test_the_device_tools_recipe_lets_only_the_worker_call_devices_and_read_thei
 
             assert alice.subscribe("chat/alice/+/reply").value < 0x80
             await transport.publish("chat/alice/s1/reply", b'{"requestId":"r1"}')
-            reply = alice.next(5)
-            assert reply is not None and reply.topic == "chat/alice/s1/reply"
-            await asyncio.sleep(0.5)  # anything misrouted would have arrived by now
-            seen_by_alice.extend(iter(lambda: alice.next(0.1), None))
+            # The worker published the call before this, and the broker had the lamp's answer
+            # before the worker: anything of theirs misrouted to alice came before it.
+            reply = alice.next()
+            assert reply is not None and reply.topic == "chat/alice/s1/reply", reply
+            seen_by_alice.extend(alice.arrived())
         finally:
             await tools.close()
             await transport.close(1)

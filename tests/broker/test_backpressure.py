@@ -7,7 +7,6 @@ from __future__ import annotations
 import collections
 import json
 import threading
-import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -22,6 +21,7 @@ from devtools.fakes import mentions
 from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.waiting import PATIENCE, eventually
 from worker.config.models import LimitsConfig
 
 
@@ -32,7 +32,9 @@ def frontend(broker: Mosquitto) -> Iterator[Client]:
     client.close()
 
 
-def answers(client: Client, live: LiveWorker, session: str, count: int, timeout: float = 30) -> list[dict[str, Any]]:
+def answers(
+    client: Client, live: LiveWorker, session: str, count: int, timeout: float = PATIENCE
+) -> list[dict[str, Any]]:
     topic = live.topic("bob", session, "reply")
     return [client.wait_topic(topic, timeout).json() for _ in range(count)]
 
@@ -114,14 +116,16 @@ class FloodClient:
         self.codes: collections.Counter[str | None] = collections.Counter()
         self.count = 0
         self._lock = threading.Lock()
+        subscribed = threading.Event()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         self.client.max_inflight_messages_set(1000)
         self.client.max_queued_messages_set(0)
         self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *args: subscribed.set()
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         self.client.subscribe(subscription, qos=1)
-        time.sleep(0.3)
+        assert subscribed.wait(PATIENCE), "the broker did not acknowledge the subscription"
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         answer = json.loads(message.payload)
@@ -130,11 +134,8 @@ class FloodClient:
             self.codes[answer.get("error", {}).get("code")] += 1
             self.count += 1
 
-    def wait_for(self, count: int, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while self.count < count:
-            assert time.monotonic() < deadline, f"{self.count} of {count} answered; codes {self.codes}"
-            time.sleep(0.05)
+    def wait_for(self, count: int) -> None:
+        eventually(lambda: self.count >= count, lambda: f"{self.count} of {count} answered; codes {self.codes}")
 
     def close(self) -> None:
         self.client.disconnect()
@@ -158,20 +159,26 @@ def test_a_flood_gets_one_answer_per_request_and_memory_stays_bounded(broker: Mo
                     flood.client.publish(live.topic("bob", f"s{s}"), payload, qos=1)
 
         send(0)  # warm up: sessions, histories and caches reach their steady size
-        flood.wait_for(sessions * per_session, timeout=120)
+        flood.wait_for(sessions * per_session)
         live.wait_idle()
         rss_before = process.memory_info().rss
         send(1)
-        flood.wait_for(2 * sessions * per_session, timeout=120)
+        flood.wait_for(2 * sessions * per_session)
         live.wait_idle()
-        time.sleep(0.5)  # a second answer to anything would arrive by now
         rss_growth = process.memory_info().rss - rss_before
+        # A marker: the worker publishes its answer after everything it answered before, so a
+        # second answer to anything has arrived by the time the marker's has.
+        flood.client.publish(live.topic("bob", "marker"), json.dumps({"message": "x", "requestId": "m"}), qos=1)
+        eventually(lambda: flood.answers[("marker", "m")], "no answer to the marker")
+        with flood._lock:
+            del flood.answers[("marker", "m")]
+            flood.codes[None] -= 1
 
         expected = {(f"s{s}", f"{r}-{t}") for r in range(2) for s in range(sessions) for t in range(per_session)}
         assert set(flood.answers) == expected and set(flood.answers.values()) == {1}, flood.codes
         # Replies, and busy for the turns beyond a session's queue: nothing else, nothing lost.
         assert set(flood.codes) == {None, "busy"} and flood.codes[None] >= sessions * 2, flood.codes
-        assert len(live.call(lambda: list(live.transport.acked))) == len(expected)
+        assert len(live.wait_acked(len(expected) + 1)) == len(expected) + 1  # and the marker
         # Nothing is left in flight, and the second round did not make the process grow.
         assert live.call(lambda: (live.service.pending, len(live.service._runtime))) == (0, 0)
         assert rss_growth < 32 * 2**20, rss_growth

@@ -15,6 +15,7 @@ from devtools.fakes import Harness
 from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.waiting import PATIENCE
 from worker.engine.port import EngineInfo
 from worker.protocol.messages import log_ref
 
@@ -196,7 +197,7 @@ def test_an_exception_in_the_message_callback_does_not_stop_the_network_loop(
     try:
         client.publish(live.topic("eve", "s1"), "boom")
         client.publish(live.topic("eve", "s1"), {"message": "still there?", "requestId": "r1"})
-        assert client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()["requestId"] == "r1"
+        assert client.wait_topic(live.topic("eve", "s1", "reply"), timeout=PATIENCE).json()["requestId"] == "r1"
         assert live.transport.connects == 1
     finally:
         client.close()
@@ -218,9 +219,9 @@ def test_an_exception_while_dispatching_does_not_stop_the_worker(broker: Mosquit
         client.publish(live.topic("eve", "s1"), {"message": "boom", "requestId": "r0"})
         client.publish(live.topic("eve", "s1"), {"message": "still there?", "requestId": "r1"})
         # The failed message is answered (never acknowledged in silence), and the next one runs.
-        failed = client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()
+        failed = client.wait_topic(live.topic("eve", "s1", "reply"), timeout=PATIENCE).json()
         assert (failed["requestId"], failed["error"]["code"]) == ("r0", "internal_error")
-        answer = client.wait_topic(live.topic("eve", "s1", "reply"), timeout=15).json()
+        answer = client.wait_topic(live.topic("eve", "s1", "reply"), timeout=PATIENCE).json()
         assert answer["requestId"] == "r1" and "reply" in answer, answer
         assert len(live.wait_acked(2)) == 2
     finally:
@@ -250,7 +251,7 @@ def test_a_message_whose_properties_cannot_be_read_is_still_answered(
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         props.ResponseTopic = live.topic("eve", "s2", "reply")
         client.publish(live.topic("eve", "s2"), {"message": "hi", "requestId": "p1"}, properties=props)
-        assert client.wait_topic(live.topic("eve", "s2", "reply"), timeout=15).json()["requestId"] == "p1"
+        assert client.wait_topic(live.topic("eve", "s2", "reply"), timeout=PATIENCE).json()["requestId"] == "p1"
         assert len(live.wait_acked(1)) == 1
     finally:
         client.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import re
 import signal
 import socket
 import threading
@@ -24,6 +25,7 @@ from devtools.mqtt_client import probe_settings
 from devtools.net import free_port
 from devtools.pki import Pki, make_pki, tls_listener
 from devtools.systemd import NotifyListener
+from devtools.waiting import PATIENCE
 from devtools.worker_process import WorkerProcess
 from worker.config.models import nvidia_gpu_present
 from worker.transport.mqtt import BrokerUnavailable, MqttSettings, MqttTransport, check_broker
@@ -121,15 +123,6 @@ def start_worker(model: Path, tmp_path: Path, *args: str, env: dict[str, str] | 
     )
 
 
-def wait_in_log(worker: WorkerProcess, text: str, timeout: float = 60) -> str:
-    deadline = time.monotonic() + timeout
-    while text not in (log := worker.log()):
-        assert worker.alive() or text in worker.log(), f"exited without {text!r}:\n{log[-3000:]}"
-        assert time.monotonic() < deadline, f"no {text!r} in the log:\n{log[-3000:]}"
-        time.sleep(0.05)
-    return log
-
-
 def test_a_broker_that_is_down_ends_the_start_before_the_model_load(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     worker = start_worker(model_dir, tmp_path, "--mqtt-port", str(port), "--visible-devices", "2")
@@ -166,9 +159,10 @@ def test_with_wait_for_broker_the_start_goes_on_once_the_broker_is_up(model_dir:
     broker = Mosquitto(tmp_path)  # its port, not listening yet
     worker = start_worker(model_dir, tmp_path, "--mqtt-port", str(broker.port), "--wait-for-broker")
     try:
-        wait_in_log(worker, f"Waiting for the MQTT broker: connection to 127.0.0.1:{broker.port} refused")
+        worker.wait_log(re.escape(f"Waiting for the MQTT broker: connection to 127.0.0.1:{broker.port} refused"))
         broker.start()
-        log = wait_in_log(worker, "Importing vLLM")  # the model load begins once the broker answers
+        worker.wait_log("Importing vLLM")  # the model load begins once the broker answers
+        log = worker.log()
         assert f"MQTT broker at 127.0.0.1:{broker.port} accepted the login" in log
         assert "ERROR" not in log, log
     finally:
@@ -182,10 +176,10 @@ def test_under_systemd_the_worker_waits_and_stops_cleanly_while_waiting(model_di
     port = free_port()
     worker = start_worker(model_dir, tmp_path, "--mqtt-port", str(port), env={"NOTIFY_SOCKET": listener.address})
     try:
-        wait_in_log(worker, "Waiting for the MQTT broker")
-        listener.wait_for(f"STATUS=Waiting for the MQTT broker: connection to 127.0.0.1:{port} refused", 10)
+        worker.wait_log("Waiting for the MQTT broker")
+        listener.wait_for(f"STATUS=Waiting for the MQTT broker: connection to 127.0.0.1:{port} refused")
         worker.proc.send_signal(signal.SIGTERM)
-        assert worker.proc.wait(30) == 0
+        assert worker.proc.wait(PATIENCE) == 0
         assert "Stopped while waiting for the broker (exit code 0)" in worker.log()
     finally:
         worker.stop(5)

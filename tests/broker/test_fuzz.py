@@ -8,7 +8,6 @@ import itertools
 import json
 import math
 import threading
-import time
 from collections import defaultdict
 from collections.abc import Iterator
 from typing import Any
@@ -21,6 +20,7 @@ from paho.mqtt.enums import CallbackAPIVersion
 
 from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
+from devtools.waiting import PATIENCE
 from worker.protocol.messages import ErrorCode
 
 PAYLOAD_LIMIT = 2048
@@ -88,19 +88,21 @@ class Answers:
     def __init__(self, port: int, subscription: str) -> None:
         self.by_topic: defaultdict[str, list[bytes]] = defaultdict(list)
         self._arrived = threading.Condition()
+        subscribed = threading.Event()
         self.client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
         self.client.on_message = self._on_message
+        self.client.on_subscribe = lambda *args: subscribed.set()
         self.client.connect("127.0.0.1", port)
         self.client.loop_start()
         self.client.subscribe(subscription, qos=1)
-        time.sleep(0.3)
+        assert subscribed.wait(PATIENCE), "no SUBACK"
 
     def _on_message(self, client: Any, userdata: Any, message: Any) -> None:
         with self._arrived:
             self.by_topic[message.topic].append(bytes(message.payload))
             self._arrived.notify_all()
 
-    def first(self, topic: str, timeout: float = 3) -> bytes:
+    def first(self, topic: str, timeout: float = PATIENCE) -> bytes:
         with self._arrived:
             assert self._arrived.wait_for(lambda: self.by_topic[topic], timeout), f"no answer on {topic}"
             return self.by_topic[topic][0]
@@ -163,8 +165,10 @@ def test_every_payload_gets_exactly_one_well_formed_answer(live: LiveWorker, bro
         sender.publish(live.topic("zed", "after"), encode({"message": "still there?"}), qos=1)
         check_answer(answers.first(live.topic("zed", "after", "reply")), "after")
         live.wait_idle()
-        time.sleep(0.3)
-        # ... and no request got a second answer.
+        # ... and no request got a second answer: the worker answers a marker after whatever
+        # it published before, so a second answer has arrived by the time the marker's has.
+        sender.publish(live.topic("zed", "marker"), encode({"message": "marker"}), qos=1)
+        check_answer(answers.first(live.topic("zed", "marker", "reply")), "marker")
         extra = {s: n for s in sent if (n := len(answers.by_topic[live.topic("zed", s, "reply")])) != 1}
         assert extra == {}
         assert live.stop_codes == [] and live.transport.connects == 1

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import collections
 import itertools
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.redis_server import RedisServer
+from devtools.waiting import PATIENCE, eventually
 from worker.intake.streams import RedisStreams
 from worker.session import SessionHistory, Turn
 from worker.store.redis import RedisStore
@@ -132,7 +132,7 @@ def test_requests_wait_in_the_broker_while_redis_is_away(
             frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=2)
         assert worker.call(lambda: len(worker.transport.acked)) == 1  # "during" is not acknowledged
         redis.start()  # same port, same files
-        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30).json()
+        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=PATIENCE).json()
         assert reply["requestId"] == "during" and "error" not in reply, reply
         with pytest.raises(TimeoutError):
             frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
@@ -155,8 +155,7 @@ def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
     try:
         instance = slow.intake.streams.instance if slow.intake else ""
         frontend.publish(f"{prefix}/ann/s/request", {"message": "long", "maxTokens": 300, "requestId": "r"})
-        while not slow.engine.started:
-            time.sleep(0.01)
+        eventually(lambda: slow.engine.started, "the request was not generated", interval=0.01)
         # What the heir does once the slow worker's heartbeat has expired: it takes over the
         # stream (the request moves to the heir) and answers the request.
         first = b'{"sessionId": "s", "requestId": "r", "reply": "the heir\'s answer"}'
@@ -170,14 +169,11 @@ def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
         RedisStore(redis_server.url, prefix, 3600).save(
             "ann/s", SessionHistory(None, [Turn.plain("r", "long", "x")]), "r", first
         )
-        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=30)
+        reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=PATIENCE)
         assert reply.payload == first
         with pytest.raises(TimeoutError):
             frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
-        deadline = time.monotonic() + 10
-        while slow.stop_codes != [1]:
-            assert time.monotonic() < deadline, slow.stop_codes
-            time.sleep(0.05)
+        eventually(lambda: slow.stop_codes == [1], lambda: str(slow.stop_codes))
     finally:
         slow.call(heir.close())  # on the loop it was used on
         slow.close()

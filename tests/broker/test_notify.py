@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -22,6 +23,7 @@ import pytest
 from devtools import REPO
 from devtools.mosquitto import Mosquitto
 from devtools.systemd import NotifyListener
+from devtools.waiting import PATIENCE, eventually
 from worker.system.children import PARENT_ENV, die_with_parent, set_parent_death_signal
 from worker.system.notify import Notifier
 from worker.transport.mqtt import MqttSettings, MqttTransport
@@ -50,7 +52,7 @@ def test_messages_reach_a_path_socket_and_the_variables_are_not_inherited(listen
     assert notifier.watchdog_interval == 1.5  # half of WATCHDOG_USEC
     notifier.ready("Serving")
     notifier.stopping("Stopping")
-    listener.wait_for("STOPPING=1", timeout=2)
+    listener.wait_for("STOPPING=1")
     assert [message for _, message in listener.received] == [
         ["READY=1", "STATUS=Serving"],
         ["STOPPING=1", "STATUS=Stopping"],
@@ -61,7 +63,7 @@ def test_abstract_namespace_socket() -> None:
     listener = NotifyListener(f"@worker-test-{uuid.uuid4().hex}")
     try:
         assert Notifier(listener.address).send("STATUS=abstract")
-        listener.wait_for("STATUS=abstract", timeout=2)
+        listener.wait_for("STATUS=abstract")
     finally:
         listener.close()
 
@@ -80,39 +82,56 @@ def test_start_timeout_is_extended_while_the_block_runs_even_if_it_holds_the_eve
 ) -> None:
     notifier = Notifier(listener.address)
     with notifier.extending_timeout(every=0.05, extension=30):
-        time.sleep(0.4)  # like vLLM's engine start: nothing else runs on this thread
-    ended = time.monotonic()
-    time.sleep(0.2)
-    sent = listener.times("EXTEND_TIMEOUT_USEC=30000000")
-    assert len(sent) >= 4, listener.lines()
-    assert all(t <= ended + 0.05 for t in sent), "extensions after the block ended"
+        # Like vLLM's engine start, nothing else runs on this thread while it waits.
+        listener.wait_for("EXTEND_TIMEOUT_USEC=30000000", count=4)
+    # Stopped with the block: its thread is gone, and nothing it sent comes after a marker
+    # sent now (a datagram socket keeps their order).
+    assert not [t for t in threading.enumerate() if t.name == "systemd-extend-timeout"]
+    assert notifier.send("STATUS=after the block")
+    listener.wait_for("STATUS=after the block")
+    lines = listener.lines()
+    assert not [line for line in lines[lines.index("STATUS=after the block") :] if line.startswith("EXTEND")], lines
 
 
 def test_extensions_stop_at_the_limit(listener: NotifyListener) -> None:
     notifier = Notifier(listener.address)
     with notifier.extending_timeout(every=0.05, limit=0.12):
-        time.sleep(0.4)
-    assert 2 <= len(listener.times("EXTEND_TIMEOUT_USEC=")) <= 3, listener.lines()
+        # The block outlasts the limit: the thread ends by itself, before the block does.
+        eventually(lambda: not [t for t in threading.enumerate() if t.name == "systemd-extend-timeout"], "no stop")
+    # One at the start, then one each 0.05 s while under 0.12 s have passed: at most three (a
+    # busy machine may leave time for fewer).
+    assert 1 <= len(listener.times("EXTEND_TIMEOUT_USEC=")) <= 3, listener.lines()
 
 
 def test_watchdog_pings_only_while_healthy(listener: NotifyListener) -> None:
     notifier = Notifier(listener.address, watchdog_usec=100_000)  # a ping every 0.05 s
     problem: list[str | None] = [None]
+    checks = [0]  # how often the watchdog asked health()
 
-    async def run() -> float:
-        task = asyncio.ensure_future(notifier.watchdog_forever(lambda: problem[0]))
-        await asyncio.sleep(0.3)
+    def health() -> str | None:
+        checks[0] += 1
+        return problem[0]
+
+    async def run() -> None:
+        task = asyncio.ensure_future(notifier.watchdog_forever(health))
+        await asyncio.to_thread(listener.wait_for, "WATCHDOG=1", count=3)
         problem[0] = "the engine is dead"
-        failed_at = time.monotonic()
-        await asyncio.sleep(0.3)
-        task.cancel()
-        return failed_at
+        unhealthy_from = checks[0]
 
-    failed_at = asyncio.run(run())
-    pings = listener.times("WATCHDOG=1")
-    assert len(pings) >= 3, listener.lines()
-    assert all(t < failed_at + 0.01 for t in pings), "pinged while unhealthy"
-    assert listener.times("STATUS=Unhealthy: the engine is dead")
+        # Three more rounds of the watchdog, each one that would have pinged had it been healthy.
+        async def rounds() -> None:
+            while checks[0] < unhealthy_from + 3:
+                await asyncio.sleep(0.01)
+
+        await asyncio.wait_for(rounds(), PATIENCE)
+        task.cancel()
+
+    asyncio.run(run())
+    assert notifier.send("STATUS=marker")  # after everything the watchdog sent
+    listener.wait_for("STATUS=marker")
+    lines = listener.lines()
+    unhealthy = lines.index("STATUS=Unhealthy: the engine is dead")
+    assert "WATCHDOG=1" not in lines[unhealthy:], "pinged while unhealthy"
 
 
 def test_ready_waits_for_the_suback_not_the_connack() -> None:

@@ -12,6 +12,7 @@ from loguru import logger
 from devtools.inproc import LiveWorker
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, asking
+from devtools.waiting import PATIENCE
 from worker.config.models import WorkerConfig
 from worker.protocol.topics import InvalidTopic, SessionAddress, Topics
 
@@ -31,7 +32,7 @@ def test_another_users_reply_topic_is_not_honoured(broker: Mosquitto, warnings: 
         victim = live.topic("alice", "s1", "reply")
         request = {"message": "x", "maxTokens": 2, "requestId": "r1"}
         client.publish(live.topic("mallory", "s1"), request, properties=asking(victim, b"c1"))
-        answer = client.wait_for(lambda m: m.topic.endswith("/reply"), 15)
+        answer = client.wait_for(lambda m: m.topic.endswith("/reply"), PATIENCE)
         assert answer.topic == live.topic("mallory", "s1", "reply")
         assert answer.json()["requestId"] == "r1" and "error" not in answer.json()
         assert answer.properties.CorrelationData == b"c1"
@@ -40,7 +41,7 @@ def test_another_users_reply_topic_is_not_honoured(broker: Mosquitto, warnings: 
             client.publish(
                 live.topic("mallory", "s1"), request | {"requestId": f"w{wanted}"}, properties=asking(wanted, b"c2")
             )
-            again = client.wait_for(lambda m: m.topic.endswith("/reply"), 15)
+            again = client.wait_for(lambda m: m.topic.endswith("/reply"), PATIENCE)
             assert again.topic == live.topic("mallory", "s1", "reply")
         live.wait_idle()
         assert not [m for m in client.seen if "/alice/" in m.topic]
@@ -58,18 +59,18 @@ def test_an_allowed_response_topic_is_honoured(broker: Mosquitto, warnings: list
     try:
         request = {"message": "x", "maxTokens": 2, "requestId": "r1"}
         client.publish(live.topic("bob", "s1"), request, properties=asking("frontend-replies/gw1", b"c1"))
-        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), 15)
+        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), PATIENCE)
         assert answer.topic == "frontend-replies/gw1"
         assert answer.json()["requestId"] == "r1" and answer.properties.CorrelationData == b"c1"
         # a wildcard topic matches the filter but is no topic: not honoured
         wild = request | {"requestId": "r2"}
         client.publish(live.topic("bob", "s1"), wild, properties=asking("frontend-replies/+", b"c2"))
-        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), 15)
+        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), PATIENCE)
         assert answer.topic == live.topic("bob", "s1", "reply") and answer.json()["requestId"] == "r2"
         # one level deeper than the filter: not honoured
         deeper = request | {"requestId": "r3"}
         client.publish(live.topic("bob", "s1"), deeper, properties=asking("frontend-replies/gw1/x", b"c3"))
-        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), 15)
+        answer = client.wait_for(lambda m: m.topic.endswith("/reply") or m.topic.startswith("frontend-"), PATIENCE)
         assert answer.topic == live.topic("bob", "s1", "reply") and answer.json()["requestId"] == "r3"
     finally:
         client.close()

@@ -28,6 +28,7 @@ from devtools.mosquitto import Mosquitto, password_file
 from devtools.mqtt_client import Client, probe_settings
 from devtools.net import free_port
 from devtools.pki import Pki, make_pki, tls_listener
+from devtools.waiting import PATIENCE, eventually
 from worker.transport.mqtt import MqttTransport
 
 
@@ -174,16 +175,16 @@ def test_password_authentication(password_broker: Mosquitto, tmp_path: Path, cap
     raw = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
     raw.username_pw_set("frontend", "front-pass")
     replies: list[bytes] = []
+    subscribed = threading.Event()
     raw.on_message = lambda c, u, m: replies.append(bytes(m.payload))
+    raw.on_subscribe = lambda *args: subscribed.set()
     try:
         raw.connect("127.0.0.1", port)
         raw.loop_start()
         raw.subscribe("+/+/+/reply", qos=1)
-        time.sleep(0.2)
+        assert subscribed.wait(PATIENCE), "no SUBACK"
         raw.publish(live.topic("bob", "s1"), b'{"message": "hi", "maxTokens": 2, "requestId": "r1"}', qos=1)
-        deadline = time.monotonic() + 10
-        while not replies and time.monotonic() < deadline:
-            time.sleep(0.05)
+        eventually(lambda: replies, "no reply")
         assert replies and b'"r1"' in replies[0] and b'"error"' not in replies[0], replies
     finally:
         raw.disconnect()

@@ -16,6 +16,7 @@ import pytest
 from devtools.browser import chromium, console_errors, open_page, served_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.waiting import PATIENCE
 
 PREFIX = "sampling"
 
@@ -48,7 +49,7 @@ def sent(page: str, browser: Any, broker: Mosquitto, requests: Client, session: 
     browser.find_element("id", "connect").click()
     wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed", 30)
     browser.find_element("id", "message").send_keys("What is the capital of Italy?\n")
-    message = requests.wait_for(lambda m: m.topic == f"{PREFIX}/webuser/{session}/request", timeout=30)
+    message = requests.wait_for(lambda m: m.topic == f"{PREFIX}/webuser/{session}/request", timeout=PATIENCE)
     assert console_errors(browser) == []
     request: dict[str, Any] = json.loads(message.payload)
     return request

@@ -18,6 +18,7 @@ from paho.mqtt.properties import Properties
 
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, Received
+from devtools.waiting import PATIENCE, eventually
 from devtools.worker_process import BLOCK_SIZE, WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -27,7 +28,7 @@ def new_session() -> str:
     return "s-" + uuid.uuid4().hex[:12]
 
 
-def reply_of(client: Client, user: str, session: str, timeout: float = 180) -> dict[str, Any]:
+def reply_of(client: Client, user: str, session: str, timeout: float = PATIENCE) -> dict[str, Any]:
     data: dict[str, Any] = client.wait_topic(f"chat/{user}/{session}/reply", timeout).json()
     return data
 
@@ -40,7 +41,7 @@ def stats_of(message: Received) -> dict[str, Any]:
 def latest_stats(client: Client, after: float = 0.0) -> dict[str, Any]:
     return stats_of(
         client.wait_for(
-            lambda m: m.topic == "chat/_worker/shared/stats" and stats_of(m)["timestamp"] > after, timeout=30
+            lambda m: m.topic == "chat/_worker/shared/stats" and stats_of(m)["timestamp"] > after, timeout=PATIENCE
         )
     )
 
@@ -97,14 +98,12 @@ def test_eight_sessions_at_once_are_batched(shared_worker: WorkerProcess, client
         assert "error" not in reply, reply
         order[reply["sessionId"]].append(reply["requestId"])
     assert order == {s: [f"{s}-0", f"{s}-1"] for s in sessions}
-    # vLLM's own scheduler statistics: more than one request in the running batch at once.
-    most_running = 0
-    deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and most_running <= 1:
-        stats = latest_stats(client)
-        if stats["timestamp"] >= started:
-            most_running = max(most_running, stats["maxRunning"])
-    assert most_running > 1
+    # vLLM's own scheduler statistics: more than one request in the running batch at once, in
+    # one of the reports from the first request to one published after the last reply.
+    last = latest_stats(client, after=time.time())
+    reports = [stats_of(m) for m in client.received(lambda m: m.topic == "chat/_worker/shared/stats")]
+    most_running = max(s["maxRunning"] for s in [*reports, last] if s["timestamp"] >= started)
+    assert most_running > 1, reports
 
 
 def test_stream_deltas_add_up_to_the_reply(shared_worker: WorkerProcess, client: Client) -> None:
@@ -114,12 +113,8 @@ def test_stream_deltas_add_up_to_the_reply(shared_worker: WorkerProcess, client:
         {"message": "stream this please", "maxTokens": 24, "stream": True, "requestId": "r-stream"},
     )
     reply = reply_of(client, "carol", session)
-    deltas = []
-    while True:
-        try:
-            deltas.append(client.wait_topic(f"chat/carol/{session}/stream", timeout=0.5).json())
-        except TimeoutError:
-            break
+    # Every delta was published before the reply, so has arrived before it.
+    deltas = [m.json() for m in client.received(lambda m: m.topic == f"chat/carol/{session}/stream")]
     assert deltas and all(d["requestId"] == "r-stream" for d in deltas)
     assert [d["seq"] for d in deltas] == list(range(len(deltas)))
     assert "".join(d["delta"] for d in deltas).strip() == reply["reply"].strip()
@@ -178,24 +173,23 @@ def test_bad_requests_get_error_replies(
 ) -> None:
     session = new_session()
     client.publish(f"chat/gina/{session}/request", payload)
-    reply = reply_of(client, "gina", session, timeout=30)
+    reply = reply_of(client, "gina", session)
     assert reply["error"]["code"] == code and reply["sessionId"] == session and reply["error"]["message"]
 
 
 def test_unknown_control_action(shared_worker: WorkerProcess, client: Client) -> None:
     session = new_session()
     client.publish(f"chat/gina/{session}/control", {"action": "explode"})
-    assert reply_of(client, "gina", session, timeout=30)["error"]["code"] == "unsupported_action"
+    assert reply_of(client, "gina", session)["error"]["code"] == "unsupported_action"
 
 
 def test_invalid_topic_gets_no_reply_and_is_counted(shared_worker: WorkerProcess, client: Client) -> None:
     before = latest_stats(client)["invalidTopics"]
     client.publish("chat/_reserved/s1/request", {"message": "x"})
     client.publish("chat/bad user/s1/request", {"message": "x"})
-    deadline = time.monotonic() + 15
-    while latest_stats(client)["invalidTopics"] < before + 2:
-        assert time.monotonic() < deadline, "invalid topics were not counted"
-    assert not [m for m in client.seen if m.topic.startswith(("chat/_reserved/", "chat/bad user/"))]
+    # Counted in a stats report: a reply, had there been one, was published before it.
+    eventually(lambda: latest_stats(client)["invalidTopics"] >= before + 2, "invalid topics were not counted")
+    assert not client.received(lambda m: m.topic.startswith(("chat/_reserved/", "chat/bad user/")))
 
 
 def test_response_topic_and_correlation_data(shared_worker: WorkerProcess, client: Client) -> None:
@@ -237,9 +231,8 @@ def test_the_start_is_told_in_the_log(shared_worker: WorkerProcess) -> None:
     --vllm-log-level INFO; test_logs.py checks the default), "Listening" once subscribed, in
     this order. (The heartbeat while the engine starts depends on how long it takes: see
     test_startup.py.)"""
-    deadline = time.monotonic() + 30  # "Serving" comes with the SUBACK, maybe after "online"
-    while "worker.server: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
-        time.sleep(0.1)
+    shared_worker.wait_log("worker.server: Serving ")  # it comes with the SUBACK, maybe after "online"
+    log = shared_worker.log()
     expected = [
         r"\| INFO +\| worker\.server: Worker shared \S+ starting: model \S+, broker 127\.0\.0\.1:\d+, store sqlite$",
         r"\| INFO +\| worker\.server: MQTT broker at 127\.0\.0\.1:\d+ accepted the login$",  # before the load
@@ -341,7 +334,7 @@ def test_unusable_schema_is_invalid_schema(
         f"chat/kate/{session}/request",
         {"message": "x", "maxTokens": 16, "responseFormat": {"type": "json_schema", "schema": schema}},
     )
-    reply = reply_of(client, "kate", session, timeout=60)
+    reply = reply_of(client, "kate", session)
     assert reply["error"]["code"] == "invalid_schema" and fragment in reply["error"]["message"], reply
     # The session and the engine go on.
     client.publish(f"chat/kate/{session}/request", {"message": "and now free text", "maxTokens": 4})
@@ -354,13 +347,13 @@ def test_clean_stop_finishes_running_work_and_publishes_offline(
 ) -> None:
     """Last of all (conftest sorts it there): stops the shared worker with SIGTERM while it generates."""
     watcher = Client(broker.port, ["chat/_worker/shared/status"])
-    watcher.wait_for(lambda m: m.payload == b"online", timeout=10)
+    watcher.wait_for(lambda m: m.payload == b"online", timeout=PATIENCE)
     session = new_session()
     client.publish(f"chat/judy/{session}/request", {"message": "last words", "maxTokens": 200, "stream": True})
     client.wait_topic(f"chat/judy/{session}/stream")  # generating now
     assert shared_worker.stop() == 0
-    reply = reply_of(client, "judy", session, timeout=10)  # drained, not dropped
+    reply = reply_of(client, "judy", session)  # drained, not dropped
     assert reply["finishReason"] == "length" and reply["usage"]["completionTokens"] == 200
-    watcher.wait_for(lambda m: m.payload == b"offline", timeout=10)
+    watcher.wait_for(lambda m: m.payload == b"offline", timeout=PATIENCE)
     watcher.close()
     assert "Stopped (exit code 0)" in shared_worker.log()

@@ -16,7 +16,6 @@ import itertools
 import os
 import signal
 import socket
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +28,7 @@ from devtools.mosquitto import Mosquitto, password_file
 from devtools.mqtt_client import Client
 from devtools.net import free_port
 from devtools.redis_server import RedisServer
+from devtools.waiting import PATIENCE
 from worker.config.models import WorkerConfig
 from worker.engine.port import EngineStats, WarmupPlan
 from worker.protocol.topics import Topics
@@ -245,8 +245,10 @@ def test_a_group_that_cannot_be_joined_in_redis_ends_the_start_with_2_and_closes
             assert any(line.startswith("Cannot join the group in Redis") for line in log), log
             assert engine.shut_down
             assert_closed(config)
-            time.sleep(0.5)  # an online status, had one been published, arrives by then
-            assert watcher.messages.empty()
+            # A marker after it: an online status, had one been published, came before.
+            watcher.publish(f"{config.mqtt.topic_prefix}/marker", b"m")
+            watcher.wait_topic(f"{config.mqtt.topic_prefix}/marker", timeout=PATIENCE)
+            assert not watcher.received(lambda m: True), [m.topic for m in watcher.seen]
         finally:
             watcher.close()
     finally:
@@ -269,10 +271,10 @@ def test_a_stopped_run_closes_everything_and_exits_0(
     try:
 
         async def until_online() -> None:
-            await asyncio.to_thread(watcher.wait_for, lambda m: m.payload == b"online", 60)
+            await asyncio.to_thread(watcher.wait_for, lambda m: m.payload == b"online", PATIENCE)
 
         assert asyncio.run(Server(config, start_engine=starter(engine)).serve(until_online)) == 0
-        watcher.wait_for(lambda m: m.payload == b"offline", 10)
+        watcher.wait_for(lambda m: m.payload == b"offline", PATIENCE)
     finally:
         watcher.close()
     assert "Stopped (exit code 0)" in log
@@ -292,12 +294,12 @@ def test_a_dead_engine_stops_the_run_with_1(
     try:
 
         async def kill_engine_once_online() -> None:
-            await asyncio.to_thread(watcher.wait_for, lambda m: m.payload == b"online", 60)
+            await asyncio.to_thread(watcher.wait_for, lambda m: m.payload == b"online", PATIENCE)
             engine.alive = False
             await asyncio.Event().wait()
 
         assert asyncio.run(Server(config, start_engine=starter(engine)).serve(kill_engine_once_online)) == 1
-        watcher.wait_for(lambda m: m.payload == b"offline", 10)
+        watcher.wait_for(lambda m: m.payload == b"offline", PATIENCE)
     finally:
         watcher.close()
     assert any(line.startswith("The engine died") for line in log), log

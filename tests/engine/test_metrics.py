@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import socket
 import threading
-import time
 import urllib.request
 import uuid
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from devtools.mqtt_client import Client
 from devtools.net import free_port
+from devtools.waiting import PATIENCE, eventually
 from devtools.worker_process import WorkerProcess
 from worker.config.models import StatsConfig, WorkerConfig
 from worker.core.stats import StatsCollector
@@ -50,7 +50,7 @@ def parse(text: str) -> Scrape:
 
 
 def scrape(port: int) -> Scrape:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as response:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=PATIENCE) as response:
         assert response.status == 200
         return parse(response.read().decode())
 
@@ -188,15 +188,14 @@ def test_endpoint_serves_its_own_registry_and_closes() -> None:
 # -- end to end ----------------------------------------------------------------------------
 
 
-def quiet(port: int, timeout: float = 120) -> Scrape:
+def quiet(port: int) -> Scrape:
     """A scrape once the worker has nothing in flight (earlier tests' requests are answered)."""
-    deadline = time.monotonic() + timeout
-    while True:
+
+    def idle() -> Scrape | None:
         got = scrape(port)
-        if got.value(m("pending_requests")) == 0 and got.value(m("engine_running_requests")) == 0:
-            return got
-        assert time.monotonic() < deadline, "the worker never became idle"
-        time.sleep(0.2)
+        return got if got.value(m("pending_requests")) == 0 and got.value(m("engine_running_requests")) == 0 else None
+
+    return eventually(idle, "the worker never became idle", interval=0.2)
 
 
 def reply_of(client: Client, user: str, session: str) -> dict[str, Any]:
@@ -238,13 +237,11 @@ def test_scrape_moves_with_traffic(shared_worker: WorkerProcess, shared_metrics_
 
     # Counters and histograms are updated before a reply is published: one scrape suffices.
     # The engine's own counters come from its stat logger, a step later: wait for them.
-    deadline = time.monotonic() + 30
-    while True:
-        after = scrape(port)
-        if after.value(m("prefix_cache_hits_total")) > before.value(m("prefix_cache_hits_total")):
-            break
-        assert time.monotonic() < deadline, "vLLM's prefix-cache hits did not move"
-        time.sleep(0.2)
+    def hits_moved() -> Scrape | None:
+        got = scrape(port)
+        return got if got.value(m("prefix_cache_hits_total")) > before.value(m("prefix_cache_hits_total")) else None
+
+    after = eventually(hits_moved, "vLLM's prefix-cache hits did not move", interval=0.2)
 
     def moved(name: str, **labels: str) -> float:
         return after.value(m(name), **labels) - before.value(m(name), **labels)

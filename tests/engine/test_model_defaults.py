@@ -17,7 +17,6 @@ import json
 import re
 import shutil
 import threading
-import time
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -89,10 +88,8 @@ def test_the_warm_up_logs_no_error(shared_worker: WorkerProcess) -> None:
     """The shared worker warms up (--warmup on, batches 1-4, vLLM's own lines at INFO) before
     it is online: no ERROR line (the worker's or vLLM's), every step done. On a GPU the same
     check is ``python -m devtools.warmup_check MODEL``."""
-    deadline = time.monotonic() + 30  # "Serving" comes with the SUBACK, maybe after "online"
-    while "worker.server: Serving " not in (log := shared_worker.log()) and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert warmup_problems(log) == []
+    shared_worker.wait_log("worker.server: Serving ")  # it comes with the SUBACK, maybe after "online"
+    assert warmup_problems(shared_worker.log()) == []
 
 
 # ---- the server resolves the defaults once, at start, for the engine, the warm-up and requests

@@ -1,7 +1,9 @@
 """Soak: 50 chat sessions x 20 turns through a real mosquitto and the vLLM CPU engine, with a
 broker restart and a SIGKILL of the worker at random points in the middle. Afterwards every request has exactly
 one answer (copies of it are byte-identical: a redelivered request is answered from the store)
-and every session's stored history is a consistent suffix of its conversation."""
+and every session's stored history is a consistent suffix of its conversation. Copies still on
+their way are waited for with one more turn per session, a marker: the worker answers a
+session's turns in order, so a copy comes before the marker's answer."""
 
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from devtools.mosquitto import Mosquitto
+from devtools.waiting import PATIENCE, eventually
 from devtools.worker_process import WorkerProcess, engine_args
 from worker.store.port import parse_session
 from worker.store.sqlite import DATABASE_NAME
@@ -43,9 +46,12 @@ class Conversations:
         self.answers: dict[str, list[bytes]] = defaultdict(list)
         self.next_turn = dict.fromkeys(range(SESSIONS), 0)
         self.lock = threading.Lock()
-        self.done = threading.Event()
+        self.done = threading.Event()  # every session answered its TURNS turns
+        self.settled = threading.Event()  # and its marker turn
+        subscribed = threading.Event()
         client = mqtt.Client(CallbackAPIVersion.VERSION2, client_id="soak-frontend", protocol=mqtt.MQTTv5)
         client.on_connect = lambda c, u, f, r, p: c.subscribe("soak/+/+/reply", qos=1)
+        client.on_subscribe = lambda *args: subscribed.set()
         client.on_message = self._on_message
         client.reconnect_delay_set(1, 1)
         props = Properties(PacketTypes.CONNECT)  # type: ignore[no-untyped-call]
@@ -53,11 +59,15 @@ class Conversations:
         client.connect("127.0.0.1", port, keepalive=10, clean_start=False, properties=props)
         client.loop_start()
         self.client = client
-        time.sleep(0.5)
+        assert subscribed.wait(PATIENCE), "the broker did not acknowledge the subscription"
 
     def start(self) -> None:
         for session in range(SESSIONS):
             self._send(session, 0)
+
+    def send_markers(self) -> None:
+        for session in range(SESSIONS):
+            self._send(session, TURNS)
 
     def _send(self, session: int, turn: int) -> None:
         request = {"message": f"turn {turn} of session {session}", "maxTokens": 8, "requestId": f"s{session}-t{turn}"}
@@ -75,6 +85,8 @@ class Conversations:
                 self._send(session, turn + 1)
             elif all(t == TURNS for t in self.next_turn.values()):
                 self.done.set()
+            elif all(t == TURNS + 1 for t in self.next_turn.values()):
+                self.settled.set()
 
     def answered(self) -> int:
         with self.lock:
@@ -106,13 +118,6 @@ def start_worker(model: Path, broker: Mosquitto, workdir: Path, name: str) -> Wo
     return WorkerProcess(args, workdir / f"{name}.log")
 
 
-def wait_until(condition: Any, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, what
-        time.sleep(0.1)
-
-
 @pytest.fixture
 def soak_broker(tmp_path: Path) -> Iterator[Mosquitto]:
     broker = Mosquitto(tmp_path, keep_root=True, autosave="changes")  # survives its restart
@@ -131,24 +136,25 @@ def test_soak_with_a_broker_restart_and_a_worker_kill(tiny_model: Path, soak_bro
     workers = [start_worker(tiny_model, soak_broker, tmp_path, "first")]
     chats = Conversations(soak_broker.port)
     try:
-        wait_until(lambda: "MQTT connected" in workers[0].log(), 300, "the worker did not connect")
+        workers[0].wait_log("MQTT connected")
         chats.start()
-        wait_until(lambda: chats.answered() >= broker_restart_at, 300, f"stuck at {chats.answered()}")
+        eventually(lambda: chats.answered() >= broker_restart_at, lambda: f"stuck at {chats.answered()}", interval=0.1)
         soak_broker.stop()  # SIGTERM: mosquitto saves its sessions and queued messages
-        time.sleep(1)
+        time.sleep(1)  # the fault: a second without a broker (not a wait for anything)
         soak_broker.restart()
-        wait_until(lambda: chats.answered() >= worker_kill_at, 300, f"stuck at {chats.answered()}")
+        eventually(lambda: chats.answered() >= worker_kill_at, lambda: f"stuck at {chats.answered()}", interval=0.1)
         workers[0].proc.send_signal(signal.SIGKILL)  # mid-generation of a whole batch
-        workers[0].proc.wait(10)
+        workers[0].proc.wait(PATIENCE)
         workers.append(start_worker(tiny_model, soak_broker, tmp_path, "second"))
         assert chats.done.wait(400), f"{chats.answered()} of {total} answered"
-        time.sleep(2)  # copies still on their way
+        chats.send_markers()
+        assert chats.settled.wait(PATIENCE), f"{chats.answered()} of {total + SESSIONS} answered"
     finally:
         chats.close()
         for worker in workers:
             worker.stop(30)
         logs = "\n".join(w.log()[-2000:] for w in workers)
-    assert len(chats.answers) == total
+    assert len(chats.answers) == total + SESSIONS
     for request_id, copies in chats.answers.items():
         assert len(set(copies)) == 1, f"{request_id} got different answers: {copies}"
         assert "error" not in json.loads(copies[0]), (copies[0], logs)
@@ -156,8 +162,8 @@ def test_soak_with_a_broker_restart_and_a_worker_kill(tiny_model: Path, soak_bro
 
 
 def check_stored_histories(database: Path, answers: dict[str, list[bytes]]) -> None:
-    """Each session's kept turns are the last turns of its conversation, in order, with the
-    text its client received; every answer is stored under its request key."""
+    """Each session's kept turns are the last turns of its conversation (its marker the last),
+    in order, with the text its client received; every answer is stored under its request key."""
     db = sqlite3.connect(database)
     states = dict(db.execute("SELECT name, state FROM sessions").fetchall())
     stored_answers = {(s, k): p for s, k, p in db.execute("SELECT session, key, payload FROM answers")}
@@ -167,10 +173,10 @@ def check_stored_histories(database: Path, answers: dict[str, list[bytes]]) -> N
         _, turns, _, _ = parse_session(name, states[name])
         keys = [t.key for t in turns]
         assert 1 <= len(keys) <= MAX_HISTORY_TURNS and keys == [
-            f"s{session}-t{t}" for t in range(TURNS - len(keys), TURNS)
+            f"s{session}-t{t}" for t in range(TURNS + 1 - len(keys), TURNS + 1)
         ]
         for turn in turns:
             assert turn.assistant == json.loads(answers[turn.key][0])["reply"]
-        for t in range(TURNS):
+        for t in range(TURNS + 1):
             key = f"s{session}-t{t}"
             assert stored_answers[(name, key)] in answers[key]

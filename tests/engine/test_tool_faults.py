@@ -29,11 +29,9 @@ from __future__ import annotations
 
 import contextlib
 import json
-import re
 import signal
 import sqlite3
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -44,6 +42,7 @@ import pytest
 from devtools.devices import SENSOR, SimulatedDevices
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, connect
+from devtools.waiting import PATIENCE
 from devtools.worker_process import BLOCK_SIZE, WorkerProcess, engine_args
 from worker.session import UNKNOWN_RESULT
 from worker.store.sqlite import DATABASE_NAME
@@ -198,16 +197,6 @@ def device_calls(workdir: Path, request_id: str) -> list[dict[str, Any]]:
     return [record for record in map(json.loads, lines) if record["requestId"] == request_id]
 
 
-def wait_log(worker: WorkerProcess, pattern: str, timeout: float = 300) -> None:
-    """Until the line is in the worker's log (the event), while the worker lives; the deadline
-    only ends a wait that would never end, generous for a busy machine."""
-    deadline = time.monotonic() + timeout
-    while not re.search(pattern, worker.tail(10**7)):
-        assert worker.alive(), f"the worker exited: {worker.tail(3000)}"
-        assert time.monotonic() < deadline, f"no {pattern!r} in the log: {worker.tail(3000)}"
-        time.sleep(0.05)
-
-
 def stored_turn(workdir: Path, where: tuple[str, str, str]) -> list[dict[str, Any]]:
     """The messages of the session's last stored turn, which must be this request's; and no
     tool-loop progress left for it (the answer replaced it)."""
@@ -257,15 +246,15 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     # Deadlines generous, the event the condition: 2 busy cores have taken over 30 s (issue 33).
     devices.wait_until(lambda: any(a["toolCallId"] == answered_call for a in devices.answered), timeout=300)
     (answer,) = [a["payload"] for a in devices.answered if a["toolCallId"] == answered_call]
-    # The worker has the result (turns.py stores it before it logs this line) and is
+    # The worker has the result (core/worker_calls.py stores it before it logs this line) and is
     # generating again.
-    wait_log(first, r"worker call lamp_get \(\S+\) ok in \d+ ms")
+    first.wait_log(r"worker call lamp_get \(\S+\) ok in \d+ ms")
     assert not any(a["toolCallId"] == slow_call for a in devices.answered)  # A's call still outstanding
     assert not replies.to(SLOW[2]) and not replies.to(ANSWERED[2]), replies.received
 
     first.signal_group(signal.SIGKILL)  # the worker and its engine core (frozen or not)
     assert first.proc.wait(30) == -signal.SIGKILL
-    _, left = psutil.wait_procs(cores, timeout=10)
+    _, left = psutil.wait_procs(cores, timeout=PATIENCE)
     assert not left, f"outlived the kill: {left}"
     # The lamp answers now, late: into the worker's broker session, delivered to the next start,
     # for a call that start does not wait for.
@@ -306,7 +295,7 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     assert "Traceback" not in log and "| ERROR" not in log, log[-3000:]
     # The lamp's late answer reached the restarted worker (its broker session kept the
     # subscription) and was dropped: no call of this start waits for it.
-    wait_log(restart, r"Dropping a device answer on \S+ that no call waits for", timeout=300)
+    restart.wait_log(r"Dropping a device answer on \S+ that no call waits for")
     print(f"engine starts: {first.start_to_ready_s} s, after the kill {restart.start_to_ready_s} s")
     # One answer each: the killed start sent none (checked before the kill); a second delivery
     # would be a second reply. Sent now, a request of each session is answered after whatever

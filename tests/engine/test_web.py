@@ -11,7 +11,6 @@ import itertools
 import os
 import re
 import shutil
-import time
 import urllib.error
 import urllib.request
 import uuid
@@ -26,6 +25,7 @@ from devtools.acl import PASSWORDS, documented_acl_broker, logged_in_worker
 from devtools.browser import chromium, console_errors, open_page, served_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.waiting import PATIENCE
 from devtools.worker_process import WorkerProcess
 from worker.protocol.messages import log_ref
 from worker.web import STATIC_DIR
@@ -41,7 +41,7 @@ def page_server() -> Iterator[str]:
 
 def get(url: str) -> tuple[int, dict[str, str], bytes]:
     try:
-        with urllib.request.urlopen(url, timeout=5) as response:
+        with urllib.request.urlopen(url, timeout=PATIENCE) as response:
             return response.status, dict(response.headers), response.read()
     except urllib.error.HTTPError as exc:
         return exc.code, dict(exc.headers), exc.read()
@@ -119,7 +119,7 @@ def send(driver: Any, message: str, max_tokens: int) -> str:
     return request_id
 
 
-def finished(driver: Any, request_id: str, timeout: float = 180) -> dict[str, Any]:
+def finished(driver: Any, request_id: str, timeout: float = PATIENCE) -> dict[str, Any]:
     def done(d: Any) -> dict[str, Any] | None:
         turn = next((t for t in turns(d) if t["requestId"] == request_id), None)
         return turn if turn and turn["status"] != "pending" else None
@@ -225,14 +225,11 @@ def test_the_page_chats_streams_cancels_and_resumes_after_a_reload(
                 button.click()
             return False
 
-        wait(browser, cancel_taken, "the page to take the cancel", timeout=60)
+        wait(browser, cancel_taken, "the page to take the cancel", timeout=PATIENCE)
         # The worker has the page's cancel (its log names the request by log_ref) while the
         # request still waits for its turn.
         ref = log_ref(request_id)
-        deadline = time.monotonic() + 60
-        while not re.search(rf"Cancel(?:ling (?:running|queued) request| for) {ref}", shared_worker.log()):
-            assert time.monotonic() < deadline, "the worker never got the page's cancel"
-            time.sleep(0.05)
+        shared_worker.wait_log(rf"Cancel(?:ling (?:running|queued) request| for) {ref}")
         assert f"Cancel for {ref}" not in shared_worker.log(), "the page's cancel came before its request"
     client.publish(f"chat/{user}/{session}/control", {"action": "cancel", "requestId": busy})  # not needed any more
     shown = finished(browser, request_id)
@@ -321,7 +318,7 @@ def test_the_page_logs_in_as_the_user_under_the_documented_acl(
         wait(browser, lambda d: d.find_element("id", "send").is_enabled(), "subscribed")
         wait(browser, lambda d: "gpu-1 online" in d.find_element("id", "worker-status").text, "the worker's status")
         request_id = send(browser, "hello", 3)
-        shown = finished(browser, request_id, timeout=30)
+        shown = finished(browser, request_id, timeout=PATIENCE)
         assert (shown["status"], shown["reply"], shown["finishReason"]) == ("done", "w0 w1 w2 ", "length")
         assert shown["reasoning"] is None
         assert not browser.find_element("id", "login-problem").is_displayed()
@@ -332,7 +329,7 @@ def test_the_page_logs_in_as_the_user_under_the_documented_acl(
         session = browser.find_element("id", "session-id").get_property("value")
         live.engine.script[session] = ["<think>", "The user greets me.", "</think>", "\n\nHello, alice!"]
         request_id = send(browser, "hello again", 16)
-        shown = finished(browser, request_id, timeout=30)
+        shown = finished(browser, request_id, timeout=PATIENCE)
         assert (shown["reply"], shown["reasoning"], shown["reasoningOpen"]) == (
             "Hello, alice!",
             "The user greets me.",

@@ -137,16 +137,29 @@ def test_idle_sessions_expire_while_the_worker_runs(tmp_path: Path) -> None:
 
     async def scenario() -> None:
         store = SqliteStore(tmp_path)
-        h = Harness(store=store, history={"session_ttl": 0.5})
+        # A TTL of 3 s, checked every 0.3 s: room for a busy machine's stalls between the
+        # answer and the checks that must not expire it yet.
+        h = Harness(store=store, history={"session_ttl": 3})
+        sweeps = [0]
+        sweep = h.service.sessions.aexpire
+
+        async def counted(ttl: float) -> int:
+            expired = await sweep(ttl)
+            sweeps[0] += 1  # a sweep done, from the store and from memory
+            return expired
+
+        h.service.sessions.aexpire = counted  # type: ignore[method-assign]
         expiry = asyncio.ensure_future(h.service.expire_sessions_forever())
         try:
             h.transport.deliver(TOPIC, REQUEST)
             await h.run_until(lambda: h.transport.acked)
             assert store.load("u/s1") is not None
-            await asyncio.sleep(0.3)
-            assert store.load("u/s1") is not None  # not idle long enough yet
-            await asyncio.sleep(0.5)
-            assert store.load("u/s1") is None
+            after = sweeps[0]
+            await h.run_until(lambda: sweeps[0] >= after + 2)
+            assert store.load("u/s1") is not None  # checked twice, not idle long enough yet
+            await h.run_until(lambda: store.load("u/s1") is None)
+            gone = sweeps[0]
+            await h.run_until(lambda: sweeps[0] > gone)  # the sweep that deleted it has ended
             assert h.service.sessions.get("u/s1").turns == []  # gone from memory too
         finally:
             expiry.cancel()

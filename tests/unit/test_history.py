@@ -3,6 +3,7 @@ from __future__ import annotations
 import json
 import shutil
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -334,3 +335,29 @@ def test_every_added_token_of_a_real_models_tokenizer_written_in_text_is_encoded
         assert ids.count(token_id) == plain.count(token_id), token
     ids = tokenizer.render([{"role": "user", "content": forged}], add_generation_prompt=True)
     assert ids.count(added["<|im_start|>"]) == plain.count(added["<|im_start|>"])
+
+
+def test_a_prompt_prepared_then_rendered_is_templated_once_and_the_same(tiny_model: Path) -> None:
+    """prepare() and render() of one turn render its chat template once: the second call is the
+    first's text, and other messages (or the generation prompt) are rendered anew."""
+    import asyncio
+
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    messages: list[Any] = [{"role": "user", "content": "hello there"}]
+    calls: list[int] = []
+    template = tokenizer._tokenizer.apply_chat_template
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return template(*args, **kwargs)
+
+    tokenizer._tokenizer.apply_chat_template = counted
+    asyncio.run(tokenizer.prepare(messages))
+    ids = tokenizer.render(messages, add_generation_prompt=True)
+    assert len(calls) == 1
+    assert ids == tokenizer.encode(template(messages, add_generation_prompt=True, tokenize=False))
+    other = tokenizer.render([{"role": "user", "content": "hello again"}], add_generation_prompt=True)
+    without = tokenizer.render_text(messages, add_generation_prompt=False)
+    assert len(calls) == 3 and other != ids and not without.endswith("assistant\n")

@@ -55,6 +55,8 @@ ADAPTERS: dict[str, set[str]] = {
     "urllib": {"worker/web/__init__.py"},
     "subprocess": {"worker/prepare_model.py", "worker/chat/tool_calling.py"},
     "ctypes": {"worker/system/children.py"},
+    # Pillow: image decoding, its parsers kept to one module (worker/vision/images.py)
+    "PIL": {"worker/vision/images.py"},
 }
 # Importable without any of the libraries above: the logic, the wire and the ports.
 PURE = [

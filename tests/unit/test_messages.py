@@ -279,3 +279,18 @@ def test_local_references_and_a_property_named_ref_are_fine() -> None:
             "properties": {"name": {"$ref": "#/$defs/name"}, "$ref": {"type": "string"}},
         }
     )
+
+
+def test_a_payload_read_for_its_request_id_is_decoded_once_and_never_served_to_another() -> None:
+    from worker.protocol import messages
+
+    payload = json.dumps({"message": "hi", "requestId": "r1"}).encode()
+    assert best_effort_request_id(payload, 1000) == "r1"
+    kept = messages._kept[0]
+    assert kept is not None and kept[0] is payload
+    request = parse_chat_request(payload, "s", 1000)  # the kept value, taken once
+    assert (request.message, request.request_id) == ("hi", "r1")
+    assert messages._kept[0] is None
+    other = json.dumps({"message": "other", "requestId": "r1"}).encode()
+    assert best_effort_request_id(payload, 1000) == "r1"
+    assert parse_chat_request(other, "s", 1000).message == "other"  # equal id, another payload: decoded

@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from devtools.fakes import Harness, WordRenderer, mentions
+from devtools.waiting import PATIENCE
 from worker.engine.port import EngineDead, EngineError, StructuredOutput, StructuredOutputRejected
 from worker.protocol.messages import log_ref
 from worker.session import ChatMessage
@@ -114,9 +115,15 @@ def test_a_cancel_while_the_turn_prepares_its_prompt_is_not_lost() -> None:
         h.transport.deliver("chat/u/s1/request", {"message": "held", "requestId": "held", "maxTokens": 50})
         consumer = asyncio.ensure_future(h.service.consume())
         try:
-            await asyncio.wait_for(held.entered.wait(), 5)
+            await asyncio.wait_for(held.entered.wait(), PATIENCE)
             h.transport.deliver("chat/u/s1/control", {"action": "cancel", "requestId": "held"})
-            await asyncio.sleep(0.1)  # the cancel is handled
+
+            # The cancel is handled: the held request is marked, not to be generated.
+            async def marked() -> None:
+                while not any("held" in runtime.cancelled for runtime in h.service._runtime.values()):
+                    await asyncio.sleep(0.01)
+
+            await asyncio.wait_for(marked(), PATIENCE)
         finally:
             consumer.cancel()
         held.release.set()

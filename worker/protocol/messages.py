@@ -309,9 +309,25 @@ class StreamDelta(WireModel):
     tool_event: ToolEvent | None = None  # a worker call started or ended (delta "")
 
 
-def _load_json(payload: bytes) -> Any:
+def _load_json(payload: bytes, *, keep: bool = False) -> Any:
     """The payload's JSON value; RequestError(bad_json) unless it is UTF-8 JSON text whose
-    strings are all valid Unicode."""
+    strings are all valid Unicode. ``keep``: the caller only reads the value, and the next call
+    for the same payload object gets it instead of a second decode (a request's payload is read
+    for its requestId, then as the request: one decode at intake, not two)."""
+    kept = _kept[0]
+    _kept[0] = None
+    if kept is not None and kept[0] is payload:
+        return kept[1]
+    data = _decode_json(payload)
+    if keep:
+        _kept[0] = (payload, data)
+    return data
+
+
+_kept: list[tuple[bytes, Any] | None] = [None]
+
+
+def _decode_json(payload: bytes) -> Any:
     try:
         # Decoded here, not by json.loads: that would also take UTF-16 and UTF-32.
         text = payload.decode("utf-8")
@@ -603,7 +619,7 @@ def best_effort_request_id(payload: bytes, max_payload_bytes: int | None = None)
     if max_payload_bytes is not None and len(payload) > max_payload_bytes:
         return None
     try:
-        data = _load_json(payload)
+        data = _load_json(payload, keep=True)
     except RequestError:
         return None
     value = data.get("requestId") if isinstance(data, dict) else None

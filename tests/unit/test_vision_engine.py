@@ -1,0 +1,87 @@
+"""The engine's image settings (worker/engine/vllm.py): the arguments a vision model's engine
+gets, the processor cache's size from the host's memory, and the placeholder count, each
+without starting an engine (tests/engine/test_vision.py runs them on the real one)."""
+
+from __future__ import annotations
+
+import pytest
+
+from worker.config.models import EngineConfig
+from worker.engine.kvtier import GIB, HostMemory
+from worker.engine.port import ImagesRejected, VisionInfo, VisionSettings
+from worker.engine.vllm import (
+    Host,
+    check_image_placeholders,
+    engine_arguments,
+    processor_cache_gib,
+    vision_arguments,
+)
+
+
+def cpu_host(available_gib: float) -> Host:
+    memory = HostMemory(total=int(64 * GIB), available=int(available_gib * GIB))
+    return Host(cpu_backend=True, memory_gib=64, gpus=1, memory=memory)
+
+
+@pytest.mark.parametrize(
+    ("available", "gib"),
+    [
+        (20, 1.25),  # the 24 GiB CI machine: 1/16 of what is available, per process
+        (256, 4.0),  # a GPU host: vLLM's own default is the most
+        (2, 0.25),  # a small host: never below a quarter GiB
+        (13, 0.75),  # steps of a quarter GiB, rounded down
+    ],
+)
+def test_the_processor_cache_is_sized_from_the_available_memory(available: float, gib: float) -> None:
+    assert processor_cache_gib(cpu_host(available)) == gib
+
+
+def test_vision_arguments() -> None:
+    settings = VisionSettings(max_pixels=500_000, max_images_in_prompt=3)
+    assert vision_arguments(settings, cpu_host(20)) == {
+        "limit_mm_per_prompt": {"image": 3, "video": 0},
+        "mm_processor_kwargs": {"max_pixels": 500_000},
+        "mm_processor_cache_gb": 1.25,
+    }
+    chosen = VisionSettings(processor_cache_gib=0.5)
+    assert vision_arguments(chosen, cpu_host(20))["mm_processor_cache_gb"] == 0.5
+
+
+def test_engine_extra_wins_over_the_vision_settings() -> None:
+    config = EngineConfig(model="m", extra={"mm_processor_cache_gb": 0, "limit_mm_per_prompt": {"image": 1}})
+    kwargs = engine_arguments(config, host=cpu_host(20), vision=VisionSettings(max_pixels=100_000))
+    assert kwargs["mm_processor_cache_gb"] == 0
+    assert kwargs["limit_mm_per_prompt"] == {"image": 1}
+    assert kwargs["mm_processor_kwargs"] == {"max_pixels": 100_000}
+
+
+QWEN = VisionInfo(image_token_id=7, placeholder=(6, 7, 8), max_images=2, max_pixels=None)
+
+
+@pytest.mark.parametrize(
+    ("ids", "images", "words"),
+    [
+        ([1, 6, 7, 8, 2], 1, None),
+        ([1, 6, 7, 8, 2, 6, 7, 8], 2, None),
+        ([1, 2], 0, None),
+        ([1, 2], 1, "0 image placeholder tokens for 1 image"),
+        ([1, 6, 7, 8, 6, 7, 8], 1, "2 image placeholder tokens for 1 image"),
+        ([1, 6, 7, 7, 7, 8], 1, "3 image placeholder tokens for 1 image"),  # already expanded
+        ([7, 8, 1], 1, "not the model's whole placeholder"),  # at the start: no vision start before it
+        ([1, 6, 7, 2], 1, "not the model's whole placeholder"),
+        ([1, 6, 7, 8, 6, 7, 8, 6, 7, 8], 3, "3 images in one prompt: the model m takes at most 2"),
+    ],
+)
+def test_placeholders_are_counted(ids: list[int], images: int, words: str | None) -> None:
+    if words is None:
+        check_image_placeholders(ids, images, QWEN, "m")
+    else:
+        with pytest.raises(ImagesRejected, match=words):
+            check_image_placeholders(ids, images, QWEN, "m")
+
+
+def test_a_model_with_a_bare_image_token() -> None:
+    llava = VisionInfo(image_token_id=9, placeholder=(9,), max_images=4, max_pixels=None)
+    check_image_placeholders([1, 9, 2, 9], 2, llava, "m")
+    with pytest.raises(ImagesRejected):
+        check_image_placeholders([1, 9, 9], 1, llava, "m")
