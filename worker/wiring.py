@@ -18,6 +18,7 @@ import contextlib
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 from .config.models import WorkerConfig
 from .core.history import PromptRenderer
@@ -94,6 +95,17 @@ class Parts:
             await self.toolbox.start()
 
 
+def image_decoder(max_pixels: int) -> ImageDecoder:
+    """The vision engine's decoder: an image's bytes to its RGB pixels (a PIL image), within
+    vision.max_image_pixels (vision/images.py; Pillow is imported only here, for a vision model)."""
+    from .vision.images import decode_image
+
+    def decode(data: bytes, where: str) -> Any:
+        return decode_image(data, where=where, max_pixels=max_pixels).pixels
+
+    return decode
+
+
 def wire(
     config: WorkerConfig,
     engine: Engine,
@@ -103,14 +115,15 @@ def wire(
     *,
     tools: ToolSupport | None = None,
     transport_class: type[MqttTransport] = MqttTransport,
-    decode_image: ImageDecoder = keep_bytes,
+    decode_image: ImageDecoder | None = None,
 ) -> Parts:
     """The parts of one worker on this event loop, not started: the transport from ``config``'s
     [mqtt] section (``transport_class``: a test's subclass that records what it does), the
     intake where ``history.store`` is redis, and the Service on ``store`` (``tools``: how the
     model calls tools; None: it does not). ``stop_requested``:
     how the service and the intake ask the worker to stop (with an exit code). ``decode_image``:
-    how an image's bytes become the pixels the engine takes (a vision engine's decoder)."""
+    how an image's bytes become the pixels the engine takes (default: vision/images.py's bounded
+    decoder where the engine takes images)."""
     topics = Topics(config.mqtt.topic_prefix)
     worker_id = config.effective_worker_id
     settings = MqttSettings.from_config(config, topics, worker_id)
@@ -126,6 +139,8 @@ def wire(
     # Watched only where topics are configured (and the model takes images: else every request
     # naming one is refused before its topics are read).
     vision_topics = VisionTopics(config.vision, transport) if config.vision.topics and engine.info.vision else None
+    if decode_image is None:
+        decode_image = image_decoder(config.vision.max_image_pixels) if engine.info.vision else keep_bytes
     service = Service(
         config,
         engine,

@@ -272,3 +272,24 @@ def test_the_wiring_watches_vision_topics_only_where_configured_on_a_vision_mode
         assert (await parts({"topics": [topic]}, FakeEngine())).vision_topics is None
 
     asyncio.run(scenario())
+
+
+def test_a_vision_engine_is_wired_to_the_bounded_decoder() -> None:
+    from devtools.fakes import FAKE_VISION, FakeEngine, WordRenderer
+    from worker.config.models import WorkerConfig
+    from worker.store.memory import MemoryStore
+    from worker.wiring import wire
+
+    async def scenario() -> None:
+        config = WorkerConfig.model_validate({"engine": {"model": "fake"}, "vision": {"max_image_pixels": 100}})
+        decode = wire(config, FakeEngine(FAKE_VISION), WordRenderer(), MemoryStore(), lambda code: None).service
+        pixels = decode.turns.decode_image(picture(size=(8, 6)), "images.0")
+        assert pixels.size == (8, 6) and pixels.mode == "RGB"  # a PIL image, as the engine takes it
+        try:
+            decode.turns.decode_image(picture(size=(20, 20)), "images.0")
+        except ValueError as exc:
+            assert "'images.0'" in str(exc)
+        else:
+            raise AssertionError("an image over max_image_pixels was decoded")
+
+    asyncio.run(scenario())
