@@ -9,13 +9,14 @@ import base64
 import hashlib
 import io
 import json
+from typing import Any
 
 from PIL import Image
 
 from devtools.fakes import FakeToolbox, Harness
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import tool_support
-from worker.session import ToolResultMessage, message_from_dict
+from worker.session import ToolCall, ToolResultMessage, message_from_dict
 from worker.tools.mcp import result_outcome
 from worker.tools.mqtt import _image_answer
 from worker.tools.port import ToolOutcome, WorkerTool
@@ -95,3 +96,34 @@ def test_a_tool_loops_progress_keeps_its_turns_images_for_a_redelivery() -> None
     turn = Turn("k", [UserMessage("look", (ImageRef(sha, "image/png"),))])
     read = decode_progress("u/s", encode_progress(Progress(turn, {}, {sha: StoredImage(png, "image/png")})))
     assert read.turn == turn and read.images[sha].data == png
+
+
+def test_the_vision_template_renders_one_placeholder_per_stored_image(tmp_path: Any) -> None:
+    """The turns' images as the tiny Qwen2-VL's chat template renders them: one whole
+    placeholder per image ref, user and tool images alike, in the order the engine gets them."""
+    from devtools.tinyvision import IMAGE_PAD, VISION_END, VISION_START, generate_tiny_vision_model
+    from worker.engine.tokenizer import ChatTokenizer
+    from worker.session import ImageRef, SessionHistory, Turn, UserMessage, assistant_message
+
+    renderer = ChatTokenizer(str(generate_tiny_vision_model(tmp_path / "vl")))
+    door, yard = ImageRef("d" * 64, "image/png"), ImageRef("y" * 64, "image/png", 4)
+    call = ToolCall("call_1", "door_camera", {})
+    history = SessionHistory(
+        turns=[
+            Turn(
+                "k",
+                [
+                    UserMessage("see this", (door, yard)),
+                    assistant_message("", [call]),
+                    ToolResultMessage("call_1", "door_camera", "[image/png, 3 bytes]", (door,)),
+                ],
+            )
+        ]
+    )
+    text = renderer.render_text(history.messages(), add_generation_prompt=True)
+    placeholder = VISION_START + IMAGE_PAD + VISION_END
+    assert text.count(IMAGE_PAD) == len(history.image_refs()) == 3
+    assert placeholder + "see " + placeholder + "this" in text
+    ids = renderer.render(history.messages(), add_generation_prompt=True)
+    pad = renderer.hf_tokenizer.convert_tokens_to_ids(IMAGE_PAD)
+    assert ids.count(pad) == 3
