@@ -293,3 +293,24 @@ def test_a_vision_engine_is_wired_to_the_bounded_decoder() -> None:
             raise AssertionError("an image over max_image_pixels was decoded")
 
     asyncio.run(scenario())
+
+
+def test_a_bad_image_is_refused_before_the_engine_and_the_session_is_unchanged() -> None:
+    from worker.wiring import image_decoder
+
+    async def scenario() -> None:
+        h = Harness(vision_engine=True)
+        h.service.turns.decode_image = image_decoder(50_000_000)
+        good = picture()
+        h.transport.deliver("chat/u/s/request", {"message": parts("a", good), "maxTokens": 2, "requestId": "a"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 1)
+        truncated = picture(size=(64, 64), noise=1)[:300]
+        h.transport.deliver("chat/u/s/request", {"message": parts("b", truncated), "maxTokens": 2, "requestId": "b"})
+        await h.run_until(lambda: len(h.transport.replies("s")) == 2)
+        refused = h.transport.replies("s")[1]
+        assert refused["error"]["code"] == "invalid_request" and "truncated" in refused["error"]["message"]
+        assert len(h.engine.requests) == 1
+        history = h.service.sessions.store.load("u/s")
+        assert history is not None and [t.user for t in history.turns] == ["a"] and set(history.images) == {sha(good)}
+
+    asyncio.run(scenario())
