@@ -51,7 +51,7 @@ from loguru import logger
 from . import __version__
 from .config.loader import render_toml
 from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
-from .engine.port import ServedEngine, ToolSupport, WarmupPlan
+from .engine.port import ServedEngine, ToolSupport, VisionSettings, WarmupPlan
 from .protocol.topics import Topics
 from .system.children import remove_files
 from .system.logs import route_library_logging
@@ -86,8 +86,12 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
     """The worker's engine: vLLM in this process (imported by the start's import phase)."""
     from .engine.vllm import VllmEngine
 
+    vision = VisionSettings(
+        max_pixels=config.vision.max_pixels, max_images_in_prompt=config.vision.max_images_in_prompt
+    )
     return await VllmEngine.start(
         config.engine,
+        vision=vision,
         stop_token_ids=stop_token_ids,
         json_disable_any_whitespace=config.generation.json_disable_any_whitespace,
         progress_bars=config.logging.vllm_level in ("DEBUG", "INFO"),
