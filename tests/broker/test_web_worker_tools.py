@@ -162,7 +162,11 @@ def test_the_page_shows_worker_calls_as_they_run_and_asks_before_a_confirmed_one
     shown = list(dict.fromkeys(lines))  # a line is drawn again on every frame of the turn
     running = shown.index("▶ sensor_read running…")
     assert shown[running + 1].startswith("✓ sensor_read ") and shown[running + 1].endswith(" ms (ok)")
-    assert shown[running + 2] == "▶ lamp_set running…" and shown[running + 3].startswith("✓ lamp_set ")
+    assert shown[running + 2] == "▶ lamp_set running…"
+    # The last call's end and the reply may come within one frame (the page draws at most once
+    # a frame, and the fake engine answers at once): then the reply's list is what shows it.
+    between = shown[running + 3 : -2]
+    assert between == [] or (len(between) == 1 and between[0].startswith("✓ lamp_set ")), shown
     assert shown[-2:] == [text for _, text in turn["workerCalls"]]
 
     # A call that needs confirmation: Approve runs it.
