@@ -136,6 +136,8 @@ def summarize(records: list[Record], wall_s: float) -> dict[str, Any]:
 def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]:
     config_path = model_dir / "config.json"
     geometry = json.loads(config_path.read_text()) if config_path.exists() else {}
+    # A vision model's (Qwen2-VL, Qwen3-VL) sizes are its text part's.
+    geometry = {**geometry, **geometry.get("text_config", {})}
     keys = (
         "hidden_size",
         "num_hidden_layers",

@@ -22,6 +22,9 @@ not fit one command continues where it stopped):
              AsyncLLM, at the limits the worker had before (128 seqs, 2048 tokens; bench/burst.py)
   burst_new  the same at the limits the worker chooses now, at 1 to 2,000 sessions
   burst_off  burst_new's limits with admission off (every request to vLLM at once): the worker only
+  vision     sessions that each send one 1024x768 JPEG and then a text turn (1, 16, 64 at once),
+             through the worker and raw AsyncLLM: images/s, TTFT, the second turn's cache hit,
+             the event loop's lag (bench/vision.py; a vision model: --geometry qwen3-vl-2b)
 """
 
 from __future__ import annotations
@@ -320,6 +323,12 @@ def _burst(run: PhaseRun, *, name: str) -> dict[str, Any]:
     return burst_phase(run.profile, run.model, run.out, run.mosquitto, name)
 
 
+def _vision(run: PhaseRun) -> dict[str, Any]:
+    from .vision import vision_phase
+
+    return vision_phase(run.profile, run.model, run.out, run.mosquitto)
+
+
 # The phases, in the order of the module's docstring: each returns what OUT/<phase>.json holds
 # (None: the phase writes its own files). --phases takes these names only.
 PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
@@ -336,6 +345,7 @@ PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
     "burst_old": functools.partial(_burst, name="old"),
     "burst_new": functools.partial(_burst, name="new"),
     "burst_off": functools.partial(_burst, name="off"),
+    "vision": _vision,
 }
 # The phases whose results capacity.md reports (and that need no report of their own).
 CAPACITY_PHASES = ("capacity", "capacity_offload", "fp8", "returning", "returning_offload")
@@ -405,7 +415,11 @@ def main(argv: list[str] | None = None) -> int:
         from .burst import write_burst_report
 
         write_burst_report(out, [phase.removeprefix("burst_") for phase in BURST_PHASES])
-    if set(args.phases) - set(CAPACITY_PHASES) - set(BURST_PHASES):
+    if "vision" in args.phases:
+        from .vision import write_vision_report
+
+        write_vision_report(out)
+    if set(args.phases) - set(CAPACITY_PHASES) - set(BURST_PHASES) - {"vision"}:
         from .report import write_report
 
         write_report(out)
@@ -426,10 +440,14 @@ def restart_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> d
 
 def prepare_model(geometry: str | None, out: Path) -> Path:
     from devtools.tinymodel import generate_geometry_model, generate_tiny_model
+    from devtools.tinyvision import GEOMETRIES as VISION_GEOMETRIES
+    from devtools.tinyvision import generate_vision_geometry_model
 
     model = REPO / ".cache" / "models" / (geometry or "tiny")
     if not (model / "config.json").exists():
-        if geometry:
+        if geometry in VISION_GEOMETRIES:
+            generate_vision_geometry_model(model, geometry)
+        elif geometry:
             generate_geometry_model(model, geometry)
         else:
             generate_tiny_model(model)

@@ -79,6 +79,12 @@ class Profile:
     )
     burst_worker_only: tuple[str, ...] = ("off",)  # limits settings run through the worker alone
     burst_first: int = 320  # the first burst after the start (its tok/s against the later one's)
+    # The vision phase (bench/vision.py): sessions at once, each with one 1024x768 image, after a
+    # warm-up of vision_warmup sessions; the replies' tokens (short: the image's prefill and
+    # encoding are what is measured).
+    vision_sessions: tuple[int, ...] = (1, 16, 64)
+    vision_warmup: int = 4
+    vision_max_tokens: int = 32
 
     def engine_config(self, model: Path, **overrides: Any) -> EngineConfig:
         settings = {**self.engine_overrides, **overrides}
@@ -135,6 +141,9 @@ PROFILES: dict[str, Profile] = {
         decode_tokens=128,
         multi_concurrency=(1, 4, 8),
         tensor_parallel_size=1,  # the CPU engine: --visible-devices is set, nothing is split
+        vision_sessions=(1, 4),
+        vision_warmup=1,
+        vision_max_tokens=16,
     ),
     # CI: does every phase run end to end? No timing is asserted.
     "smoke": Profile(
@@ -169,6 +178,9 @@ PROFILES: dict[str, Profile] = {
         burst_first=4,
         burst_prompt_tokens=60,
         burst_max_tokens=8,
+        vision_sessions=(1, 2),
+        vision_warmup=1,
+        vision_max_tokens=8,
     ),
     # One H100/H200 with vLLM 0.26: worker defaults (CUDA graphs, prefix caching) and a context
     # long enough for ten turns without trimming in the "before" pattern.

@@ -30,7 +30,17 @@ token per 32x32 pixels).
 The CPU attention backend needs a block size that is a multiple of 32 (the engine's
 ``block_size``, as for the text model).
 
-Usage: ``python -m devtools.tinyvision OUTDIR [--family {qwen2-vl,qwen3-vl}] [--natural-stops]``.
+With ``geometry="qwen3-vl-2b"`` (:func:`generate_vision_geometry_model`): Qwen3-VL-2B-Instruct's
+published sizes and *no weights*, for GPU benchmarks with ``load_format="dummy"``: the text part
+of hidden 2048, 28 layers, 16 query and 8 KV heads of head_dim 128, intermediate 6144, vocab
+151936 (tied), interleaved multimodal rotary sections [24, 20, 20]; a vision tower of depth 24,
+width 1024, 16 heads, intermediate 4096, 16-pixel patches merged 2x2 to the text's 2048,
+2304 learned positions (48x48) and deepstack from layers 5, 11 and 17; the real processor
+settings (as above) and a byte-level BPE tokenizer of exactly the vocab (devtools/tinymodel.py
+geometry tokenizer) with the four vision tokens.
+
+Usage: ``python -m devtools.tinyvision OUTDIR [--family {qwen2-vl,qwen3-vl}] [--natural-stops]``
+or ``python -m devtools.tinyvision OUTDIR --geometry qwen3-vl-2b``.
 """
 
 from __future__ import annotations
@@ -46,6 +56,7 @@ from devtools.tinymodel import (
     IM_END,
     SEED,
     SPECIAL_TOKENS,
+    _build_geometry_tokenizer,
     _build_tokenizer,
     _tokenizer_config,
     chat_template,
@@ -251,8 +262,18 @@ def generate_tiny_vision_model(
     outdir.mkdir(parents=True, exist_ok=True)
     tok = _build_tokenizer(DEFAULT_VOCAB_SIZE)
     tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    _write_tokenizer_and_processor(outdir, tok, family, think)
+    ids = {t: int(tok.token_to_id(t)) for t in (*SPECIAL_TOKENS, *VISION_TOKENS)}
+    rare = tuple(ids[t] for t in SPECIAL_TOKENS) if rare_end_of_turn else ()
+    _write_model(outdir, int(tok.get_vocab_size()), ids, rare, family)
+    return outdir
+
+
+def _write_tokenizer_and_processor(outdir: Path, tok: Any, family: str, think: bool, max_length: int = 4096) -> None:
+    """tokenizer.json, tokenizer_config.json (the vision chat template), chat_template.jinja
+    and the processor configs of ``family``."""
     tok.save(str(outdir / "tokenizer.json"))
-    tok_config = _tokenizer_config(tok, think)
+    tok_config = _tokenizer_config(tok, think) | {"model_max_length": max_length}
     for token in VISION_TOKENS:
         tok_config["added_tokens_decoder"][str(tok.token_to_id(token))] = {
             "content": token,
@@ -269,9 +290,90 @@ def generate_tiny_vision_model(
     (outdir / "chat_template.jinja").write_text(template, encoding="utf-8")
     for name, content in _processor_configs(family).items():
         (outdir / name).write_text(json.dumps(content, indent=2) + "\n", encoding="utf-8")
+
+
+# Qwen3-VL-2B-Instruct's published config.json (text_config, vision_config): what a benchmark
+# of the model users run needs, the weights being vLLM's dummy ones.
+GEOMETRIES: dict[str, dict[str, dict[str, Any]]] = {
+    "qwen3-vl-2b": {
+        "text": {
+            "hidden_size": 2048,
+            "num_hidden_layers": 28,
+            "num_attention_heads": 16,
+            "num_key_value_heads": 8,
+            "head_dim": 128,
+            "intermediate_size": 6144,
+            "vocab_size": 151936,
+            "max_position_embeddings": 262144,
+            "rms_norm_eps": 1e-6,
+            "hidden_act": "silu",
+            "rope_parameters": {
+                "rope_type": "default",
+                "rope_theta": 5000000.0,
+                "mrope_section": [24, 20, 20],
+                "mrope_interleaved": True,
+            },
+            "tie_word_embeddings": True,
+        },
+        "vision": {
+            "depth": 24,
+            "hidden_size": 1024,
+            "intermediate_size": 4096,
+            "num_heads": 16,
+            "hidden_act": "gelu_pytorch_tanh",
+            "in_channels": 3,
+            "patch_size": QWEN3_PATCH,
+            "spatial_merge_size": MERGE,
+            "temporal_patch_size": 2,
+            "out_hidden_size": 2048,
+            "num_position_embeddings": 2304,
+            "deepstack_visual_indexes": [5, 11, 17],
+        },
+    },
+}
+
+
+def generate_vision_geometry_model(outdir: Path, geometry: str, *, think: bool = False) -> Path:
+    """Write a weightless Qwen3-VL model directory of a real geometry (a ``GEOMETRIES`` key)
+    into ``outdir`` (created if missing); return it. Load it with ``load_format="dummy"``."""
+    if geometry not in GEOMETRIES:
+        raise ValueError(f"geometry {geometry!r}: one of {', '.join(GEOMETRIES)}")
+    import transformers
+    from tokenizers import AddedToken
+
+    sizes = GEOMETRIES[geometry]
+    vocab_size = int(sizes["text"]["vocab_size"])
+    outdir = Path(outdir)
+    outdir.mkdir(parents=True, exist_ok=True)
+    # The geometry tokenizer fills the vocab but for the four vision tokens, added last.
+    tok = _build_geometry_tokenizer(vocab_size - len(VISION_TOKENS))
+    tok.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in VISION_TOKENS])
+    if tok.get_vocab_size() != vocab_size:
+        raise AssertionError(f"tokenizer has {tok.get_vocab_size()} ids, wanted {vocab_size}")
+    _write_tokenizer_and_processor(outdir, tok, "qwen3-vl", think, max_length=32768)
     ids = {t: int(tok.token_to_id(t)) for t in (*SPECIAL_TOKENS, *VISION_TOKENS)}
-    rare = tuple(ids[t] for t in SPECIAL_TOKENS) if rare_end_of_turn else ()
-    _write_model(outdir, int(tok.get_vocab_size()), ids, rare, family)
+    tf: Any = transformers
+    config = tf.Qwen3VLConfig(
+        text_config={
+            **sizes["text"],
+            "bos_token_id": None,
+            "eos_token_id": ids[IM_END],
+            "pad_token_id": ids[ENDOFTEXT],
+            "dtype": "bfloat16",
+        },
+        vision_config=sizes["vision"],
+        image_token_id=ids[IMAGE_PAD],
+        video_token_id=ids[VIDEO_PAD],
+        vision_start_token_id=ids[VISION_START],
+        vision_end_token_id=ids[VISION_END],
+        tie_word_embeddings=True,
+    )
+    data = config.to_dict()
+    # vLLM reads the architecture and the weights' dtype from config.json (no weights here).
+    data |= {"architectures": ["Qwen3VLForConditionalGeneration"], "dtype": "bfloat16", "torch_dtype": "bfloat16"}
+    (outdir / "config.json").write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    generation = {"bos_token_id": None, "do_sample": False, "eos_token_id": ids[IM_END], "pad_token_id": ids[ENDOFTEXT]}
+    (outdir / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n", encoding="utf-8")
     return outdir
 
 
@@ -283,7 +385,11 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--natural-stops", action="store_true", help="let replies end by themselves (1 in vocab/2 tokens)"
     )
+    parser.add_argument("--geometry", choices=sorted(GEOMETRIES), help="real geometry, no weights (load_format=dummy)")
     args = parser.parse_args(argv)
+    if args.geometry is not None:
+        print(generate_vision_geometry_model(args.outdir, args.geometry, think=args.think))
+        return
     print(
         generate_tiny_vision_model(
             args.outdir, family=args.family, rare_end_of_turn=not args.natural_stops, think=args.think
