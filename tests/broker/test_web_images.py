@@ -16,25 +16,13 @@ from typing import Any
 import pytest
 from PIL import Image
 
-from devtools.browser import chromium, console_errors, open_page, served_page, wait
+from devtools.browser import console_errors, open_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from worker.protocol.images import ImageLimits
 from worker.protocol.messages import parse_chat_request
 
 PREFIX = "webimages"
-
-
-@pytest.fixture(scope="module")
-def page_server() -> Iterator[str]:
-    with served_page() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with chromium(tmp_path_factory.mktemp("chromium")) as driver:
-        yield driver
 
 
 @pytest.fixture

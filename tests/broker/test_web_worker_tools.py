@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from devtools.browser import chromium, console_errors, open_page, served_page, wait
+from devtools.browser import console_errors, open_page, wait
 from devtools.devices import SimulatedDevices
 from devtools.fakes import FakeEngine
 from devtools.inproc import LiveWorker
@@ -54,18 +54,6 @@ new MutationObserver((records) => {
 def call(name: str, arguments: dict[str, Any] | None = None) -> str:
     """A call as the model writes it (Hermes style)."""
     return f'<tool_call>\n{{"name": "{name}", "arguments": {json.dumps(arguments or {})}}}\n</tool_call>'
-
-
-@pytest.fixture(scope="module")
-def page_server() -> Iterator[str]:
-    with served_page() as url:
-        yield url
-
-
-@pytest.fixture(scope="module")
-def browser(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
-    with chromium(tmp_path_factory.mktemp("chromium")) as driver:
-        yield driver
 
 
 @pytest.fixture
