@@ -98,6 +98,28 @@ _RENDER_CONTENT = (
 )
 
 
+# The engine-tier tests' bound: an image is a few dozen tokens (one per 28x28 pixels after scaling).
+TEST_MAX_PIXELS = 28 * 28 * 64
+
+
+def tiny_engine_settings(model: Path) -> tuple[Any, Any]:
+    """The engine configuration and image settings the engine-tier tests start the tiny vision
+    model with: CPU-sized (256 MiB of KV cache, 4 sequences), eager, the tests' block size."""
+    from devtools.worker_process import BLOCK_SIZE
+    from worker.config.models import EngineConfig
+    from worker.engine.port import VisionSettings
+
+    config = EngineConfig(
+        model=str(model),
+        enforce_eager=True,
+        block_size=BLOCK_SIZE,
+        max_model_len=2048,
+        max_num_seqs=4,
+        extra={"kv_cache_memory_bytes": 256 * 1024 * 1024},
+    )
+    return config, VisionSettings(max_pixels=TEST_MAX_PIXELS, max_images_in_prompt=2, processor_cache_gib=0.25)
+
+
 def vision_chat_template(think: bool = False) -> str:
     """The tiny model's ChatML tools template (devtools/tinymodel.py chat_template) with every
     message's content rendered by ``render_content``: strings as before, lists of parts with

@@ -18,9 +18,15 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from devtools.tinyvision import IMAGE_PAD, VISION_END, VISION_START, generate_tiny_vision_model
+from devtools.tinyvision import (
+    IMAGE_PAD,
+    TEST_MAX_PIXELS,
+    VISION_END,
+    VISION_START,
+    generate_tiny_vision_model,
+    tiny_engine_settings,
+)
 from devtools.worker_process import BLOCK_SIZE
-from worker.config.models import EngineConfig
 from worker.engine.port import (
     EngineImage,
     EngineInfo,
@@ -30,14 +36,12 @@ from worker.engine.port import (
     ImagesRejected,
     SamplingOptions,
     VisionInfo,
-    VisionSettings,
 )
 
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 4
-# A small bound, so that an image is a few dozen tokens (one per 28x28 pixels after scaling).
-MAX_PIXELS = 28 * 28 * 64
+MAX_PIXELS = TEST_MAX_PIXELS
 # The tokens of a 300x200 picture at MAX_PIXELS: scaled (keeping its aspect) in steps of one
 # token's pixels, 28 (Qwen2-VL: 252x168, 9x6 tokens) or 32 (Qwen3-VL: 256x160, 8x5 tokens).
 IMAGE_TOKENS = {"qwen2-vl": 54, "qwen3-vl": 40}
@@ -52,15 +56,7 @@ class Engine:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        config = EngineConfig(
-            model=str(model),
-            enforce_eager=True,
-            block_size=BLOCK_SIZE,
-            max_model_len=2048,
-            max_num_seqs=4,
-            extra={"kv_cache_memory_bytes": 256 * 1024 * 1024},
-        )
-        settings = VisionSettings(max_pixels=MAX_PIXELS, max_images_in_prompt=2, processor_cache_gib=0.25)
+        config, settings = tiny_engine_settings(model)
         self.engine = self.run(VllmEngine.start(config, stop_token_ids=[], progress_bars=False, vision=settings))
 
     def run(self, coroutine: Any, timeout: float = 600) -> Any:

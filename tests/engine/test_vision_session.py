@@ -15,18 +15,17 @@ import pytest
 from PIL import Image
 
 from devtools.fakes import MemoryTransport
-from devtools.tinyvision import generate_tiny_vision_model
+from devtools.tinyvision import TEST_MAX_PIXELS, generate_tiny_vision_model, tiny_engine_settings
 from devtools.worker_process import BLOCK_SIZE
-from worker.config.models import EngineConfig, WorkerConfig
+from worker.config.models import WorkerConfig
 from worker.core.service import Service
-from worker.engine.port import VisionSettings
 from worker.engine.tokenizer import ChatTokenizer
 from worker.store.sqlite import SqliteStore
 from worker.wiring import image_decoder
 
 pytestmark = pytest.mark.e2e
 
-MAX_PIXELS = 28 * 28 * 64
+MAX_PIXELS = TEST_MAX_PIXELS
 QUESTION = "Is anyone at the door? Look at the picture of the front door camera and say who is there, if anyone."
 
 
@@ -46,15 +45,7 @@ def test_an_image_is_kept_resent_cached_and_survives_a_restart(tmp_path: Path) -
     )
 
     async def scenario() -> list[dict[str, Any]]:
-        engine_config = EngineConfig(
-            model=str(model),
-            enforce_eager=True,
-            block_size=BLOCK_SIZE,
-            max_model_len=2048,
-            max_num_seqs=4,
-            extra={"kv_cache_memory_bytes": 256 * 1024 * 1024},
-        )
-        settings = VisionSettings(max_pixels=MAX_PIXELS, max_images_in_prompt=2, processor_cache_gib=0.25)
+        engine_config, settings = tiny_engine_settings(model)
         engine = await VllmEngine.start(engine_config, stop_token_ids=[], progress_bars=False, vision=settings)
         renderer = ChatTokenizer(str(model))
         transport = MemoryTransport()
