@@ -11,7 +11,7 @@ import json
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -209,3 +209,17 @@ async def transport_on(port: int, **settings: Any) -> AsyncIterator[MqttTranspor
         yield transport
     finally:
         await transport.close(1)
+
+
+@contextlib.contextmanager
+def pretend_worker(port: int, prefix: str, *also: str) -> Iterator[Client]:
+    """A worker that only says it is ``online`` (a retained status under ``prefix``, removed
+    after) so that the chat clients send, and a client that sees what they send: the requests
+    under ``prefix`` and the ``also`` kinds of message (``control``)."""
+    watch = Client(port, [f"{prefix}/+/+/request", *(f"{prefix}/+/+/{kind}" for kind in also)])
+    watch.publish(f"{prefix}/_worker/pretend/status", b"online", retain=True)
+    try:
+        yield watch
+    finally:
+        watch.publish(f"{prefix}/_worker/pretend/status", b"", retain=True)
+        watch.close()

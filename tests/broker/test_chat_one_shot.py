@@ -16,6 +16,7 @@ import pytest
 from devtools.chat_terminal import run_chat
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.mqtt_client import pretend_worker as pretend_worker_on
 from worker.chat.cli import ONE_SHOT_MAX_TOKENS
 
 PREFIX = "oneshot"
@@ -23,11 +24,8 @@ PREFIX = "oneshot"
 
 @pytest.fixture
 def pretend_worker(broker: Mosquitto) -> Iterator[Client]:
-    watch = Client(broker.port, [f"{PREFIX}/+/+/request"])
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"online", retain=True)
-    yield watch
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"", retain=True)
-    watch.close()
+    with pretend_worker_on(broker.port, PREFIX) as watch:
+        yield watch
 
 
 def ask(broker: Mosquitto, worker: Client, args: list[str], finish_reason: str) -> tuple[dict[str, Any], Any]:

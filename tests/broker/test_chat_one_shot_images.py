@@ -17,6 +17,7 @@ from PIL import Image
 from devtools.chat_terminal import run_chat
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.mqtt_client import pretend_worker as pretend_worker_on
 from worker.protocol.images import ImageLimits
 from worker.protocol.messages import parse_chat_request
 
@@ -25,11 +26,8 @@ PREFIX = "chatimages"
 
 @pytest.fixture
 def pretend_worker(broker: Mosquitto) -> Iterator[Client]:
-    watch = Client(broker.port, [f"{PREFIX}/+/+/request"])
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"online", retain=True)
-    yield watch
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"", retain=True)
-    watch.close()
+    with pretend_worker_on(broker.port, PREFIX) as watch:
+        yield watch
 
 
 def test_the_one_shot_client_sends_its_images_with_the_message(

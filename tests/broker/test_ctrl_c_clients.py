@@ -18,6 +18,7 @@ from devtools import REPO
 from devtools.chat_terminal import PROMPT, Chat, chat_command
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.mqtt_client import pretend_worker as pretend_worker_on
 
 
 def spawn(command: list[str]) -> pexpect.spawn:
@@ -36,11 +37,8 @@ def ended(child: pexpect.spawn) -> tuple[int, str]:
 def pretend_worker(broker: Mosquitto) -> Iterator[Client]:
     """A retained ``online`` status on the prefix ``ctrlc`` (removed after), and a watcher of
     what the client publishes there."""
-    watch = Client(broker.port, ["ctrlc/+/+/request", "ctrlc/+/+/control"])
-    watch.publish("ctrlc/_worker/pretend/status", b"online", retain=True)
-    yield watch
-    watch.publish("ctrlc/_worker/pretend/status", b"", retain=True)
-    watch.close()
+    with pretend_worker_on(broker.port, "ctrlc", "control") as watch:
+        yield watch
 
 
 def test_one_shot_chat_ctrl_c_cancels_its_request_and_exits_130(broker: Mosquitto, pretend_worker: Client) -> None:

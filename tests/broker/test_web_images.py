@@ -19,6 +19,7 @@ from PIL import Image
 from devtools.browser import console_errors, open_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.mqtt_client import pretend_worker as pretend_worker_on
 from worker.protocol.images import ImageLimits
 from worker.protocol.messages import parse_chat_request
 
@@ -27,11 +28,8 @@ PREFIX = "webimages"
 
 @pytest.fixture
 def requests(broker: Mosquitto) -> Iterator[Client]:
-    watch = Client(broker.port, [f"{PREFIX}/+/+/request"])
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"online", retain=True)
-    yield watch
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"", retain=True)
-    watch.close()
+    with pretend_worker_on(broker.port, PREFIX) as watch:
+        yield watch
 
 
 def picture(color: tuple[int, int, int], fmt: str = "PNG", size: tuple[int, int] = (300, 200)) -> bytes:

@@ -16,6 +16,7 @@ import pytest
 from devtools.browser import console_errors, open_page, wait
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
+from devtools.mqtt_client import pretend_worker as pretend_worker_on
 from devtools.waiting import PATIENCE
 
 PREFIX = "sampling"
@@ -23,11 +24,8 @@ PREFIX = "sampling"
 
 @pytest.fixture
 def requests(broker: Mosquitto) -> Iterator[Client]:
-    watch = Client(broker.port, [f"{PREFIX}/+/+/request"])
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"online", retain=True)
-    yield watch
-    watch.publish(f"{PREFIX}/_worker/pretend/status", b"", retain=True)
-    watch.close()
+    with pretend_worker_on(broker.port, PREFIX) as watch:
+        yield watch
 
 
 def sent(page: str, browser: Any, broker: Mosquitto, requests: Client, session: str, **params: str) -> dict[str, Any]:
