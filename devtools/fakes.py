@@ -60,6 +60,9 @@ class WordRenderer:
     def count_text(self, text: str) -> int:
         return len(text.split())
 
+    def decode(self, ids: Sequence[int]) -> str:
+        return "".join(f"w{i} " for i in ids)  # the FakeEngine's words: token id i is "w{i} "
+
     async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         pass
 
@@ -99,6 +102,9 @@ class FakeEngine:
         # request id part -> the texts of its generations in turn (a tool loop generates again)
         self.rounds: dict[str, list[str]] = {}
         self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
+        # Tokens per update (with their ids when over 1): vLLM hands a reader that lags behind
+        # the engine several steps' tokens in one output.
+        self.tokens_per_update = 1
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
@@ -123,19 +129,22 @@ class FakeEngine:
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
-            for i in range(request.sampling.max_tokens):
+            step, limit = self.tokens_per_update, request.sampling.max_tokens
+            for start in range(0, limit, step):
                 await asyncio.sleep(0.01)
                 if request.request_id in self.aborted:
-                    yield GenerationUpdate("", i, len(request.prompt_token_ids), 0, True, "cancelled")
+                    yield GenerationUpdate("", start, len(request.prompt_token_ids), 0, True, "cancelled")
                     return
-                done = i + 1 == request.sampling.max_tokens
+                ids = tuple(range(start, min(start + step, limit)))
+                done = ids[-1] + 1 == limit
                 yield GenerationUpdate(
-                    f"w{i} ",
-                    i + 1,
+                    "".join(f"w{i} " for i in ids),
+                    ids[-1] + 1,
                     len(request.prompt_token_ids) + IMAGE_TOKENS * len(request.images),
                     0,
                     done,
                     "length" if done else None,
+                    token_ids=ids if step > 1 else (),
                     image_tokens=IMAGE_TOKENS * len(request.images),
                 )
         finally:

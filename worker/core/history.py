@@ -37,6 +37,10 @@ class PromptRenderer(Protocol):
 
     def count_text(self, text: str) -> int: ...
 
+    def decode(self, ids: Sequence[int]) -> str:
+        """Generated ids as the engine writes them (special tokens skipped)."""
+        ...
+
     def render_text(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
         """The template's text that ``render`` encodes (a tool loop continues a prompt from it)."""
         ...

@@ -216,6 +216,10 @@ class ChatTokenizer:
             for part, encoding in zip(missing, encodings, strict=True):
                 self._remember(part, list(encoding.ids))
 
+    def decode(self, ids: Sequence[int]) -> str:
+        # As the engine detokenizes a generation (skip_special_tokens in engine/vllm.py).
+        return str(self._tokenizer.decode(list(ids), skip_special_tokens=True))
+
     def encode(self, text: str) -> list[int]:
         if not self._cache_segments:
             return list(self._tokenizer.encode(text, add_special_tokens=False))
