@@ -105,6 +105,10 @@ class FakeEngine:
         # Tokens per update (with their ids when over 1): vLLM hands a reader that lags behind
         # the engine several steps' tokens in one output.
         self.tokens_per_update = 1
+        # request key -> an event its generation waits for before its first token (set it on
+        # the worker's loop): a test holds a request running until it has seen what it needs
+        # happen meanwhile, instead of counting on the request taking long enough.
+        self.holds: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
@@ -129,6 +133,9 @@ class FakeEngine:
         self.running += 1
         self.most_running = max(self.most_running, self.running)
         try:
+            for key, hold in self.holds.items():
+                if names(key, request):
+                    await hold.wait()
             step, limit = self.tokens_per_update, request.sampling.max_tokens
             for start in range(0, limit, step):
                 await asyncio.sleep(0.01)

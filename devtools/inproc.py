@@ -10,7 +10,7 @@ import asyncio
 import contextlib
 import itertools
 import threading
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 from worker.config.models import WorkerConfig
@@ -21,7 +21,8 @@ from worker.transport.mqtt import MqttSettings, MqttTransport
 from worker.transport.port import InboundMessage
 from worker.wiring import wire
 
-from .fakes import FakeEngine, WordRenderer
+from .fakes import FakeEngine, WordRenderer, mentions
+from .mqtt_client import Client, Received
 from .waiting import PATIENCE, eventually
 
 T = TypeVar("T")
@@ -37,6 +38,14 @@ class RecordingTransport(MqttTransport):
         self.acked: list[InboundMessage] = []
         self.subscribed = threading.Event()
         self.subacks = 0  # one a connect: the broker has the subscriptions again
+        self.received: list[InboundMessage] = []  # what reached the loop, in order (its loop's)
+        inbox = self.inbox
+
+        def put(message: InboundMessage) -> None:
+            self.received.append(message)
+            asyncio.Queue.put_nowait(inbox, message)
+
+        inbox.put_nowait = put  # type: ignore[method-assign]
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self.connects += 1
@@ -90,6 +99,7 @@ class LiveWorker:
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._thread.start()
         self._resources = contextlib.AsyncExitStack()
+        self.closed = False
         self.call(self._start())
 
     async def _start(self) -> None:
@@ -113,9 +123,12 @@ class LiveWorker:
         self._consumer = asyncio.ensure_future(self.service.consume())
 
     def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = PATIENCE) -> T:
-        """Run work (a coroutine, or a function) on the worker's loop; its result."""
+        """Run work (a coroutine, or a function) on the worker's loop; its result. Once the
+        worker is closed its loop has stopped and its state is final: a function runs here."""
         if not asyncio.iscoroutine(work):
             function = work
+            if self.closed:
+                return function()  # type: ignore[operator]
 
             async def as_coroutine() -> Any:
                 return function()  # type: ignore[operator]
@@ -127,8 +140,14 @@ class LiveWorker:
         return f"{self.prefix}/{user}/{session}/{kind}"
 
     def idle(self) -> bool:
-        """Nothing in flight: no task, no session runtime, nothing waiting in the inbox."""
-        return self.call(lambda: not self.service._tasks and not self.service._runtime and self.transport.inbox.empty())
+        """Nothing in flight: no task, no session runtime, nothing waiting in the inbox (the
+        broker's, and in a group the intake's)."""
+
+        def idle() -> bool:
+            inboxes = [self.transport.inbox, *([self.intake.inbox] if self.intake is not None else [])]
+            return not self.service._tasks and not self.service._runtime and all(i.empty() for i in inboxes)
+
+        return self.call(idle)
 
     def wait_idle(self, timeout: float = PATIENCE) -> None:
         eventually(self.idle, "the worker did not become idle", timeout)
@@ -147,7 +166,11 @@ class LiveWorker:
 
     def close(self) -> None:
         """Stopped as the server stops: a group's member unsubscribes, running turns finish
-        (up to a second), then the transport closes (offline) and the intake leaves."""
+        (up to a second), then the transport closes (offline) and the intake leaves. Once: a
+        second call does nothing."""
+        if self.closed:
+            return
+        self.closed = True
 
         async def stop() -> None:
             self._consumer.cancel()
@@ -161,3 +184,46 @@ class LiveWorker:
         finally:
             self.loop.call_soon_threadsafe(self.loop.stop)
             self._thread.join(5)
+
+
+def settle(
+    frontend: Client,
+    workers: Sequence[LiveWorker],
+    topic: Callable[[str], str],
+    *,
+    also: Callable[[], bool] = lambda: True,
+) -> list[Received]:
+    """Stop the workers of a share group once each has handled everything published before,
+    and every answer they ever published has reached ``frontend``; the answers it has not
+    taken yet (``frontend.received``: none, where each request was answered once and the test
+    took each). For "nothing was answered twice" without a pause (the test cannot pick which
+    member the broker hands a message to):
+
+    1. Markers (requests in sessions of their own, on ``topic(session)``) one at a time,
+       each taken as answered, until every worker has generated one: the broker hands a
+       member one publisher's messages in order, and a worker takes its inbox in order (in a
+       group on Redis, routes each message before the next), so each has taken in what was
+       published before its marker.
+    2. Every worker idle, and ``also()`` (in a group on Redis: every stream empty, each entry
+       deleted once answered): whatever was taken in has been answered.
+    3. Each worker closed: its offline status, the last thing it publishes, reaches
+       ``frontend`` (subscribed to ``<prefix>/_worker/+/status``) after everything it
+       published before.
+    """
+    markers: list[str] = []
+
+    def marked(worker: LiveWorker) -> bool:
+        return any(mentions(started, marker) for started in list(worker.engine.started) for marker in markers)
+
+    while not all(marked(w) for w in workers):
+        assert len(markers) < 50, f"the broker handed {len(markers)} markers to some members only"
+        marker = f"m{len(markers):03d}settle"  # none a prefix of another
+        markers.append(marker)
+        frontend.publish(topic(marker), {"message": "marker", "maxTokens": 1, "requestId": marker})
+        frontend.wait_for(lambda m, k=marker: m.topic.endswith("/reply") and m.json().get("requestId") == k)
+    eventually(lambda: all(w.idle() for w in workers) and also(), "the workers did not finish their work")
+    for worker in workers:
+        status = worker.transport.settings.status_topic
+        worker.close()
+        frontend.wait_for(lambda m, t=status: m.topic == t and m.payload == b"offline")
+    return frontend.received(lambda m: m.topic.endswith("/reply"))

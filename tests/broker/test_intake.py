@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import collections
 import itertools
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+from loguru import logger
 
-from devtools.inproc import LiveWorker
+from devtools.inproc import LiveWorker, settle
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.redis_server import RedisServer
@@ -42,9 +43,14 @@ def prefix() -> str:
 
 @pytest.fixture
 def frontend(broker: Mosquitto, prefix: str) -> Iterator[Client]:
-    client = Client(broker.port, [f"{prefix}/+/+/reply"])
+    client = Client(broker.port, [f"{prefix}/+/+/reply", f"{prefix}/_worker/+/status"])
     yield client
     client.close()
+
+
+def emptied(redis: RedisServer, prefix: str) -> Callable[[], bool]:
+    """Whether every intake stream of the group is empty: each request taken in was answered."""
+    return lambda: redis.entries(f"{prefix}:stream:*") == 0
 
 
 def prompts_by_session(worker: LiveWorker) -> dict[str, list[int]]:
@@ -75,8 +81,10 @@ def test_a_sessions_turns_run_on_its_owner_one_at_a_time(
             reply = frontend.wait_for(lambda m: m.topic.endswith("/reply")).json()
             assert "error" not in reply, reply
             replies[reply["sessionId"]].append(reply["requestId"])
-        with pytest.raises(TimeoutError):  # nothing answered twice
-            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        # Nothing answered twice: once both members have handled everything sent before a
+        # marker of their own, every stream is empty and they have stopped, no other reply came.
+        more = settle(frontend, workers, lambda s: f"{prefix}/ann/{s}/request", also=emptied(redis_server, prefix))
+        assert [m.json()["requestId"] for m in more] == []
         for session in sessions:
             assert sorted(replies[session.split("/")[1]]) == [f"t{t}" for t in range(turns)]
         # The broker handed requests to both (each acknowledged what it received, once in
@@ -123,22 +131,28 @@ def test_requests_wait_in_the_broker_while_redis_is_away(
     redis = RedisServer(tmp_path)
     redis.start()
     worker = member(broker.port, prefix, f"{prefix}-solo", redis.url)
+    warnings: list[str] = []
+    sink = logger.add(lambda m: warnings.append(m.record["message"]), level="WARNING")
     try:
         frontend.publish(f"{prefix}/ann/s/request", {"message": "before", "maxTokens": 3, "requestId": "before"})
         assert frontend.wait_for(lambda m: m.topic.endswith("/reply")).json()["requestId"] == "before"
         redis.stop()  # a clean stop: its append-only file has everything
         frontend.publish(f"{prefix}/ann/s/request", {"message": "during", "maxTokens": 3, "requestId": "during"})
-        with pytest.raises(TimeoutError):
-            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=2)
+        # The worker has it and found Redis away: from then on it holds it until Redis takes it.
+        eventually(lambda: any("cannot queue a message" in line for line in warnings), "no retry of the message")
+        # Held there, not handed on: nothing of it runs or waits in the service.
+        assert worker.idle()
+        assert frontend.received(lambda m: m.topic.endswith("/reply")) == []
         assert worker.call(lambda: len(worker.transport.acked)) == 1  # "during" is not acknowledged
         redis.start()  # same port, same files
         reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=PATIENCE).json()
         assert reply["requestId"] == "during" and "error" not in reply, reply
-        with pytest.raises(TimeoutError):
-            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
+        more = settle(frontend, [worker], lambda s: f"{prefix}/ann/{s}/request", also=emptied(redis, prefix))
+        assert [m.json()["requestId"] for m in more] == []  # answered once
         # It ran with the turn from before the outage (in Redis's file).
         assert prompts_by_session(worker)["ann/s"][1] > prompts_by_session(worker)["ann/s"][0]
     finally:
+        logger.remove(sink)
         worker.close()
         redis.stop()
 
@@ -171,9 +185,16 @@ def test_a_worker_taken_for_dead_gives_the_first_stored_answer_and_stops(
         )
         reply = frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=PATIENCE)
         assert reply.payload == first
-        with pytest.raises(TimeoutError):
-            frontend.wait_for(lambda m: m.topic.endswith("/reply"), timeout=1)
         eventually(lambda: slow.stop_codes == [1], lambda: str(slow.stop_codes))
-    finally:
+        # Nothing else, its own answer least of all: once it has finished its work and
+        # stopped, its offline status (the last thing it publishes) came after no other reply.
+        slow.wait_idle()
         slow.call(heir.close())  # on the loop it was used on
+        status = slow.transport.settings.status_topic
+        slow.close()
+        frontend.wait_for(lambda m: m.topic == status and m.payload == b"offline")
+        assert frontend.received(lambda m: m.topic.endswith("/reply")) == []
+    finally:
+        if not slow.closed:
+            slow.call(heir.close())
         slow.close()
