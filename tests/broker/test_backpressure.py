@@ -4,9 +4,11 @@ exactly one answer while the worker's memory stays bounded."""
 
 from __future__ import annotations
 
+import asyncio
 import collections
 import json
 import threading
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -23,6 +25,7 @@ from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.waiting import PATIENCE, eventually
 from worker.config.models import LimitsConfig
+from worker.transport.port import InboundMessage
 
 
 @pytest.fixture
@@ -41,6 +44,24 @@ def answers(
 
 def code(answer: dict[str, Any]) -> str | None:
     return answer.get("error", {}).get("code")
+
+
+def held(live: LiveWorker, request_id: str) -> asyncio.Event:
+    """An event that ``request_id``'s generation waits for before its first token (release
+    it with ``live.call(event.set)``): it runs for as long as the test needs."""
+    event = asyncio.Event()
+    live.engine.holds[request_id] = event
+    return event
+
+
+def arrival(live: LiveWorker, request_id: str) -> InboundMessage:
+    """The request's message once it has reached the worker's loop (its arrival time is set)."""
+    return eventually(
+        lambda: next(
+            (m for m in list(live.transport.received) if json.loads(m.payload)["requestId"] == request_id), None
+        ),
+        f"{request_id} did not arrive",
+    )
 
 
 def test_pending_requests_are_bounded_by_receive_maximum(broker: Mosquitto, frontend: Client) -> None:
@@ -62,49 +83,73 @@ def test_pending_requests_are_bounded_by_receive_maximum(broker: Mosquitto, fron
 def test_a_session_queues_at_most_four_turns_and_others_are_served(broker: Mosquitto, frontend: Client) -> None:
     assert LimitsConfig().max_queued_per_session == 4
     live = LiveWorker(broker.port)
+    release = held(live, "c0")  # running until the test has its answers to the others
     try:
         for i in range(7):  # one runs, four wait, two are refused at once
-            frontend.publish(live.topic("bob", "chatty"), {"message": "x", "maxTokens": 30, "requestId": f"c{i}"})
+            frontend.publish(live.topic("bob", "chatty"), {"message": "x", "maxTokens": 3, "requestId": f"c{i}"})
         frontend.publish(live.topic("bob", "quiet"), {"message": "x", "maxTokens": 1, "requestId": "q"})
         first = answers(frontend, live, "chatty", 2)
         assert [(a["requestId"], code(a)) for a in first] == [("c5", "busy"), ("c6", "busy")]
         assert "queued" in first[0]["error"]["message"]
         assert code(answers(frontend, live, "quiet", 1)[0]) is None  # not behind the chatty session
+        live.call(release.set)
         rest = answers(frontend, live, "chatty", 5)
         assert [(a["requestId"], code(a)) for a in rest] == [(f"c{i}", None) for i in range(5)]
     finally:
+        live.call(release.set)
         live.close()
 
 
 def test_a_request_past_its_deadline_is_expired_not_generated(broker: Mosquitto, frontend: Client) -> None:
-    live = LiveWorker(broker.port, limits={"request_deadline": 0.3})
+    """A request that waits behind its session's running turn past request_deadline is
+    answered expired, not generated. Load-independent: "slow" is held running until "late"
+    has arrived and its deadline has passed, and request_deadline (read as each request
+    arrives) is one no loaded machine misses for the requests that do not wait, and a
+    millisecond for "late"."""
+    live = LiveWorker(broker.port, limits={"request_deadline": PATIENCE})
+    release = held(live, "slow")
     try:
-        frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 60, "requestId": "slow"})
+        frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 2, "requestId": "slow"})
+        eventually(lambda: any(mentions(r, "slow") for r in live.engine.started), "slow did not start")
+        live.call(lambda: setattr(live.config.limits, "request_deadline", 0.001))
         frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 2, "requestId": "late"})
+        late_at = arrival(live, "late").received_at
+        eventually(lambda: time.monotonic() > late_at + 0.001, "late's deadline did not pass")
+        live.call(release.set)
         slow, late = answers(frontend, live, "s1", 2)
         assert (slow["requestId"], code(slow)) == ("slow", None)
         assert (late["requestId"], code(late)) == ("late", "expired") and "waiting" in late["error"]["message"]
         assert not any(mentions(r, "late") for r in live.engine.started)
+        live.call(lambda: setattr(live.config.limits, "request_deadline", PATIENCE))
         frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 2, "requestId": "on-time"})
         assert code(answers(frontend, live, "s1", 1)[0]) is None
         live.wait_idle()
     finally:
+        live.call(release.set)
         live.close()
 
 
 def test_a_request_whose_message_expiry_passed_is_expired_not_generated(broker: Mosquitto, frontend: Client) -> None:
+    """ "brief" (MQTT Message Expiry 1 s, the shortest there is) waits behind "slow", which is
+    held running until brief's expiry has passed (load-independent)."""
     live = LiveWorker(broker.port, limits={"request_deadline": 0})
+    release = held(live, "slow")
     expiring = Properties(PacketTypes.PUBLISH)
     expiring.MessageExpiryInterval = 1
     try:
-        frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 150, "requestId": "slow"})
+        frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 2, "requestId": "slow"})
         frontend.publish(live.topic("bob", "s1"), {"message": "x", "requestId": "brief"}, properties=expiring)
         frontend.publish(live.topic("bob", "s1"), {"message": "x", "maxTokens": 2, "requestId": "patient"})
+        expires = arrival(live, "brief").expires_at
+        assert expires is not None
+        eventually(lambda: time.monotonic() > expires, "brief's expiry did not pass", interval=0.1)
+        live.call(release.set)
         slow, brief, patient = answers(frontend, live, "s1", 3)
         assert [code(slow), code(patient)] == [None, None]  # no deadline but the message's own
         assert (brief["requestId"], code(brief)) == ("brief", "expired")
         assert not any(mentions(r, "brief") for r in live.engine.started)
     finally:
+        live.call(release.set)
         live.close()
 
 
