@@ -8,11 +8,13 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from worker.core.session_cache import SessionCache
 from worker.session import ANSWERED_KEYS_PER_SESSION, ImageRef, SessionHistory, StoredImage, Turn, UserMessage
+from worker.store import memory, sqlite
 from worker.store.memory import MemoryStore
 from worker.store.port import HistoryStore, StoreUnavailable
 from worker.store.sqlite import DATABASE_NAME, SqliteStore
@@ -133,13 +135,36 @@ def test_deliveries_are_counted_until_answered(make_store: Factory, tmp_path: Pa
     assert store.count_delivery("u/s", "k") == 1
 
 
+class Clock:
+    """The wall clock of the SQLite and memory stores (their ``time`` module), moved by the
+    test: an idle time that no load on the machine stretches or shortens."""
+
+    def __init__(self) -> None:
+        self.now = time.time()
+
+    def time(self) -> float:
+        return self.now
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(time, name)
+
+
+@pytest.fixture
+def clock(monkeypatch: pytest.MonkeyPatch) -> Clock:
+    clock = Clock()
+    for module in (memory, sqlite):
+        monkeypatch.setattr(module, "time", clock)
+    return clock
+
+
 @pytest.mark.parametrize("kind", sorted(STORES))  # Redis expires keys itself: test_redisstore.py
-def test_idle_sessions_expire(kind: str, tmp_path: Path) -> None:
+def test_idle_sessions_expire(kind: str, tmp_path: Path, clock: Clock) -> None:
     store = STORES[kind](tmp_path)
     cache = SessionCache(store, capacity=10)
     cache.save("u/old", two_turns(), "k1", b"{}")
-    time.sleep(0.3)
+    clock.now += 0.3
     cache.save("u/new", two_turns(), "k1", b"{}")
+    clock.now += 0.1  # idle 0.4 s and 0.1 s
     assert cache.expire(0.2) == 1
     assert store.load("u/old") is None and store.load("u/new") is not None
     assert cache.get("u/old").turns == []  # gone from memory too
@@ -151,7 +176,7 @@ def file_bytes(directory: Path) -> bytes:
 
 
 @pytest.mark.parametrize("deletion", ["reset", "expiry"])
-def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str) -> None:
+def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str, clock: Clock) -> None:
     """Not only from the tables: SQLite leaves deleted rows in free pages and the WAL keeps
     the pages as they were, so a copy of the files would still hold the conversation."""
     store = SqliteStore(tmp_path)
@@ -165,8 +190,9 @@ def test_deleted_text_is_gone_from_the_files(tmp_path: Path, deletion: str) -> N
     if deletion == "reset":
         cache.reset("u/s")
     else:
-        time.sleep(0.3)
+        clock.now += 0.3
     cache.save("u/other", SessionHistory(None, [Turn.plain("k", "kept-marker", "x")]), "k", b"{}")
+    clock.now += 0.1
     if deletion == "expiry":
         assert cache.expire(0.2) == 1
     data = file_bytes(tmp_path)
