@@ -29,6 +29,19 @@ T = TypeVar("T")
 _ids = itertools.count()
 
 
+class RecordingInbox(asyncio.Queue[InboundMessage]):
+    """The transport's inbox, keeping a list of every message put in it: what reached the
+    worker's loop, in order, each with its arrival time."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.received: list[InboundMessage] = []
+
+    def put_nowait(self, item: InboundMessage) -> None:
+        self.received.append(item)
+        super().put_nowait(item)
+
+
 class RecordingTransport(MqttTransport):
     """The real transport, counting connects and recording which messages were acknowledged."""
 
@@ -38,14 +51,8 @@ class RecordingTransport(MqttTransport):
         self.acked: list[InboundMessage] = []
         self.subscribed = threading.Event()
         self.subacks = 0  # one a connect: the broker has the subscriptions again
-        self.received: list[InboundMessage] = []  # what reached the loop, in order (its loop's)
-        inbox = self.inbox
-
-        def put(message: InboundMessage) -> None:
-            self.received.append(message)
-            asyncio.Queue.put_nowait(inbox, message)
-
-        inbox.put_nowait = put  # type: ignore[method-assign]
+        self.inbox = RecordingInbox()
+        self.received = self.inbox.received
 
     def _on_connect(self, client: Any, userdata: Any, flags: Any, reason: Any, properties: Any) -> None:
         self.connects += 1
@@ -220,10 +227,10 @@ def settle(
         marker = f"m{len(markers):03d}settle"  # none a prefix of another
         markers.append(marker)
         frontend.publish(topic(marker), {"message": "marker", "maxTokens": 1, "requestId": marker})
-        frontend.wait_for(lambda m, k=marker: m.topic.endswith("/reply") and m.json().get("requestId") == k)
+        frontend.wait_for(lambda m: m.topic.endswith("/reply") and m.json().get("requestId") == marker)  # noqa: B023 (called at once)
     eventually(lambda: all(w.idle() for w in workers) and also(), "the workers did not finish their work")
     for worker in workers:
         status = worker.transport.settings.status_topic
         worker.close()
-        frontend.wait_for(lambda m, t=status: m.topic == t and m.payload == b"offline")
+        frontend.wait_for(lambda m: m.topic == status and m.payload == b"offline")  # noqa: B023 (called at once)
     return frontend.received(lambda m: m.topic.endswith("/reply"))

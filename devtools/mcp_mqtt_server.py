@@ -75,6 +75,7 @@ class McpMqttServer:
         self.tools = [dict(tool) for tool in TOOLS]
         self.clients: set[str] = set()
         self.calls: list[tuple[str, dict[str, Any]]] = []
+        self.lists = 0  # tools/list requests answered
         self.presence = f"{root}-server/presence/{self.server_id}/{name}"
         self.control = f"{root}-server/{self.server_id}/{name}"
         self.capability = f"{root}-server/capability/{self.server_id}/{name}"
@@ -190,6 +191,7 @@ class McpMqttServer:
             answer["result"] = {}
         elif method == "tools/list":
             answer["result"] = {"tools": self.tools}
+            self.lists += 1
         elif method == "tools/call":
             params = message.get("params") or {}
             arguments = params.get("arguments") or {}

@@ -20,6 +20,7 @@ from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, transport_on
 from devtools.net import ConnectionRecorder
+from devtools.waiting import PATIENCE
 from worker.config.models import McpMqttConfig
 from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.port import CallContext, ToolOutcome
@@ -28,10 +29,10 @@ CTX = CallContext("req-1", "req-1:0:0", "alice/s1")
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(scenario(), 120))
+    asyncio.run(asyncio.wait_for(scenario(), PATIENCE))
 
 
-async def eventually(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+async def eventually(check: Callable[[], bool], what: str, limit: float = PATIENCE) -> None:
     deadline = time.monotonic() + limit
     while not check():
         if time.monotonic() > deadline:
@@ -102,11 +103,14 @@ def test_discovery_call_and_withdrawal(broker: Mosquitto) -> None:
                 assert room.calls[0] == ("set_temperature", {"celsius": 23.5})
                 assert not other.calls and other.clients == set()
 
+                lists = room.lists
                 room.add_tool(
                     {"name": "get_humidity", "description": "Humidity, %.", "inputSchema": {"type": "object"}}
                 )
-                # not in allow: listed again, nothing changes for the model
-                await asyncio.sleep(0.5)
+                # not in allow: listed again, nothing changes for the model. The call after the
+                # list is answered after it, on the same topic: the list has been read by then.
+                await eventually(lambda: room.lists > lists, "not listed again")
+                assert await provider.call(prefix + "get_temperature", {}, CTX) == ToolOutcome("23.5 °C", "ok")
                 assert names(provider) == {prefix + "get_temperature", prefix + "set_temperature"}
 
                 room.stop()  # clears its presence
@@ -143,7 +147,7 @@ def test_a_crashed_server_is_withdrawn_by_its_will_and_list_changed_is_followed(
                 assert await provider.call(prefix + "reset", {}, CTX) == ToolOutcome("reset done", "ok")
 
                 server.crash()  # no DISCONNECT: the broker sends the will, which clears the presence
-                await eventually(lambda: not provider.tools(), "the crashed server's tools are withdrawn", limit=60)
+                await eventually(lambda: not provider.tools(), "the crashed server's tools are withdrawn")
             finally:
                 await provider.close()
 

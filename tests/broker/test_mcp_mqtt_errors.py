@@ -21,6 +21,7 @@ from devtools.faulty_mcp import ERRORS
 from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import transport_on
+from devtools.waiting import PATIENCE
 from worker.config.models import McpMqttConfig
 from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.port import CallContext, ToolOutcome
@@ -30,10 +31,10 @@ OBJECT = {"type": "object"}
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(scenario(), 120))
+    asyncio.run(asyncio.wait_for(scenario(), PATIENCE))
 
 
-async def eventually(check: Callable[[], bool], what: str, limit: float = 30.0) -> None:
+async def eventually(check: Callable[[], bool], what: str, limit: float = PATIENCE) -> None:
     deadline = time.monotonic() + limit
     while not check():
         if time.monotonic() > deadline:
@@ -59,11 +60,10 @@ def test_json_rpc_errors_of_any_shape_end_that_call_only(broker: Mosquitto) -> N
             try:
                 await eventually(lambda: any(t.name == prefix + "fail" for t in provider.tools()), "discovered")
                 for error, said in ERRORS:
-                    started = time.monotonic()
+                    # "error", not "timeout": the call ended on its answer, not on its 20 s timeout.
                     outcome = await provider.call(prefix + "fail", {"error": error}, CTX)
                     assert outcome.outcome == "error", (error, outcome)
                     assert said in outcome.content and len(outcome.content) <= 1010, (error, outcome.content[:200])
-                    assert time.monotonic() - started < 10, f"{error!r}: waited for its timeout"
                 # A healthy call at the same moment as a -32000: both end as their own.
                 healthy, busy = await asyncio.gather(
                     provider.call(prefix + "add", {"a": 2, "b": 3}, CTX),
@@ -77,11 +77,9 @@ def test_json_rpc_errors_of_any_shape_end_that_call_only(broker: Mosquitto) -> N
                 assert surrogate == ToolOutcome("21 \ud800C", "ok")
                 # An answer over max_message_bytes (1 MiB here) is not parsed: its call ends now.
                 huge = raw.replace("21 \\ud800C", "x" * 2_000_000)
-                started = time.monotonic()
                 too_large = await provider.call(prefix + "raw", {"payload": huge}, CTX)
-                assert too_large.outcome == "error", too_large.content[:300]
+                assert too_large.outcome == "error", too_large.content[:300]  # not its timeout
                 assert "over the 1048576 this worker reads" in too_large.content
-                assert time.monotonic() - started < 10
                 assert prefix + "add" in {t.name for t in provider.tools()}  # still offered
                 assert await provider.call(prefix + "add", {"a": 1, "b": 1}, CTX) == ToolOutcome("2", "ok")
             finally:

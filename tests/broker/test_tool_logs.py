@@ -26,6 +26,7 @@ from devtools.inproc import LiveWorker
 from devtools.mcp_mqtt_server import McpMqttServer
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import connect
+from devtools.waiting import PATIENCE, eventually
 from worker.engine.tokenizer import ChatTokenizer
 from worker.engine.vllm import tool_support
 
@@ -75,20 +76,17 @@ def test_no_tool_text_in_the_log_at_info(live: LiveWorker, server: McpMqttServer
 
     def ask(payload: dict[str, Any]) -> dict[str, Any]:
         client.publish(live.topic("eve", "s"), json.dumps(payload), qos=1)
-        reply = replies.get(timeout=30)
+        reply = replies.get(timeout=PATIENCE)
         assert reply.get("requestId") == payload["requestId"], reply
         return reply
 
     try:
-        deadline = 30.0
-        import time
-
-        start = time.monotonic()
-        while not live.call(
-            lambda: any(t.name.startswith(prefix) for t in live.service.turns.toolbox.available("eve").values())
-        ):  # type: ignore[union-attr]
-            assert time.monotonic() - start < deadline, "the MCP server was not discovered"
-            time.sleep(0.1)
+        eventually(
+            lambda: live.call(
+                lambda: any(t.name.startswith(prefix) for t in live.service.turns.toolbox.available("eve").values())  # type: ignore[union-attr]
+            ),
+            "the MCP server was not discovered",
+        )
         result_line = json.dumps(
             {"jsonrpc": "2.0", "id": "@ID@", "result": {"content": [{"type": "text", "text": MARKS["result"]}]}}
         ).replace('"@ID@"', "@ID@")
