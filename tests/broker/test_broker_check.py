@@ -25,7 +25,7 @@ from devtools.mqtt_client import probe_settings
 from devtools.net import free_port
 from devtools.pki import Pki, make_pki, tls_listener
 from devtools.systemd import NotifyListener
-from devtools.waiting import PATIENCE
+from devtools.waiting import PATIENCE, eventually
 from devtools.worker_process import WorkerProcess
 from worker.config.models import nvidia_gpu_present
 from worker.transport.mqtt import BrokerUnavailable, MqttSettings, MqttTransport, check_broker
@@ -99,10 +99,7 @@ def test_the_check_says_what_is_wrong(locked_broker: tuple[Mosquitto, int, int],
     # start with no expiry) and its own client id, never the worker's.
     check_broker(probe_settings(broker.port, username="worker", password="right-pass", client_id="w1"))
     check_broker(probe_settings(tls_port, tls_ca_file=pki.ca, username="worker", password="right-pass"))
-    deadline = time.monotonic() + 5
-    while "Client w1-check disconnected" not in broker.log.read_text():
-        assert time.monotonic() < deadline, broker.log.read_text()[-2000:]
-        time.sleep(0.05)
+    eventually(lambda: "Client w1-check disconnected" in broker.log.read_text(), lambda: broker.log.read_text()[-2000:])
 
 
 def test_a_port_that_accepts_and_never_answers_is_told_apart() -> None:
@@ -198,19 +195,17 @@ def test_paho_errors_while_the_broker_is_away_are_plain_warnings(tmp_path: Path)
     transport = MqttTransport(probe_settings(broker.port), loop)
     try:
         transport.start()
-        deadline = time.monotonic() + 10
-        while sum("Client is not connected" in text for _, text in records) < 2:  # two tries
-            assert time.monotonic() < deadline, records
-            time.sleep(0.05)
+
+        def tries() -> int:  # paho's failed reconnects
+            return sum("Client is not connected" in text for _, text in list(records))
+
+        eventually(lambda: tries() >= 2, lambda: str(records))  # two tries
         broker.start()
-        while not transport.connected:
-            assert time.monotonic() < deadline + 20, records
-            time.sleep(0.05)
+        eventually(lambda: transport.connected, lambda: str(records))
         broker.kill()  # the connection is lost: paho's "failed to receive on socket"
-        while transport.connected:
-            assert time.monotonic() < deadline + 30, records
-            time.sleep(0.05)
-        time.sleep(1.5)  # a reconnect attempt
+        eventually(lambda: not transport.connected, lambda: str(records))
+        before = tries()
+        eventually(lambda: tries() > before, lambda: str(records))  # a reconnect attempt, failed
     finally:
         asyncio.run_coroutine_threadsafe(transport.close(1), loop).result(10)
         loop.call_soon_threadsafe(loop.stop)
