@@ -20,6 +20,7 @@ from devtools.acl import PASSWORDS, documented_acl_broker
 from devtools.devices import SENSOR, SimulatedDevices
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, asking, connect, transport_on
+from devtools.waiting import PATIENCE
 from worker.config.models import MqttToolConfig
 from worker.tools.mqtt import DeviceTools, response_topic_for
 from worker.tools.port import CallContext
@@ -127,8 +128,9 @@ def test_a_device_that_does_not_answer_is_a_timeout(broker: Mosquitto) -> None:
 
 
 def test_a_late_answer_is_dropped_and_never_taken_for_another_call(broker: Mosquitto) -> None:
-    """The lamp answers 1.5 s late, after its call's 0.5 s timeout; a sensor call waiting at
-    that moment gets its own answer, not the lamp's."""
+    """The lamp answers after its call's 0.5 s timeout, while a sensor call waits: the sensor
+    call gets its own answer, not the lamp's. The devices are held and released by the test,
+    so the order (lamp's late answer, then the sensor's) is the test's, not the machine's."""
     p = prefix()
     dropped: list[str] = []
     sink = logger.add(
@@ -142,15 +144,19 @@ def test_a_late_answer_is_dropped_and_never_taken_for_another_call(broker: Mosqu
                 transport, [tool("lamp_set", f"{p}/lamp/set", timeout=0.5), tool("sensor", f"{p}/sensor/read")]
             ) as tools,
         ):
-            with devices_on(broker.port, prefix=p, delay_ms=1500) as devices:
+            with devices_on(broker.port, prefix=p, held=["lamp/set", "sensor/read"]) as devices:
                 late = await tools.call("lamp_set", {"on": True}, context(1))
                 assert late.outcome == "timeout"
                 assert tools.pending == 0
-                # Asked before the lamp's late answer comes, answered after it.
-                reading = await tools.call("sensor", {}, context(2))
-                assert reading.ok and json.loads(reading.content) == SENSOR, reading
-                assert len(devices.calls) == 2
-                assert dropped, "the late answer was not seen"
+                reading = asyncio.ensure_future(tools.call("sensor", {}, context(2)))
+                await asyncio.to_thread(devices.wait_until, lambda: len(devices.calls) == 2, PATIENCE)
+                devices.release("lamp/set")  # its answer comes now, while the sensor call waits
+                while not dropped and not reading.done():  # dropped, or (wrongly) taken
+                    await asyncio.sleep(0.02)
+                assert dropped and not reading.done() and tools.pending == 1, reading
+                devices.release("sensor/read")
+                outcome = await reading
+                assert outcome.ok and json.loads(outcome.content) == SENSOR, outcome
                 assert tools.pending == 0
                 assert transport.inbox.empty()
 
@@ -197,7 +203,7 @@ def test_the_response_topic_works_again_after_the_broker_lost_everything(tmp_pat
             while transport.connected:
                 await asyncio.sleep(0.05)
             lost.restart()
-            await asyncio.wait_for(transport.wait_connected(), 20)
+            await asyncio.wait_for(transport.wait_connected(), PATIENCE)
             with devices_on(lost.port, prefix=p):
                 outcome = await tools.call("sensor", {}, context(2))
                 assert outcome.ok, outcome
@@ -279,7 +285,7 @@ def test_a_retained_answer_is_refused_live_and_dropped_when_replayed(broker: Mos
             tools = DeviceTools([tool("lamp_get", f"{p}/lamp/get", timeout=20)], transport, response_topic)
             await tools.start()
             try:
-                outcome = await asyncio.wait_for(tools.call("lamp_get", {}, context(1)), 10)  # not the 20 s timeout
+                outcome = await tools.call("lamp_get", {}, context(1))  # "error": not its 20 s timeout
                 assert outcome.outcome == "error" and "retain" in outcome.content, outcome
                 assert "secret" not in outcome.content
                 assert tools.pending == 0
@@ -297,7 +303,7 @@ def test_a_retained_answer_is_refused_live_and_dropped_when_replayed(broker: Mos
                 await tools.close()
 
     try:
-        asyncio.run(asyncio.wait_for(run(), 60))
+        asyncio.run(asyncio.wait_for(run(), PATIENCE))
     finally:
         device.publish(response_topic, b"", 1, True).wait_for_publish(5)  # clear it
         device.disconnect()
