@@ -142,8 +142,7 @@ def test_redelivery_during_generation_is_answered_once() -> None:
         h.transport.deliver("chat/u/s1/request", payload, mid=7)
         await h.run_until(lambda: h.engine.running == 1)
         h.transport.deliver("chat/u/s1/request", payload, mid=7, dup=True)  # the broker redelivers it
-        await h.run_until(lambda: h.transport.replies("s1"))
-        await asyncio.sleep(0.1)
+        await h.run_until(lambda: h.transport.replies("s1") and h.transport.acked)  # answered and done
         h.transport.deliver("chat/u/s1/request", payload, mid=7, dup=True)  # and again, after the answer
         await h.run_until(lambda: len(h.transport.replies("s1")) == 2)
         first, again = h.transport.replies("s1")
