@@ -8,6 +8,7 @@ sends). Tools:
   (a lone surrogate escape, a line that is no JSON at all, ...);
 - ``echo {"text": "..."}``: answers the text;
 - ``slow {"seconds": N}``: answers "done" after N seconds (calls run at once, each in a thread);
+  ``slow {"started": PATH, "until": PATH}``: creates the first file, answers once the second exists;
 - ``pid``: its process id (a restart changes it).
 
     python devtools/faulty_mcp.py
@@ -22,6 +23,7 @@ import os
 import sys
 import threading
 import time
+from pathlib import Path
 from typing import Any
 
 OBJECT = {"type": "object"}
@@ -54,7 +56,12 @@ def call(request_id: Any, name: str, arguments: dict[str, Any]) -> None:
     elif name == "echo":
         answer(request_id, text(str(arguments.get("text", ""))))
     elif name == "slow":
-        time.sleep(float(arguments.get("seconds", 1)))
+        if "started" in arguments:  # a test holds it: it says it runs, and waits for "until"
+            Path(arguments["started"]).touch()
+            while not Path(arguments["until"]).exists():
+                time.sleep(0.02)
+        else:
+            time.sleep(float(arguments.get("seconds", 1)))
         answer(request_id, text("done"))
     elif name == "pid":
         answer(request_id, text(str(os.getpid())))
