@@ -407,8 +407,7 @@ def test_an_answer_not_sent_leaves_its_request_unacknowledged_and_its_redelivery
         h.transport = h.service.transport = h.service.turns.publisher = FailingPublishes()  # type: ignore[assignment]
         h.transport.failure = PublishNotSent("no connection")  # type: ignore[attr-defined]
         mid = h.transport.deliver(TOPIC, request("r1"))
-        await h.run_until(lambda: stored_keys(store) == ["r1"])
-        await asyncio.sleep(0.1)
+        await h.run_until(lambda: stored_keys(store) == ["r1"] and not h.service._tasks)  # and done with it
         assert h.transport.acked == []  # answered and stored, but the broker has not got it
         h.transport.failure = None  # type: ignore[attr-defined]
         h.transport.deliver(TOPIC, request("r1"), mid=mid, dup=True)  # the broker delivers it again
@@ -466,7 +465,8 @@ def test_an_exception_at_any_stage_is_answered_or_left_unacknowledged_never_drop
             second = h.transport.deliver(TOPIC, request("r2"))
             # Handed in (the inbox empty: dispatched), and everything it started has ended.
             await h.run_until(lambda: h.transport.inbox.empty() and not h.service._tasks)
-            await asyncio.sleep(0.05)
+            for _ in range(20):  # and the callbacks they left: loop turns, not time
+                await asyncio.sleep(0)
         answers = replies_by_id(h.transport).get("r2", [])
         if answers:  # answered with an error, then acknowledged
             assert [a["error"]["code"] for a in answers] == ["internal_error"], answers

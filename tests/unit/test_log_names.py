@@ -48,9 +48,10 @@ def test_the_log_names_requests_by_their_ids_and_invalid_topics_by_their_topic()
         h.transport.deliver("chat/u/s2/request", {"message": "hi"})
         h.transport.deliver("chat/u/bad topic\n/request", {"message": "hi"})
         await h.run_until(lambda: h.transport.replies("s1") and h.transport.replies("s2"))
-        await asyncio.sleep(0.05)
         hashed = h.transport.replies("s2")[0]["requestId"]
         assert hashed.startswith("h-")
+        # Logged once the answer is taken: after the reply, so waited for.
+        await h.run_until(lambda: sum(line.startswith("INFO Replied ") for line in list(lines)) == 2)
         assert any(f"Replied {hashed} of u/s2" in line for line in lines), lines
         # The engine's request id (vLLM logs it) carries the same name.
         assert any("/client-id-7/" in r.request_id for r in h.engine.requests)
