@@ -17,6 +17,7 @@ from devtools.chat_terminal import run_chat
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.mqtt_client import pretend_worker as pretend_worker_on
+from devtools.waiting import PATIENCE
 from worker.chat.cli import ONE_SHOT_MAX_TOKENS
 
 PREFIX = "oneshot"
@@ -37,7 +38,7 @@ def ask(broker: Mosquitto, worker: Client, args: list[str], finish_reason: str) 
     thread = threading.Thread(target=lambda: done.setdefault("run", run_chat(broker.port, *command)))
     thread.start()
     try:
-        request = worker.wait_for(lambda m: m.topic == f"{PREFIX}/anon/{session}/request", timeout=60).json()
+        request = worker.wait_for(lambda m: m.topic == f"{PREFIX}/anon/{session}/request", timeout=PATIENCE).json()
         tokens = request.get("maxTokens", 256) if finish_reason == "length" else 12
         worker.publish(
             f"{PREFIX}/anon/{session}/reply",

@@ -19,15 +19,18 @@ from devtools.chat_terminal import PROMPT, Chat, chat_command
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.mqtt_client import pretend_worker as pretend_worker_on
+from devtools.waiting import PATIENCE
 
 
 def spawn(command: list[str]) -> pexpect.spawn:
-    return pexpect.spawn(command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=30)
+    return pexpect.spawn(
+        command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=PATIENCE
+    )
 
 
 def ended(child: pexpect.spawn) -> tuple[int, str]:
     """Its exit code and what it printed last, once it has exited."""
-    child.expect(pexpect.EOF, timeout=30)
+    child.expect(pexpect.EOF, timeout=PATIENCE)
     child.close()
     assert child.signalstatus is None, f"killed by signal {child.signalstatus}"
     return int(child.exitstatus), str(child.before)
@@ -43,11 +46,11 @@ def pretend_worker(broker: Mosquitto) -> Iterator[Client]:
 
 def test_one_shot_chat_ctrl_c_cancels_its_request_and_exits_130(broker: Mosquitto, pretend_worker: Client) -> None:
     child = spawn(chat_command(broker.port, "--topic-prefix", "ctrlc", "--session", "s1", "--message", "hi"))
-    request = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s1/request", timeout=30).json()
+    request = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s1/request", timeout=PATIENCE).json()
     child.sendintr()
     code, printed = ended(child)
     assert code == 130 and "Traceback" not in printed, printed
-    control = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s1/control", timeout=10).json()
+    control = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s1/control", timeout=PATIENCE).json()
     assert control == {"action": "cancel", "requestId": request["requestId"]}
 
 
@@ -56,10 +59,10 @@ def test_interactive_chat_ctrl_c_cancels_then_stops_waiting_then_leaves(
 ) -> None:
     chat = Chat(broker.port, "--topic-prefix", "ctrlc", "--session", "s2")
     chat.send("hello?")
-    request = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s2/request", timeout=30).json()
+    request = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s2/request", timeout=PATIENCE).json()
     chat.child.sendintr()  # the first: cancels the reply
     chat.expect(r"\[cancelling \(Ctrl-C again to stop waiting\)\]")
-    control = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s2/control", timeout=10).json()
+    control = pretend_worker.wait_for(lambda m: m.topic == "ctrlc/anon/s2/control", timeout=PATIENCE).json()
     assert control == {"action": "cancel", "requestId": request["requestId"]}
     chat.child.sendintr()  # the second: stops waiting for it
     chat.expect(r"\[stopped waiting\]")

@@ -326,7 +326,7 @@ def test_secrets_stay_out_of_the_log_the_stats_and_check_config(deployment: Depl
         capture_output=True,
         text=True,
         cwd=REPO,
-        timeout=120,
+        timeout=PATIENCE,
     )
     assert check.returncode == 0, check.stderr
     assert secret not in check.stdout + check.stderr

@@ -20,6 +20,7 @@ import pytest
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.replies import markup
+from devtools.waiting import PATIENCE
 from devtools.worker_process import REAL_PREFIX, WorkerProcess
 
 pytestmark = pytest.mark.e2e
@@ -44,7 +45,7 @@ def ask(client: Client, session: str, message: str, **fields: Any) -> dict[str, 
         f"{REAL_PREFIX}/{USER}/{session}/request",
         {"message": message, "temperature": 0.0, "maxTokens": 96, **fields},
     )
-    reply: dict[str, Any] = client.wait_topic(f"{REAL_PREFIX}/{USER}/{session}/reply", timeout=180).json()
+    reply: dict[str, Any] = client.wait_topic(f"{REAL_PREFIX}/{USER}/{session}/reply", timeout=PATIENCE).json()
     assert "error" not in reply, reply
     return reply
 
@@ -135,7 +136,7 @@ def test_a_forced_tool_call_parses_and_the_answer_uses_its_result(real_worker: W
         f"{REAL_PREFIX}/{USER}/{session}/request",
         {"toolResults": [{"toolCallId": call["id"], "content": result}], "temperature": 0.0, "maxTokens": 96},
     )
-    answer = client.wait_topic(f"{REAL_PREFIX}/{USER}/{session}/reply", timeout=180).json()
+    answer = client.wait_topic(f"{REAL_PREFIX}/{USER}/{session}/reply", timeout=PATIENCE).json()
     assert "error" not in answer and "toolCalls" not in answer, answer
     assert "14:35" in answer["reply"], answer
     # Words, not the round's markup again (the template writes the round in words for this

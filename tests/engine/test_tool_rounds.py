@@ -204,9 +204,7 @@ def test_a_client_tool_round_streams_no_markup_and_reuses_the_prefix(
     assert first["finishReason"] == "tool_calls", first
     (call,) = first["toolCalls"]
     assert call["function"]["name"] == "set_lamp" and call["id"].startswith("call_")
-    announced = client.wait_for(
-        lambda m: m.topic == f"chat/tools/{session}/stream" and "toolCalls" in m.json(), timeout=30
-    ).json()
+    announced = client.wait_for(lambda m: m.topic == f"chat/tools/{session}/stream" and "toolCalls" in m.json()).json()
     assert announced["toolCalls"] == first["toolCalls"] and announced["requestId"] == f"{session}-1"
     # The answer: the tools are kept by the session, the results continue the open turn.
     client.publish(
@@ -247,7 +245,7 @@ def test_response_format_with_tools_is_refused_by_name(shared_worker: WorkerProc
         f"chat/tools/{session}/request",
         {"message": "x", "tools": TOOLS, "responseFormat": {"type": "json_object"}, "maxTokens": 8},
     )
-    reply = reply_of(client, session, timeout=60)
+    reply = reply_of(client, session)
     assert reply["error"]["code"] == "invalid_request" and "responseFormat" in reply["error"]["message"]
     client.publish(
         f"chat/tools/{session}/request",

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from devtools import REPO
+from devtools.waiting import PATIENCE
 from worker.chat.cli import main as chat_main
 from worker.config.loader import ConfigError, example_config, load_config
 from worker.config.models import WorkerConfig, default_worker_id, env_for, flag_for, sections
@@ -169,7 +170,7 @@ def test_checking_engine_extra_imports_neither_vllm_nor_torch(model_dir: str) ->
         f"code = main(['--model', {model_dir!r}, '--engine-extra', '{{\"max_num_seq\": 4}}', '--check-config']); "
         "print('imported:', sorted({'torch', 'vllm'} & set(sys.modules))); sys.exit(code)"
     )
-    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120)
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=PATIENCE)
     assert done.returncode == 2, done.stderr
     assert "imported: []" in done.stdout, done.stdout
     assert "'max_num_seq' is not an engine argument of vLLM 0." in done.stderr, done.stderr

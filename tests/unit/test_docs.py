@@ -39,6 +39,7 @@ from sybil.parsers.markdown import CodeBlockParser
 
 from devtools.acl import documented_acl
 from devtools.fakes import Harness
+from devtools.waiting import PATIENCE
 from worker.config import loader
 from worker.config.models import WorkerConfig, env_for, flag_for, sections
 
@@ -130,7 +131,7 @@ def help_text(module: str) -> str:
         text=True,
         cwd=REPO,
         env=os.environ | {"PYTHONPATH": str(REPO)},
-        timeout=120,
+        timeout=PATIENCE,
         check=False,
     )
     assert done.returncode == 0, f"python -m {module} --help failed:\n{done.stderr[-2000:]}"

@@ -269,7 +269,7 @@ def test_a_store_locked_longer_than_its_busy_timeout_answers_store_unavailable_t
         await h.run_until(lambda: h.transport.acked)
         with locked(tmp_path):
             h.transport.deliver(TOPIC, request("during"))
-            await h.run_until(lambda: "during" in replies_by_id(h.transport), timeout=30)
+            await h.run_until(lambda: "during" in replies_by_id(h.transport))
         h.transport.deliver(TOPIC, request("after"))
         await h.run_until(lambda: "after" in replies_by_id(h.transport))
         assert replies_by_id(h.transport)["during"][0]["error"]["code"] == "store_unavailable"
@@ -367,10 +367,10 @@ def test_a_full_or_read_only_store_answers_store_unavailable_and_recovers(
 
         for i in range(3):
             h.transport.deliver(TOPIC, request(f"during{i}", f"question {i} " * 50))
-        await h.run_until(lambda: len(h.transport.acked) == 4, timeout=30)
+        await h.run_until(lambda: len(h.transport.acked) == 4)
         undo()
         h.transport.deliver(TOPIC, request("after"))
-        await h.run_until(lambda: "after" in replies_by_id(h.transport), timeout=30)
+        await h.run_until(lambda: "after" in replies_by_id(h.transport))
         answers = replies_by_id(h.transport)
         assert {answers[f"during{i}"][0]["error"]["code"] for i in range(3)} == {"store_unavailable"}
         check_promise(h, store, ["before", "during0", "during1", "during2", "after"])

@@ -19,6 +19,7 @@ from loguru import logger
 
 from devtools import REPO
 from devtools.net import free_port
+from devtools.waiting import PATIENCE
 from worker.config.models import McpServerConfig
 from worker.tools.mcp import McpSdkMissing, McpServerTools
 from worker.tools.port import CallContext, ToolOutcome
@@ -33,10 +34,10 @@ def config(**overrides: Any) -> McpServerConfig:
 
 
 def run(scenario: Callable[[], Awaitable[None]]) -> None:
-    asyncio.run(asyncio.wait_for(scenario(), 120))
+    asyncio.run(asyncio.wait_for(scenario(), PATIENCE))
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: float = 60.0) -> None:
+async def eventually(check: Callable[[], Awaitable[bool]], what: str, limit: float = PATIENCE) -> None:
     loop = asyncio.get_running_loop()
     deadline = loop.time() + limit
     while not await check():

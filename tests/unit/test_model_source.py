@@ -23,6 +23,7 @@ import pytest
 
 from devtools import REPO
 from devtools.net import free_port
+from devtools.waiting import PATIENCE
 from worker.config.loader import ConfigError, cached_hub_model, load_config
 
 # Generous: the old failure took 57 s; this one takes about a second (Python's start, the
@@ -41,7 +42,7 @@ def run_worker(*args: str, env: dict[str, str]) -> tuple[int, str, float]:
         env={**base, **env},
         capture_output=True,
         text=True,
-        timeout=120,
+        timeout=PATIENCE,
     )
     return done.returncode, done.stderr, time.monotonic() - started
 

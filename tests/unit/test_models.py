@@ -15,6 +15,7 @@ import pytest
 
 from devtools import REPO
 from devtools.net import free_port
+from devtools.waiting import PATIENCE
 from worker import prepare_model as models
 
 
@@ -33,7 +34,7 @@ def run_models(
         cwd=REPO,
         env=env,
         check=False,
-        timeout=120,
+        timeout=PATIENCE,
     )
 
 

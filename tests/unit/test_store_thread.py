@@ -57,7 +57,7 @@ def test_a_waiting_store_holds_no_other_session_s_stream() -> None:
         store.slow.add("u/b")
         sent = time.monotonic()
         h.transport.deliver("chat/u/b/request", request("b"))
-        await h.run_until(lambda: h.transport.replies("a") and h.transport.replies("b"), timeout=30)
+        await h.run_until(lambda: h.transport.replies("a") and h.transport.replies("b"))
         (answer_b,) = h.transport.replies("b")
         assert "reply" in answer_b
         answered_b = next(at for at, topic in transport.times if topic.endswith("/b/reply"))
@@ -115,7 +115,7 @@ def test_while_the_store_waits_a_session_keeps_its_order_and_its_redeliveries() 
         h.transport.deliver("chat/u/s/control", {"action": "cancel", "requestId": "gone"})
         h.transport.deliver("chat/u/s/control", {"action": "reset"})
         h.transport.deliver("chat/u/s/request", request("r3"))
-        await h.run_until(lambda: len(h.transport.replies("s")) == 5, timeout=30)
+        await h.run_until(lambda: len(h.transport.replies("s")) == 5)
         await h.run_until(lambda: not h.service._tasks and not h.service._runtime)
         r1, r2, gone, reset, r3 = h.transport.replies("s")
         assert [r1["requestId"], r2["requestId"], gone["requestId"], r3["requestId"]] == ["r1", "r2", "gone", "r3"]
