@@ -11,6 +11,7 @@ import sys
 import pexpect
 
 from . import REPO
+from .waiting import PATIENCE
 
 USAGE = re.compile(
     r"\[prompt (\d+) tokens \((\d+) cached\), reply (\d+) tokens, ttft [\d.]+ ms, total [\d.]+ ms, "
@@ -39,7 +40,7 @@ class Chat:
     def __init__(self, port: int, *args: str) -> None:
         command = chat_command(port, *args)
         self.child = pexpect.spawn(
-            command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=120
+            command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=PATIENCE
         )
         self.length_noted = False  # the last turn's reply ended on its length, and the terminal said so
         self.child.expect(r"\[connected; ")
@@ -48,7 +49,7 @@ class Chat:
     def send(self, line: str) -> None:
         self.child.sendline(line)
 
-    def expect(self, pattern: str, timeout: float = 120) -> re.Match[str]:
+    def expect(self, pattern: str, timeout: float = PATIENCE) -> re.Match[str]:
         self.child.expect(pattern, timeout=timeout)
         match = self.child.match
         assert isinstance(match, re.Match)
@@ -89,6 +90,6 @@ def run_chat(
         env=env,
         capture_output=True,
         text=True,
-        timeout=300,
+        timeout=PATIENCE,
         check=False,
     )

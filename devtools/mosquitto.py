@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Literal
 
 from .net import free_port
+from .waiting import PATIENCE
 
 
 def mosquitto_binary() -> str:
@@ -102,7 +103,7 @@ class Mosquitto:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
         )
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE  # a loaded machine's start, not a fixed 10 s
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):

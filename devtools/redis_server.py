@@ -10,6 +10,7 @@ import time
 from pathlib import Path
 
 from .net import free_port
+from .waiting import PATIENCE
 
 
 class RedisServer:
@@ -39,7 +40,7 @@ class RedisServer:
         if self.logging:
             args += ["--logfile", str(self.workdir / "redis.log")]
         self.proc = subprocess.Popen([binary, *args], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + PATIENCE  # a loaded machine's start, not a fixed 10 s
         while time.monotonic() < deadline:
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=0.2) as sock:

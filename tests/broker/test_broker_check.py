@@ -123,7 +123,7 @@ def start_worker(model: Path, tmp_path: Path, *args: str, env: dict[str, str] | 
 def test_a_broker_that_is_down_ends_the_start_before_the_model_load(model_dir: Path, tmp_path: Path) -> None:
     port = free_port()
     worker = start_worker(model_dir, tmp_path, "--mqtt-port", str(port), "--visible-devices", "2")
-    assert worker.proc.wait(60) == 2
+    assert worker.proc.wait(PATIENCE) == 2
     log = worker.log()
     worker.stop()
     assert f"Cannot use the MQTT broker: connection to 127.0.0.1:{port} refused" in log, log
@@ -144,7 +144,7 @@ def test_a_refused_login_ends_the_start_even_when_waiting(
         *("--mqtt-port", str(broker.port), "--mqtt-username", "worker", "--wait-for-broker"),
         env={"WORKER_MQTT_PASSWORD": "wrong-pass"},
     )
-    assert worker.proc.wait(60) == 2
+    assert worker.proc.wait(PATIENCE) == 2
     log = worker.log()
     worker.stop()
     assert "Cannot use the MQTT broker: the broker at 127.0.0.1" in log, log

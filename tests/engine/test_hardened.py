@@ -166,7 +166,7 @@ def deployment(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> It
     # bwrap does not pass signals on: SIGTERM to the worker itself, a graceful stop.
     children = Path(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children").read_text().split()
     os.kill(int(children[0]), signal.SIGTERM)
-    code = worker.proc.wait(120)  # bwrap exits with its child's code
+    code = worker.proc.wait(PATIENCE)  # bwrap exits with its child's code
     worker.stop(5)
     broker.stop()
     print(worker.log()[-3000:])

@@ -253,7 +253,7 @@ def test_a_kill_during_a_device_call_and_after_its_answer_never_sends_a_call_twi
     assert not replies.to(SLOW[2]) and not replies.to(ANSWERED[2]), replies.received
 
     first.signal_group(signal.SIGKILL)  # the worker and its engine core (frozen or not)
-    assert first.proc.wait(30) == -signal.SIGKILL
+    assert first.proc.wait(PATIENCE) == -signal.SIGKILL
     _, left = psutil.wait_procs(cores, timeout=PATIENCE)
     assert not left, f"outlived the kill: {left}"
     # The lamp answers now, late: into the worker's broker session, delivered to the next start,
