@@ -4,7 +4,9 @@ fail at a chosen request) and an in-memory transport. Everything else is tested 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -248,6 +250,15 @@ def test_response_format_reaches_the_engine_and_schema_errors_are_invalid_schema
 def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
     async def scenario() -> None:
         h = Harness(generation={"stream_interval_ms": interval_ms})
+        sent_at: list[float] = []  # when each delta was published
+        publish = h.transport.publish
+
+        def timed(topic: str, payload: bytes, **kwargs: Any) -> Any:
+            if topic.endswith("/stream"):
+                sent_at.append(time.monotonic())
+            return publish(topic, payload, **kwargs)
+
+        h.transport.publish = timed  # type: ignore[method-assign]
         h.transport.deliver("chat/u/s1/request", {"message": "x", "maxTokens": 40, "stream": True, "requestId": "r"})
         await h.run_until(lambda: h.transport.replies("s1"))
         deltas = [p for t, p in h.transport.published if t.endswith("/s1/stream")]
@@ -257,8 +268,11 @@ def test_stream_deltas_are_gathered_per_interval(interval_ms: float) -> None:
         assert deltas[0]["delta"] == "w0 "  # the first token goes out at once: the client's TTFT
         if interval_ms == 0:
             assert len(deltas) == 40  # one per engine step
-        else:  # 40 tokens 10 ms apart in 50 ms batches
-            assert 6 <= len(deltas) <= 12
+        else:
+            # At most one delta per interval, the last (the rest, at the end) excepted; how
+            # many there are depends on how fast the tokens come, which a loaded machine slows.
+            gaps = [later - earlier for earlier, later in itertools.pairwise(sent_at[:-1])]
+            assert len(deltas) >= 2 and min(gaps, default=1.0) >= interval_ms / 1000, gaps
 
     asyncio.run(scenario())
 
