@@ -222,12 +222,25 @@ class SlowStore(MemoryStore):
         self.slow: set[str] = set()
         self.calls: list[tuple[str, str]] = []
         self.threads: set[int] = set()
+        # Set by a test that holds the slow calls itself: each waits until it is set (or
+        # ``seconds`` have passed: a store wrongly on the event loop would hold the test's
+        # own loop, which could then never set it). ``waiting``: a slow call is held now.
+        self.gate: threading.Event | None = None
+        self.waiting = False
 
     def _enter(self, method: str, session: str) -> None:
+        held = session in self.slow and self.gate is not None
+        self.waiting = held  # before the call is on record: a test that sees one sees both
         self.calls.append((method, session))
         self.threads.add(threading.get_ident())
         if session in self.slow:
-            time.sleep(self.seconds)
+            if self.gate is None:
+                time.sleep(self.seconds)
+                return
+            try:
+                self.gate.wait(self.seconds)
+            finally:
+                self.waiting = False
 
     def load(self, session: str) -> SessionHistory | None:
         self._enter("load", session)
