@@ -78,22 +78,44 @@ class HistoryStore(Protocol):
 
 
 def encode_state(history: SessionHistory) -> str:
+    """The session's state without its images' bytes: the turns refer to each image by hash
+    and media type (ImageRef), and every store keeps the bytes apart, by (session, hash),
+    written once in the save whose state first refers to them (stored_images)."""
     turns = [{"key": t.key, "messages": t.template_forms()} for t in history.turns]
     state: dict[str, Any] = {"systemPrompt": history.system_prompt, "turns": turns}
     if history.worker_tools:
         state["workerTools"] = history.worker_tools
     if history.tools:
         state["tools"] = [{k: v for k, v in vars(tool).items() if v is not None} for tool in history.tools]
-    images = history.kept_images()
-    if images:
-        # Each image once, by hash, with the turns that show it: a trimmed turn's image is
-        # written no more once no kept turn refers to it. In the state, so every store keeps
-        # them with the same transaction as their turn; the cost is that each commit writes
-        # them again: 8 images of 1 MB made a 10.7 MB state, 200 ms a save and 116 ms a load
-        # on SQLite (on the store's thread; 0.2 ms for a text session). A table (Redis: a
-        # hash) of images by (session, hash), written once, is the way to lower it.
-        state["images"] = _encoded_images(images)
+    # Images were kept in the state until the stores kept them apart: every commit wrote them
+    # again (8 images of 1 MB made a 10.7 MB state: a SQLite save took 200 ms and a load
+    # 116 ms, on every turn of that session). Apart, each is written once, by the save of the
+    # turn that brings it; a later turn's save writes the state alone (8 images of 1 MB, 10
+    # turns on SQLite: 1.0 ms a save instead of 182 ms; a load, which reads the images, 11 ms
+    # instead of 101 ms; bench/imagestore.py). A state stored with the images in it (an
+    # older worker's) still reads (parse_state); its next save moves them out.
     return json.dumps(state, ensure_ascii=False)
+
+
+def referenced_images(history: SessionHistory) -> set[str]:
+    """The hashes of the images the kept turns refer to: what the store must keep for the
+    session (an image no kept turn shows any more goes, in the save that trims its last turn)."""
+    return {ref.sha256 for ref in history.image_refs()}
+
+
+def stored_images(history: SessionHistory, stored: set[str]) -> tuple[dict[str, StoredImage], set[str]]:
+    """What a save changes in the session's stored images, given the hashes ``stored`` now:
+    the images to write (referenced, not stored yet, bytes at hand) and the hashes to delete
+    (stored, no longer referenced)."""
+    wanted = referenced_images(history)
+    new = {sha: history.images[sha] for sha in wanted - stored if sha in history.images}
+    return new, stored - wanted
+
+
+def missing_images(history: SessionHistory) -> set[str]:
+    """The hashes the kept turns refer to whose bytes the history does not hold: what a load
+    reads from the store's images (all of them, but for a state that holds them itself)."""
+    return referenced_images(history) - history.images.keys()
 
 
 def _encoded_images(images: dict[str, StoredImage]) -> dict[str, Any]:
@@ -131,10 +153,12 @@ def parse_session(session: str, state: str | bytes) -> tuple[str | None, list[Tu
 
 
 def parse_state(session: str, state: str | bytes) -> SessionHistory:
-    """The system prompt, turns, tools, worker tools (workerTools) and images of a stored
-    state, as a history without answers; SessionUnreadable when it is damaged. A state stored
-    before tool calling (turns of user and assistant text) reads as turns of two messages; one
-    stored before images, as a session without images."""
+    """The system prompt, turns, tools and worker tools (workerTools) of a stored state, as a
+    history without answers or images (the store adds the images it keeps apart);
+    SessionUnreadable when it is damaged. A state stored before tool calling (turns of user
+    and assistant text) reads as turns of two messages; one stored before images, as a
+    session without images; one stored while images were kept in the state (``images``:
+    hash -> media type and base64), with those images."""
     try:
         data = json.loads(state)
         images = _images(data)
