@@ -194,7 +194,7 @@ class SqliteStore:
         try:
             # Read-only checks first: a database this worker must not use is left untouched.
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, SCHEMA_VERSION):
+            if not 0 <= version <= SCHEMA_VERSION:
                 # A newer worker's database: refuse to start rather than throw it away.
                 raise StoreUnavailable(
                     f"{self.path} has schema version {version}; this worker knows {SCHEMA_VERSION} (a newer worker's?)"
