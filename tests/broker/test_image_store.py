@@ -356,3 +356,24 @@ def test_a_progress_with_images_round_trips_through_every_store(kind: Kind) -> N
     assert text is not None
     read = decode_progress("u/s", text)
     assert read.turn == progress.turn and read.images == progress.images and read.calls == progress.calls
+
+
+@pytest.mark.parametrize("deletion", ["reset", "trim", "expiry"])
+def test_a_deleted_images_bytes_are_gone_from_the_files(tmp_path: Path, deletion: str) -> None:
+    """Not only from the table: SQLite's secure_delete zeroes the freed pages and a reset or an
+    expiry empties the WAL, so a copy of the files holds no image a session no longer shows."""
+    marker = b"image-marker-" * 400  # spans pages, as images do (overflow pages)
+    ref = ImageRef(hashlib.sha256(marker).hexdigest(), "image/png")
+    store = SqliteStore(tmp_path)
+    store.save("u/s", history_of([turn("k1", ref), turn("k2")], (ref, StoredImage(marker, "image/png"))), "k2", b"{}")
+    assert marker[:200] in b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
+    if deletion == "reset":
+        store.reset("u/s")
+    elif deletion == "trim":
+        store.save("u/s", history_of([turn("k2")]), "k3", b"{}")
+        store.save("u/other", history_of([turn("k")]), "k", b"{}")
+        store.reset("u/other")  # a reset's checkpoint empties the WAL, which held the pages as they were
+    else:
+        time.sleep(0.3)
+        assert store.expire(0.2) == ["u/s"]
+    assert marker[:200] not in b"".join(p.read_bytes() for p in tmp_path.iterdir() if p.is_file())
