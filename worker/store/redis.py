@@ -19,7 +19,8 @@ A session's images are kept apart from its state, which names them by hash: each
 once (HSETNX) by the save script of the turn that first refers to it, and deleted by the one
 that trims the last turn showing it. A save sends only the bytes of images Redis does not hold
 yet: it first runs with none, and the script, finding a referenced image missing, writes
-nothing and names the missing ones; the save runs again with their bytes.
+nothing and names the missing ones; the save runs again with their bytes (and, should another
+worker's reset delete others in between, a third time with all of them).
 
 A session's keys share a hash tag ({...}), so its save script is valid on a Redis Cluster.
 Every multi-key change is one Lua script: atomic, no home-made locking.
@@ -181,16 +182,22 @@ class RedisStore:
         ]
         stored = self._save(keys=self._keys(session), args=head)
         if isinstance(stored, list):  # images Redis does not hold yet: again, with their bytes
-            sent: list[str | bytes | int] = []
-            for sha in (_text(value) for value in stored[1:]):
-                image = history.images[sha]
-                sent += [sha, image.media_type.encode() + b"\n" + image.data]
-            stored = self._save(keys=self._keys(session), args=head + sent)
-            if isinstance(stored, list):  # deleted between the two calls (a reset): a third is no surer
-                raise StoreUnavailable("the session's images changed while it was saved; send the request again")
+            stored = self._save(keys=self._keys(session), args=head + self._images(history, stored[1:]))
+        if isinstance(stored, list):  # another was deleted meanwhile (another worker's reset): all of them
+            stored = self._save(keys=self._keys(session), args=head + self._images(history, have))
+        assert not isinstance(stored, list), "the save script found an image missing that it was sent"
         # Not in the script: a progress left behind is never read, since the answer is found first.
         self._db.hdel(self._progress_key(session), key)
         return bytes(stored) if stored else None
+
+    @staticmethod
+    def _images(history: SessionHistory, hashes: list[Any]) -> list[str | bytes | int]:
+        """The save script's (hash, media type "\n" bytes) pairs for these images."""
+        pairs: list[str | bytes | int] = []
+        for sha in map(_text, hashes):
+            image = history.images[sha]
+            pairs += [sha, image.media_type.encode() + b"\n" + image.data]
+        return pairs
 
     @_guarded
     def reset(self, session: str) -> None:
