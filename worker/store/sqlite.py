@@ -19,8 +19,8 @@ written once, in the transaction of the save whose state first refers to it, and
 the one that trims the last turn showing it; the state holds only their hashes.
 
 Deleting means the text (and the images) is gone from the files, not only from the tables:
-``secure_delete`` overwrites deleted rows with zeros, and a reset or an expiry checkpoints and truncates the
-WAL, which still holds the pages as they were before.
+``secure_delete`` overwrites deleted rows with zeros, and a reset or an expiry checkpoints and
+truncates the WAL, which still holds the pages as they were before.
 """
 
 from __future__ import annotations
