@@ -21,7 +21,7 @@
 #                                  processor, made here once, in seconds): the camera's snapshot
 #                                  enters the prompt as an image (the usage line counts its
 #                                  tokens) and the next turn finds it in the prefix cache. Its
-#                                  replies are noise: its weights are random. --screenshot then
+#                                  replies are blank lines: its weights are random. --screenshot then
 #                                  pictures the page with an image attached to the message.
 #
 # This 135M model calls a tool only when forced (it never called one on its own in the
@@ -168,11 +168,11 @@ echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log
 
 SYSTEM="You look after a living room through tools. After a tool's result, tell the user in one short sentence what it means."
 if [ -n "$SCREENSHOT" ] && [ -n "$VISION" ]; then
-  # 24 tokens at temperature 1: the random model's reply is noise (greedy, blank lines), and the
-  # picture is of the image in the turn.
+  # 4 tokens: the random model's reply is blank lines (below), and the picture is of the image
+  # in the turn.
   echo "==> the chat page in headless Chromium: one message with the door camera's snapshot attached"
   .venv/bin/python scripts/chat_page_screenshot.py --broker-url "ws://127.0.0.1:$WS_PORT" --user demo \
-    --window-size 1000,640 --max-tokens 24 --temperature 1 --image "$RUN/front-door.jpg" \
+    --window-size 1000,700 --max-tokens 4 --image "$RUN/front-door.jpg" \
     --message "Is anyone at the door?" "$SCREENSHOT"
   echo "==> saved $SCREENSHOT ($(stat -c %s "$SCREENSHOT") bytes)"
   exit 0
@@ -197,7 +197,7 @@ if [ -n "$WEB" ]; then
   echo "    Options: tick \"Use the worker's tools\"; Tool choice \"required\" makes the model call one."
   echo "    Ask e.g. \"Is anyone in the room?\". Ctrl-C stops everything; then the devices' log is printed."
   if [ -n "$VISION" ]; then
-    echo "    The tiny vision model (random weights: its replies are noise) takes images: attach one with"
+    echo "    The tiny vision model (random weights: its replies are blank) takes images: attach one with"
     echo "    the paperclip or paste it, e.g. the camera's snapshot $RUN/front-door.jpg, or force door_camera."
   fi
   # Until Ctrl-C (the INT trap exits; the devices' log is printed by the EXIT path below).
@@ -208,26 +208,26 @@ if [ -n "$WEB" ]; then
 fi
 
 SESSION="tools-$$"
+# cat -s: a run of blank lines shows as one (the tiny vision model's replies are nothing else).
 ask() {  # ask MESSAGE [chat flags...]: one message of the conversation, its replies and tool calls
   local message=$1
   shift
   echo
   echo ">>> $message   ($*)"
   .venv/bin/python -m worker.chat --mqtt-port "$PORT" --user demo --session "$SESSION" --temperature 0 \
-    --max-tokens 96 --show-stats --system-prompt "$SYSTEM" --message "$message" "$@" 2>&1 | sed 's/^/    /' \
+    --max-tokens 96 --show-stats --system-prompt "$SYSTEM" --message "$message" "$@" 2>&1 | cat -s | sed 's/^/    /' \
     || echo "    (the chat client exited with status $?: python -m worker.chat --help explains it)"
 }
 
 if [ -n "$VISION" ]; then
   echo
-  echo "==> the tiny vision model: its weights are random, so its replies are noise; what the demo"
+  echo "==> the tiny vision model: its weights are random, so its replies say nothing (blank lines:"
+  echo "    it repeats the last token of its prompt, a newline, at any temperature). What the demo"
   echo "    shows is the camera's picture in the prompt: the usage line counts its image tokens, and"
   echo "    the second message finds it in the prefix cache (the snapshot: $RUN/front-door.jpg)"
-  # 48 tokens: enough for the forced call's markup; the replies of random weights say nothing
-  # (each runs to its length limit): the usage lines are the point. Temperature 1: greedy, this
-  # model writes blank lines; sampled, its noise is at least visible as such.
-  ask "Is anyone at the door?" --worker-tools '*' --tool-choice door_camera --max-tokens 48 --temperature 1
-  ask "Is the visitor holding anything?" --max-tokens 48 --temperature 1
+  # 48 tokens: enough for the forced call's markup (about 30); the replies run to the limit.
+  ask "Is anyone at the door?" --worker-tools '*' --tool-choice door_camera --max-tokens 48
+  ask "Is the visitor holding anything?" --max-tokens 48
 else
   echo
   echo "==> the lamp is on (a call of this script's own: the devices log it too)"
