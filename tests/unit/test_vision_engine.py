@@ -10,7 +10,6 @@ from worker.config.models import EngineConfig
 from worker.engine.kvtier import GIB, HostMemory
 from worker.engine.port import ImagesRejected, VisionInfo, VisionSettings
 from worker.engine.vllm import (
-    IMAGE_THREADS_MAX,
     Host,
     ImageThreads,
     check_image_placeholders,
@@ -21,9 +20,9 @@ from worker.engine.vllm import (
 )
 
 
-def cpu_host(available_gib: float, cpus: int = 1) -> Host:
+def cpu_host(available_gib: float) -> Host:
     memory = HostMemory(total=int(64 * GIB), available=int(available_gib * GIB))
-    return Host(cpu_backend=True, memory_gib=64, gpus=1, memory=memory, cpus=cpus)
+    return Host(cpu_backend=True, memory_gib=64, gpus=1, memory=memory)
 
 
 @pytest.mark.parametrize(
@@ -50,38 +49,32 @@ def test_vision_arguments() -> None:
     assert vision_arguments(chosen, cpu_host(20))["mm_processor_cache_gb"] == 0.5
 
 
-@pytest.mark.parametrize(("cpus", "threads"), [(1, 1), (2, 1), (3, 1), (4, 2), (6, 3), (8, 4), (16, 4), (128, 4)])
-def test_images_are_processed_on_half_of_the_cpus_at_most_four(cpus: int, threads: int) -> None:
-    chosen = image_threads(VisionSettings(), cpu_host(20, cpus))
-    assert chosen.count == threads == min(IMAGE_THREADS_MAX, max(1, cpus // 2))
-    assert chosen.reason == f"half of the {cpus} CPUs, at most 4"
+def test_images_are_processed_on_one_thread_with_the_processor_cache_by_default() -> None:
+    assert image_threads(VisionSettings()) == ImageThreads(1, "the default")
+    arguments = vision_arguments(VisionSettings(), cpu_host(20))
+    assert arguments["mm_processor_cache_gb"] == 1.25 and "renderer_num_workers" not in arguments
+    assert image_threads(VisionSettings(image_threads=1), {"mm_processor_cache_gb": 2}).count == 1
 
 
 def test_several_image_threads_turn_the_processor_cache_off() -> None:
     """vLLM's processor cache is not thread-safe: off with several threads, and vLLM's renderer
     gets as many workers (the threads that process images where vLLM does it itself)."""
-    arguments = vision_arguments(VisionSettings(), cpu_host(20, 16))
-    assert arguments["mm_processor_cache_gb"] == 0
-    assert arguments["renderer_num_workers"] == 4
-    one = vision_arguments(VisionSettings(), cpu_host(20, 2))
-    assert one["mm_processor_cache_gb"] == 1.25 and "renderer_num_workers" not in one
-    chosen = vision_arguments(VisionSettings(image_threads=3), cpu_host(20, 2))
-    assert chosen["mm_processor_cache_gb"] == 0 and chosen["renderer_num_workers"] == 3
-    assert image_threads(VisionSettings(image_threads=3), cpu_host(20, 2)) == ImageThreads(3, "vision.image_threads")
-
-
-def test_a_processor_cache_that_is_asked_for_keeps_one_image_thread() -> None:
-    extra = {"mm_processor_cache_gb": 2}
-    kept = image_threads(VisionSettings(), cpu_host(20, 16), extra)
-    assert kept.count == 1 and "engine.extra's mm_processor_cache_gb sets" in kept.reason
-    config = EngineConfig(model="m", extra=extra)
-    kwargs = engine_arguments(config, host=cpu_host(20, 16), vision=VisionSettings())
-    assert kwargs["mm_processor_cache_gb"] == 2 and "renderer_num_workers" not in kwargs
-    assert image_threads(VisionSettings(processor_cache_gib=0.5), cpu_host(20, 16)).count == 1
+    chosen = VisionSettings(image_threads=3)
+    assert image_threads(chosen) == ImageThreads(3, "vision.image_threads")
+    arguments = vision_arguments(chosen, cpu_host(20))
+    assert arguments["mm_processor_cache_gb"] == 0 and arguments["renderer_num_workers"] == 3
+    kwargs = engine_arguments(EngineConfig(model="m"), host=cpu_host(20), vision=chosen)
+    assert kwargs["mm_processor_cache_gb"] == 0 and kwargs["renderer_num_workers"] == 3
     # engine.extra's mm_processor_cache_gb 0 is no cache: the threads stay
-    assert image_threads(VisionSettings(), cpu_host(20, 16), {"mm_processor_cache_gb": 0}).count == 4
-    with pytest.raises(ValueError, match="vision.image_threads 2 needs vLLM's processor cache off"):
-        engine_arguments(config, host=cpu_host(20, 16), vision=VisionSettings(image_threads=2))
+    assert image_threads(chosen, {"mm_processor_cache_gb": 0}).count == 3
+
+
+def test_several_image_threads_and_a_processor_cache_are_refused() -> None:
+    config = EngineConfig(model="m", extra={"mm_processor_cache_gb": 2})
+    with pytest.raises(ValueError, match=r"vision\.image_threads 2 needs vLLM's processor cache off"):
+        engine_arguments(config, host=cpu_host(20), vision=VisionSettings(image_threads=2))
+    with pytest.raises(ValueError, match=r"the image settings set 0\.5 GiB"):
+        image_threads(VisionSettings(image_threads=2, processor_cache_gib=0.5))
 
 
 def test_engine_extra_wins_over_the_vision_settings() -> None:

@@ -906,10 +906,10 @@ class VisionConfig(Section):
     image_threads: int | None = opt(
         None,
         "Threads that process images for the engine (scale, normalise and cut into patches: about "
-        "45 ms for a 1024x768 image on one core). Default: half of the CPUs, at most 4. With more "
-        "than one, vLLM's processor cache is off, as it is not thread-safe: an image that a "
-        "session's history sends again is processed again on every turn (its tokens still come "
-        "from the prefix cache). 1 keeps the cache.",
+        "45 ms for a 1024x768 image). Default: one, with vLLM's processor cache, which keeps an "
+        "image that a session's history sends again from being processed again. More than one "
+        "turns that cache off (it is not thread-safe); measured on a GPU host they gained little "
+        "and stalled the first burst of images (docs/performance.md, Images).",
         flag="--image-threads",
         ge=1,
         le=64,

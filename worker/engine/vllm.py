@@ -139,7 +139,6 @@ class Host:
     memory: HostMemory | None = None
     gpu: Gpu | None = None  # the first visible GPU as vLLM's platform reports it; None: CPU or unknown
     devices: tuple[str, ...] = ()  # the GPU ids this process sees
-    cpus: int = 1  # the CPUs this process may run on
 
     def host_memory(self) -> HostMemory:
         if self.memory is not None:
@@ -167,16 +166,7 @@ def host_facts() -> Host:
         except Exception as exc:
             logger.debug("GPU name and memory unknown: {}", describe(exc))
     devices = tuple(visible_devices(os.environ.get("CUDA_VISIBLE_DEVICES"), max(1, gpus))) if not cpu else ()
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
-    return Host(
-        cpu_backend=cpu,
-        memory_gib=memory,
-        gpus=max(1, gpus),
-        memory=available,
-        gpu=gpu,
-        devices=devices,
-        cpus=max(1, cpus),
-    )
+    return Host(cpu_backend=cpu, memory_gib=memory, gpus=max(1, gpus), memory=available, gpu=gpu, devices=devices)
 
 
 # A session at the worker's default history cap with a default reply (history.max_history_tokens
@@ -444,7 +434,7 @@ def engine_arguments(
     logger.info("Engine limits: {}", limits_words(limits))
     kwargs.update(precision_and_offload_args(config, host))
     vision = vision or VisionSettings()
-    kwargs.update(vision_arguments(vision, host, image_threads(vision, host, config.extra)))
+    kwargs.update(vision_arguments(vision, host, image_threads(vision, config.extra)))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -471,17 +461,6 @@ def processor_cache_gib(host: Host) -> float:
     return max(PROCESSOR_CACHE_MIN_GIB, int(gib * 4) / 4)
 
 
-# Threads that process images for the engine, at most. vLLM's processor (resize, normalise, cut
-# into patches) runs each image on one thread with torch held to one thread of its own: a
-# 1024x768 image took about 45 ms on the GPU hosts, so 64 sessions that each sent one were
-# processed at about 20 images/s on one thread while the H200 waited (docs/performance.md,
-# Images). torch and Pillow release the GIL while they work, so a few threads overlap images;
-# more than a few mostly wait for the GIL and take the CPU that the engine core's busy loop
-# needs (vllm#58266 saw +20 % at 2 threads and -70 % at 6 on an 8-CPU host): half of the CPUs,
-# at most this many.
-IMAGE_THREADS_MAX = 4
-
-
 @dataclasses.dataclass(frozen=True)
 class ImageThreads:
     """How many threads process images, and why (the start line's words)."""
@@ -490,30 +469,34 @@ class ImageThreads:
     reason: str
 
 
-def image_threads(settings: VisionSettings, host: Host, extra: Mapping[str, Any] | None = None) -> ImageThreads:
-    """The threads that process a vision model's images: ``settings.image_threads`` where set,
-    else half of the host's CPUs, at most IMAGE_THREADS_MAX, at least one. Several threads run
-    only with vLLM's processor cache off: it is not thread-safe in 0.26 - 0.33 (vllm#38418: an
-    LRU without a lock, and the engine core's copy of its keys is kept in the order requests
-    arrive, which threads that finish out of order would break). A cache that engine.extra or
-    the settings ask for keeps one thread; ValueError where image_threads asks for more too."""
+def image_threads(settings: VisionSettings, extra: Mapping[str, Any] | None = None) -> ImageThreads:
+    """The threads that process a vision model's images (resize, normalise, cut into patches):
+    ``settings.image_threads``, one by default. Several run only with vLLM's processor cache
+    off: it is not thread-safe in 0.26 - 0.33 (vllm#38418: an LRU without a lock, and the engine
+    core's copy of its keys is kept in the order requests arrive, which threads that finish out
+    of order would break). ValueError where engine.extra or the settings ask for the cache too.
+
+    One is the default because several did not pay on the GPU host: on an H200 (16 CPUs, vLLM
+    0.26, Qwen3-VL-2B, 1024x768 images) four threads processed 64 sessions' images at 21.6/s
+    against 19.0 on one, but the first images after the start took 127 s instead of 17, the
+    second turn (its image processed again, without the cache) 0.83 s p50 instead of 0.46, and
+    the event loop stalled up to 1.5 s (docs/performance.md, Images). vLLM runs each image's
+    torch work on one thread and the rest holds the GIL; vllm#58266 saw +20 % at 2 threads and
+    -70 % at 6."""
     extra = extra or {}
     cache = extra.get("mm_processor_cache_gb", settings.processor_cache_gib)
     chosen = settings.image_threads
-    if chosen is not None and chosen < 1:
+    if chosen is None:
+        return ImageThreads(1, "the default")
+    if chosen < 1:
         raise ValueError(f"image_threads must be at least 1, not {chosen}")
-    if cache:
+    if chosen > 1 and cache:
         where = "engine.extra's mm_processor_cache_gb" if "mm_processor_cache_gb" in extra else "the image settings"
-        if chosen is not None and chosen > 1:
-            raise ValueError(
-                f"vision.image_threads {chosen} needs vLLM's processor cache off, as it is not thread-safe, "
-                f"but {where} set {cache:g} GiB of it: set one image thread or mm_processor_cache_gb 0"
-            )
-        return ImageThreads(1, f"{where} sets vLLM's processor cache, which is not thread-safe")
-    if chosen is not None:
-        return ImageThreads(chosen, "vision.image_threads")
-    count = max(1, min(IMAGE_THREADS_MAX, host.cpus // 2))
-    return ImageThreads(count, f"half of the {host.cpus} CPUs, at most {IMAGE_THREADS_MAX}")
+        raise ValueError(
+            f"vision.image_threads {chosen} needs vLLM's processor cache off, as it is not thread-safe, "
+            f"but {where} set {cache:g} GiB of it: set one image thread or mm_processor_cache_gb 0"
+        )
+    return ImageThreads(chosen, "vision.image_threads")
 
 
 def vision_arguments(settings: VisionSettings, host: Host, threads: ImageThreads | None = None) -> dict[str, Any]:
@@ -527,7 +510,7 @@ def vision_arguments(settings: VisionSettings, host: Host, threads: ImageThreads
     (0.32+) it does so on them, and in 0.26 its tokenizer keeps a copy per worker, so that the
     worker's own image threads each borrow one. vLLM ignores the image arguments for a text
     model. What this vLLM has no argument for is left out."""
-    threads = threads or image_threads(settings, host)
+    threads = threads or image_threads(settings)
     names = _engine_arg_names()
     out: dict[str, Any] = {}
     if "limit_mm_per_prompt" in names:
@@ -912,7 +895,7 @@ class VllmEngine:
         # 0.26 runs the model's HF processor in add_request, on this event loop (a 1024x768
         # image: tens of ms to seconds of resizing and normalising, during which no reply
         # streams). There the worker processes them first, on image threads of its own: as many
-        # as image_threads says (one where vLLM's processor cache is on: it is not thread-safe).
+        # as image_threads says (one by default, and always where vLLM's processor cache is on).
         processor = getattr(llm, "input_processor", None)
         self._process_inputs = (
             None
@@ -938,7 +921,7 @@ class VllmEngine:
         assert config.model is not None
         host = host_facts()
         vision = vision or VisionSettings()
-        threads = image_threads(vision, host, config.extra)
+        threads = image_threads(vision, config.extra)
         kwargs = engine_arguments(
             config,
             json_disable_any_whitespace=json_disable_any_whitespace,
