@@ -115,3 +115,24 @@ def test_a_model_with_a_bare_image_token() -> None:
     check_image_placeholders([1, 9, 2, 9], 2, llava, "m")
     with pytest.raises(ImagesRejected):
         check_image_placeholders([1, 9, 9], 1, llava, "m")
+
+
+def test_the_start_line_says_which_threads_process_images_and_the_cache() -> None:
+    from types import SimpleNamespace
+
+    from worker.engine.vllm import vision_words
+
+    def config(cache: float) -> SimpleNamespace:
+        multimodal = SimpleNamespace(mm_processor_cache_gb=cache)
+        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=multimodal))
+
+    vision = VisionInfo(image_token_id=7, placeholder=(6, 7, 8), max_images=8, max_pixels=1048576)
+    assert vision_words(vision, config(1.25), image_threads(VisionSettings())) == (
+        "up to 8 per prompt, each scaled to at most 1,048,576 pixels, processed on one thread (the default), "
+        "processor cache 1.25 GiB per process"
+    )
+    assert vision_words(vision, config(0), image_threads(VisionSettings(image_threads=4))) == (
+        "up to 8 per prompt, each scaled to at most 1,048,576 pixels, processed on 4 threads "
+        "(vision.image_threads), processor cache off (an image that a session's history sends again is "
+        "processed again)"
+    )
