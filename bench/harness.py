@@ -37,7 +37,7 @@ import shutil
 import subprocess
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -378,8 +378,15 @@ def main(argv: list[str] | None = None) -> int:
         help="mean seconds a user thinks after a reply before the next turn (uniform over 0 to twice this;"
         " the worker's and the ceiling's concurrency runs draw the same times)",
     )
+    parser.add_argument(
+        "--vision-sessions",
+        type=lambda text: tuple(int(n) for n in text.split(",")),
+        help="the vision phase's session counts, comma separated (default: the profile's, e.g. 1,16,64)",
+    )
     args = parser.parse_args(argv)
     profile = PROFILES[args.profile]
+    if args.vision_sessions:
+        profile = replace(profile, vision_sessions=args.vision_sessions)
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))

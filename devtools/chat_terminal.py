@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import subprocess
 import sys
+from typing import Any
 
 import pexpect
 
@@ -34,14 +36,30 @@ def chat_command(port: int, *args: str) -> list[str]:
     return [sys.executable, "-m", "worker.chat", "--mqtt-port", str(port), *args]
 
 
+def in_terminal(command: list[str], *, timeout: float, **options: Any) -> pexpect.spawn:
+    """``command`` in a pseudo-terminal of its own, as a user starts it from a shell (from the
+    repository root, with this environment unless ``env`` is given). Its SIGINT is at the
+    default whatever the tests were started with: a shell's background job (``cmd &``) starts
+    with SIGINT ignored, its children inherit that, and then a Ctrl-C did nothing (three
+    Ctrl-C tests waited out their timeouts so)."""
+    options.setdefault("env", dict(os.environ))
+    return pexpect.spawn(
+        command[0],
+        command[1:],
+        cwd=str(REPO),
+        encoding="utf-8",
+        timeout=timeout,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
+        **options,
+    )
+
+
 class Chat:
     """The interactive client in a pseudo-terminal."""
 
     def __init__(self, port: int, *args: str) -> None:
         command = chat_command(port, *args)
-        self.child = pexpect.spawn(
-            command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=PATIENCE
-        )
+        self.child = in_terminal(command, timeout=PATIENCE)
         self.length_noted = False  # the last turn's reply ended on its length, and the terminal said so
         self.child.expect(r"\[connected; ")
         self.child.expect_exact(PROMPT)

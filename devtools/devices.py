@@ -5,7 +5,11 @@
 
 - ``<prefix>/lamp/set`` with ``{"on": true|false}``: switches the lamp, answers its state ``{"on": ...}``;
 - ``<prefix>/lamp/get``: answers the lamp's state;
-- ``<prefix>/sensor/read``: answers ``{"temperature_c": 21.5, "occupied": false}``.
+- ``<prefix>/sensor/read``: answers ``{"temperature_c": 21.5, "occupied": false}``;
+- ``<prefix>/camera/snapshot``: the front-door camera; answers its snapshot, a JPEG
+  (:func:`door_snapshot`: a drawn front door with a visitor holding a parcel) with the MQTT 5
+  Content Type ``image/jpeg``, as a real camera would: on a vision model the worker puts it in
+  the conversation as an image (docs/tools.md).
 
 Each answer goes to the call's ResponseTopic with its CorrelationData (a call without a
 ResponseTopic is logged and not answered). Calls are deduplicated by their ``toolCallId``
@@ -25,6 +29,8 @@ race against a timer); ``wait_until`` waits for a condition on those records.
 from __future__ import annotations
 
 import argparse
+import functools
+import io
 import json
 import signal
 import sys
@@ -42,12 +48,47 @@ from paho.mqtt.properties import Properties
 from paho.mqtt.subscribeoptions import SubscribeOptions
 
 SENSOR = {"temperature_c": 21.5, "occupied": False}
+SNAPSHOT_SIZE = (320, 240)  # the camera's picture: 99 tokens of Qwen2-VL (28x28 pixels a token)
+
+
+@functools.cache
+def door_snapshot() -> bytes:
+    """The front-door camera's snapshot: a JPEG of SNAPSHOT_SIZE (about 8 KB), drawn with PIL,
+    the same bytes every time: a front door under its lamp and, on the step beside it, a
+    visitor in a red coat holding a parcel, with the camera's caption in the corner."""
+    from PIL import Image, ImageDraw
+
+    width, height = SNAPSHOT_SIZE
+    image = Image.new("RGB", SNAPSHOT_SIZE, (196, 184, 160))  # the house's wall
+    draw = ImageDraw.Draw(image)
+    draw.rectangle((0, 200, width, height), fill=(120, 120, 118))  # the path
+    draw.rectangle((60, 192, 250, 206), fill=(150, 146, 140))  # the step
+    draw.rectangle((100, 50, 190, 194), fill=(245, 242, 235))  # the door's frame
+    draw.rectangle((108, 58, 182, 194), fill=(104, 52, 34))  # the door
+    for top in (68, 132):  # its panels
+        draw.rectangle((116, top, 174, top + 52), outline=(78, 38, 24), width=3)
+    draw.ellipse((166, 124, 174, 132), fill=(212, 175, 55))  # the knob
+    draw.ellipse((138, 22, 152, 36), fill=(255, 236, 150), outline=(90, 90, 90))  # the lamp
+    draw.rectangle((22, 70, 80, 130), fill=(150, 190, 215), outline=(245, 242, 235), width=4)  # a window
+    # The visitor: head, red coat, legs, and a parcel in the arms.
+    draw.ellipse((215, 78, 245, 110), fill=(224, 180, 150))
+    draw.rounded_rectangle((205, 108, 255, 172), radius=10, fill=(190, 40, 40))
+    draw.rectangle((212, 170, 226, 200), fill=(40, 40, 60))
+    draw.rectangle((234, 170, 248, 200), fill=(40, 40, 60))
+    draw.rectangle((196, 128, 236, 158), fill=(176, 132, 80), outline=(120, 86, 50), width=2)
+    draw.line((216, 128, 216, 158), fill=(120, 86, 50), width=2)
+    draw.rectangle((0, 0, 110, 14), fill=(0, 0, 0))
+    draw.text((4, 2), "FRONT DOOR  cam 1", fill=(255, 255, 255))
+    out = io.BytesIO()
+    image.save(out, "JPEG", quality=85)
+    return out.getvalue()
 
 
 @dataclass(frozen=True)
 class Answer:
     payload: bytes
     error: bool = False
+    content_type: str = "application/json"
 
 
 class SimulatedDevices:
@@ -93,7 +134,12 @@ class SimulatedDevices:
 
     @property
     def topics(self) -> list[str]:
-        return [f"{self.prefix}/lamp/set", f"{self.prefix}/lamp/get", f"{self.prefix}/sensor/read"]
+        return [
+            f"{self.prefix}/lamp/set",
+            f"{self.prefix}/lamp/get",
+            f"{self.prefix}/sensor/read",
+            f"{self.prefix}/camera/snapshot",
+        ]
 
     def start(self, timeout: float = 10) -> None:
         """Connect and subscribe; returns once the broker has acknowledged the subscription."""
@@ -191,6 +237,8 @@ class SimulatedDevices:
             return Answer(json.dumps({"on": self.lamp_on}).encode())
         if topic == f"{self.prefix}/sensor/read":
             return Answer(json.dumps(SENSOR).encode())
+        if topic == f"{self.prefix}/camera/snapshot":
+            return Answer(door_snapshot(), content_type="image/jpeg")
         return Answer(b'{"error":"unknown device"}', error=True)
 
     def _answer(
@@ -199,14 +247,18 @@ class SimulatedDevices:
         props = Properties(PacketTypes.PUBLISH)  # type: ignore[no-untyped-call]
         if correlation is not None:
             props.CorrelationData = correlation
-        props.ContentType = "application/json"
+        props.ContentType = answer.content_type
         if answer.error:
             props.UserProperty = [("outcome", "error")]
         self._client.publish(response_topic, answer.payload, qos=1, properties=props)
+        # A picture is recorded as what it is, not as its bytes.
+        text = (
+            answer.payload.decode()
+            if answer.content_type == "application/json"
+            else f"[{answer.content_type}, {len(answer.payload)} bytes]"
+        )
         with self._changed:
-            self.answered.append(
-                {"toolCallId": call_id, "topic": topic, "payload": answer.payload.decode(), "time": time.time()}
-            )
+            self.answered.append({"toolCallId": call_id, "topic": topic, "payload": text, "time": time.time()})
             self._changed.notify_all()
 
 

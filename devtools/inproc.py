@@ -2,7 +2,8 @@
 MqttTransport, in a group on Redis the intake, the store and the Service) on an asyncio loop in
 a thread of the test, generating with devtools.fakes' FakeEngine. For what the broker decides
 (delivery, acknowledgements, Receive Maximum, packet sizes, message expiry), where a vLLM
-engine would add only minutes of start-up."""
+engine would add only minutes of start-up. Where the model matters (what reaches its prompt),
+a real engine started by the test on a loop of its own, which the worker then shares."""
 
 from __future__ import annotations
 
@@ -11,11 +12,13 @@ import contextlib
 import itertools
 import threading
 from collections.abc import Callable, Coroutine, Sequence
-from typing import Any, TypeVar
+from typing import Any, Generic
+
+from typing_extensions import TypeVar
 
 from worker.config.models import WorkerConfig
 from worker.core.history import PromptRenderer
-from worker.engine.port import ToolSupport
+from worker.engine.port import Engine, ToolSupport
 from worker.store import open_store
 from worker.transport.mqtt import MqttSettings, MqttTransport
 from worker.transport.port import InboundMessage
@@ -26,6 +29,8 @@ from .mqtt_client import Client, Received
 from .waiting import PATIENCE, eventually
 
 T = TypeVar("T")
+# The worker's engine: the fake one unless a test gives a real one.
+E = TypeVar("E", bound=Engine, default=FakeEngine)
 _ids = itertools.count()
 
 
@@ -68,22 +73,27 @@ class RecordingTransport(MqttTransport):
         super().ack(message)
 
 
-class LiveWorker:
+class LiveWorker(Generic[E]):
     """``LiveWorker(port, limits={...})``: config sections as keyword arguments. Its topic
         prefix is its own, so workers sharing a broker never see each other's requests. Its
         sessions are in memory unless a test names another store (``history={"store": "redis"}``:
         a member of a group on the shared Redis, with its intake, as a real worker). ``tool_support``: how
         the model calls tools (worker.engine.vllm.tool_support; the fake engine writes the calls'
         markup), for the tool loop with its [tools] section. ``renderer``: the prompt renderer (the
-    model's ChatTokenizer where a test measures what tokenizing costs; one token a word else)."""
+        model's ChatTokenizer where a test measures what tokenizing costs or the model renders
+        the prompt; one token a word else). ``loop``: an event loop running in a thread of the
+        test, for a real ``engine`` started on it (vLLM's AsyncLLM stays on the loop it
+        started on), which the worker then runs on and leaves running when it closes; None: a
+    loop of its own."""
 
     def __init__(
         self,
         port: int,
         *,
-        engine: FakeEngine | None = None,
+        engine: E | None = None,
         tool_support: ToolSupport | None = None,
         renderer: PromptRenderer | None = None,
+        loop: asyncio.AbstractEventLoop | None = None,
         **sections: dict[str, Any],
     ) -> None:
         n = next(_ids)
@@ -98,13 +108,15 @@ class LiveWorker:
             }
         )
         self.prefix = self.config.mqtt.topic_prefix  # the service's, where a test gives its own
-        self.engine = engine or FakeEngine()
+        self.engine: E = engine if engine is not None else FakeEngine()  # type: ignore[assignment]
         self.tool_support = tool_support  # how the model calls tools (None: it does not)
         self.renderer = renderer or WordRenderer()  # the model's tokenizer, where its cost matters
         self.stop_codes: list[int] = []
-        self.loop = asyncio.new_event_loop()
+        self._own_loop = loop is None
+        self.loop = loop or asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
-        self._thread.start()
+        if self._own_loop:
+            self._thread.start()
         self._resources = contextlib.AsyncExitStack()
         self.closed = False
         self.call(self._start())
@@ -131,10 +143,11 @@ class LiveWorker:
 
     def call(self, work: Coroutine[Any, Any, T] | Callable[[], T], timeout: float = PATIENCE) -> T:
         """Run work (a coroutine, or a function) on the worker's loop; its result. Once the
-        worker is closed its loop has stopped and its state is final: a function runs here."""
+        worker on a loop of its own is closed, that loop has stopped and its state is final: a
+        function runs here."""
         if not asyncio.iscoroutine(work):
             function = work
-            if self.closed:
+            if self.closed and self._own_loop:
                 return function()  # type: ignore[operator]
 
             async def as_coroutine() -> Any:
@@ -189,8 +202,9 @@ class LiveWorker:
         try:
             self.call(stop())
         finally:
-            self.loop.call_soon_threadsafe(self.loop.stop)
-            self._thread.join(5)
+            if self._own_loop:
+                self.loop.call_soon_threadsafe(self.loop.stop)
+                self._thread.join(5)
 
 
 def settle(

@@ -8,6 +8,7 @@ import socket
 import subprocess
 import time
 from pathlib import Path
+from typing import Any
 
 from .net import free_port
 from .waiting import PATIENCE
@@ -63,14 +64,21 @@ class RedisServer:
         finally:
             client.close()
 
-    def pending(self, streams: str, group: str = "workers") -> int:
-        """The entries of the streams whose keys match ``streams`` (a glob) that a consumer of
-        ``group`` has read and not acknowledged yet: a request a worker has taken."""
+    def taken(self, streams: str, group: str = "workers") -> list[bytes]:
+        """The payloads of the entries of the streams whose keys match ``streams`` (a glob) that
+        a consumer of ``group`` has read and not acknowledged yet: the requests a worker has
+        taken. Which ones, not how many: an earlier request whose answer is out stays pending
+        until the worker has the broker's acknowledgement of that answer."""
         import redis
 
-        client = redis.Redis(port=self.port)
+        client: Any = redis.Redis(port=self.port)  # redis-py's sync types are a union with its async ones
         try:
-            return sum(int(client.xpending(key, group)["pending"]) for key in client.scan_iter(match=streams))
+            payloads = []
+            for key in client.scan_iter(match=streams):
+                for pending in client.xpending_range(key, group, min="-", max="+", count=1000):
+                    for _, fields in client.xrange(key, pending["message_id"], pending["message_id"]):
+                        payloads.append(bytes(fields[b"payload"]))
+            return payloads
         finally:
             client.close()
 

@@ -102,9 +102,10 @@ _RENDER_CONTENT = (
 TEST_MAX_PIXELS = 28 * 28 * 64
 
 
-def tiny_engine_settings(model: Path) -> tuple[Any, Any]:
+def tiny_engine_settings(model: Path, image_threads: int | None = None) -> tuple[Any, Any]:
     """The engine configuration and image settings the engine-tier tests start the tiny vision
-    model with: CPU-sized (256 MiB of KV cache, 4 sequences), eager, the tests' block size."""
+    model with: CPU-sized (256 MiB of KV cache, 4 sequences), eager, the tests' block size; a
+    small processor cache and one image thread, or ``image_threads`` and no cache."""
     from devtools.worker_process import BLOCK_SIZE
     from worker.config.models import EngineConfig
     from worker.engine.port import VisionSettings
@@ -117,7 +118,11 @@ def tiny_engine_settings(model: Path) -> tuple[Any, Any]:
         max_num_seqs=4,
         extra={"kv_cache_memory_bytes": 256 * 1024 * 1024},
     )
-    return config, VisionSettings(max_pixels=TEST_MAX_PIXELS, max_images_in_prompt=2, processor_cache_gib=0.25)
+    cache = 0.25 if image_threads is None or image_threads == 1 else None
+    vision = VisionSettings(
+        max_pixels=TEST_MAX_PIXELS, max_images_in_prompt=2, processor_cache_gib=cache, image_threads=image_threads
+    )
+    return config, vision
 
 
 def vision_chat_template(think: bool = False) -> str:

@@ -3,13 +3,15 @@ conversation with a running worker through a broker's WebSockets listener, saved
 
     python scripts/chat_page_screenshot.py --broker-url ws://127.0.0.1:9001 docs/chat-page.png
     scripts/tools-demo.sh --screenshot docs/chat-page-tools.png   # a round of the worker's tools
+    scripts/tools-demo.sh --vision --screenshot docs/chat-page-image.png   # an image in the turn
 
 Needs Debian's chromium and chromium-driver and the test extra's selenium (scripts/setup.sh).
 The docs' pictures: SmolLM2-135M-Instruct on the CPU (``--dtype float32 --block-size 32``),
 at temperature 0 (this small model's answers are much better greedy). ``--worker-tools`` ticks
 "Use the worker's tools" and ``--tool-choice NAME`` forces that tool, one for each ``--message``
 (the demo model calls one only when forced); tools-demo.sh passes them with a worker that has
-tools.
+tools. ``--image FILE`` attaches a picture to the first message with the page's file picker
+(a worker on a vision model: tools-demo.sh --vision, the tiny random-weight one).
 """
 
 from __future__ import annotations
@@ -59,6 +61,22 @@ def force_tool(driver: Any, name: str) -> None:
     driver.find_element("css selector", "#options summary").click()
 
 
+def thumbnails_drawn(driver: Any, selector: str) -> bool:
+    """Every thumbnail under ``selector`` is loaded and drawn (and there is one)."""
+    drawn: bool = driver.execute_script(
+        "const imgs = [...document.querySelectorAll(arguments[0])];"
+        "return imgs.length > 0 && imgs.every((img) => img.complete && img.naturalWidth > 0);",
+        selector,
+    )
+    return drawn
+
+
+def attach(driver: Any, image: Path) -> None:
+    """The page's file picker takes ``image``; returns once its thumbnail is drawn."""
+    driver.find_element("id", "image-file").send_keys(str(image.resolve()))
+    wait(driver, lambda d: thumbnails_drawn(d, "#attachments img.thumb"), f"{image.name} attached", 30)
+
+
 def settled_turns(driver: Any) -> int:
     """How many turns the page shows with their reply ended (not pending)."""
     return len(driver.find_elements("css selector", "article.turn:not([data-status='pending'])"))
@@ -95,6 +113,9 @@ def main() -> None:
         help="force this tool's call in the first round of a message (repeatable: one for each --message)",
     )
     parser.add_argument("--message", action="append", help="a message to send (repeatable; default: three questions)")
+    parser.add_argument(
+        "--image", type=Path, metavar="FILE", help="attach this picture to the first message (a vision model's worker)"
+    )
     parser.add_argument("--window-size", default="900,900", help="WIDTH,HEIGHT of the browser window")
     args = parser.parse_args()
     width, height = (int(n) for n in args.window_size.split(","))
@@ -111,8 +132,12 @@ def main() -> None:
         for i, question in enumerate(args.message or QUESTIONS, 1):
             if args.tool_choice:  # the i-th message's, the last one's for those after it
                 force_tool(driver, args.tool_choice[min(i, len(args.tool_choice)) - 1])
+            if args.image is not None and i == 1:
+                attach(driver, args.image)
             driver.find_element("id", "message").send_keys(question + "\n")
             wait(driver, partial(has_settled, count=i), f"reply {i}", PATIENCE)
+        if args.image is not None:
+            wait(driver, lambda d: thumbnails_drawn(d, "#transcript img.thumb"), "the turn's thumbnail", 30)
         save_small(driver, args.output)
 
 

@@ -5,6 +5,8 @@
 # call. Results land in /root/bench/qwen3-vl-2b-images and come back as a tarball in $OUT, with
 # the phase's output in $OUT/vision.log.
 # Usage: bash scripts/gpu_vision.sh [GEOMETRY] [PROFILE]   e.g. qwen3-vl-2b gpu
+# VISION_SESSIONS=1,64: only these session counts (default: the profile's); VISION_TIMEOUT_S: the
+# phase's limit in seconds (default 540).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 geometry=${1:-qwen3-vl-2b} profile=${2:-gpu}
@@ -18,7 +20,7 @@ mkdir -p "$out"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader > "$out/gpu.txt" || true
 status=0
 timeout "${VISION_TIMEOUT_S:-540}" python3 -m bench --profile "$profile" --model "$model" --out "$out" \
-  --phases vision --mosquitto /root/mosq/bin/mosquitto 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" \
+  --phases vision ${VISION_SESSIONS:+--vision-sessions "$VISION_SESSIONS"} --mosquitto /root/mosq/bin/mosquitto 2>&1 | tee -a "$out/bench.log" | grep -v "it/s\]$" \
   | tee "${OUT:-/tmp}/vision.log" || status=$?
 tar czf "${OUT:-/tmp}/gpu-$name.tgz" -C /root/bench "$name"
 exit $status

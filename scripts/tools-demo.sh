@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The worker's own tools (docs/tools.md), no GPU needed: a private mosquitto, a simulated lamp
-# and room sensor answering MQTT 5 requests (devtools/devices.py), and the worker on the real
-# small chat model (SmolLM2-135M-Instruct, prepared once by python -m worker.prepare_model) with
-# a generated config: the devices as [[tools.mqtt]] tools and a calculator MCP server
+# The worker's own tools (docs/tools.md), no GPU needed: a private mosquitto, a simulated lamp,
+# room sensor and front-door camera answering MQTT 5 requests (devtools/devices.py: the camera
+# answers with a JPEG snapshot, Content Type image/jpeg), and the worker on the real small chat
+# model (SmolLM2-135M-Instruct, prepared once by python -m worker.prepare_model) with a
+# generated config: the devices as [[tools.mqtt]] tools and a calculator MCP server
 # (devtools/calc_mcp.py, stdio) as [[tools.mcp]]. Then a conversation through the chat client
 # (python -m worker.chat) in which the worker calls them, shown as the calls start and end, and
 # at the end what the devices received (their log).
@@ -14,26 +15,56 @@
 #                                  the chat page in headless Chromium, one message with a
 #                                  forced sensor_read, saved as a picture (the README's), then
 #                                  everything stops (scripts/chat_page_screenshot.py)
+#   --vision (with any of the above)
+#                                  the worker on a tiny random-weight vision model instead
+#                                  (devtools/tinyvision.py: Qwen2-VL's architecture and image
+#                                  processor, made here once, in seconds): the camera's snapshot
+#                                  enters the prompt as an image (the usage line counts its
+#                                  tokens) and the next turn finds it in the prefix cache. Its
+#                                  replies are blank lines: its weights are random. --screenshot then
+#                                  pictures the page with an image attached to the message.
 #
 # This 135M model calls a tool only when forced (it never called one on its own in the
 # measurements, docs/benchmarks/demo-model.md): the conversation forces each call with
-# --tool-choice (a forced choice applies to the first round of a message only).
+# --tool-choice (a forced choice applies to the first round of a message only). It has no
+# vision: the camera's snapshot reaches it as the text "[image/jpeg, N bytes]", not as a picture.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-WEB="" SCREENSHOT=""
-case "${1:-}" in
-  --web) WEB=1 ;;
-  --screenshot) [ -n "${2:-}" ] || { echo "usage: $0 --screenshot FILE.png" >&2; exit 2; }; WEB=1; SCREENSHOT=$(realpath -m "$2") ;;
-  "") ;;
-  *) echo "usage: $0 [--web | --screenshot FILE.png]" >&2; exit 2 ;;
-esac
+WEB="" SCREENSHOT="" VISION=""
+usage() { echo "usage: $0 [--web | --screenshot FILE.png] [--vision]" >&2; exit 2; }
+while [ $# -gt 0 ]; do
+  case "$1" in
+    --web) WEB=1 ;;
+    --screenshot) [ -n "${2:-}" ] || usage; WEB=1; SCREENSHOT=$(realpath -m "$2"); shift ;;
+    --vision) VISION=1 ;;
+    *) usage ;;
+  esac
+  shift
+done
 bash scripts/setup.sh
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
 
-echo "==> preparing the model (once: a 93 MB download and about half a minute)"
-MODEL=$(.venv/bin/python -m worker.prepare_model smollm2)
-
 RUN=$(mktemp -d)
+if [ -n "$VISION" ]; then
+  # Made in a folder of its own, then moved: an interrupted generation leaves no half model.
+  MODEL=$PWD/.cache/tinyvision-qwen2-vl
+  if [ ! -f "$MODEL/model.safetensors" ]; then
+    echo "==> making the tiny random-weight vision model (once, seconds: devtools/tinyvision.py)"
+    mkdir -p .cache
+    .venv/bin/python -m devtools.tinyvision "$RUN/tinyvision" >/dev/null
+    rm -rf "$MODEL" && mv "$RUN/tinyvision" "$MODEL"
+  fi
+  # Its weights are bfloat16, which the CPU backend runs natively.
+  MODEL_FLAGS=(--model "$MODEL")
+else
+  echo "==> preparing the model (once: a 93 MB download and about half a minute)"
+  MODEL=$(.venv/bin/python -m worker.prepare_model smollm2)
+  MODEL_FLAGS=(--model "$MODEL" --dtype float32)
+fi
+# The camera's snapshot, as it answers it: to look at what the model was shown.
+.venv/bin/python -c 'import sys; from devtools.devices import door_snapshot; sys.stdout.buffer.write(door_snapshot())' \
+  >"$RUN/front-door.jpg"
+
 free_port() { .venv/bin/python -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'; }
 PORT=$(free_port)
 MOSQUITTO=$(command -v mosquitto || echo /usr/sbin/mosquitto)
@@ -76,6 +107,14 @@ topic = "devices/sensor/read"
 timeout = 5.0
 users = ["*"]
 
+[[tools.mqtt]]
+name = "door_camera"
+description = "Take a snapshot with the front-door camera: a picture of whoever is at the door"
+parameters = '{"type": "object", "properties": {}, "additionalProperties": false}'
+topic = "devices/camera/snapshot"
+timeout = 5.0
+users = ["*"]
+
 [[tools.mcp]]
 name = "calc"
 command = ["$PWD/.venv/bin/python", "$PWD/devtools/calc_mcp.py"]
@@ -109,7 +148,7 @@ trap cleanup EXIT
 # ends the wait for the worker.
 trap 'exit 130' INT
 
-echo "==> starting the simulated lamp and sensor (devtools/devices.py; their log: $RUN/devices.jsonl)"
+echo "==> starting the simulated lamp, sensor and door camera (devtools/devices.py; their log: $RUN/devices.jsonl)"
 setsid .venv/bin/python -m devtools.devices --port "$PORT" --log "$RUN/devices.jsonl" >"$RUN/devices.out" 2>&1 &
 DEVICES=$!
 for _ in $(seq 100); do
@@ -119,7 +158,7 @@ for _ in $(seq 100); do
 done
 
 # --dtype float32, --block-size 32 and kv_cache_memory_bytes: see scripts/demo.sh.
-setsid .venv/bin/python -m worker --config "$RUN/worker.toml" --model "$MODEL" --dtype float32 --mqtt-port "$PORT" \
+setsid .venv/bin/python -m worker --config "$RUN/worker.toml" "${MODEL_FLAGS[@]}" --mqtt-port "$PORT" \
   --worker-id demo --store memory --wait-for-broker \
   --enforce-eager --block-size 32 --max-model-len 2048 --engine-extra '{"kv_cache_memory_bytes": 268435456}' \
   >"$RUN/worker.log" 2>&1 &
@@ -128,6 +167,16 @@ echo "==> starting the worker (vLLM engine start: about a minute on 2 cores; log
 .venv/bin/python scripts/wait_for_worker.py "$RUN/worker.log" --pid "$WORKER" --timeout 300
 
 SYSTEM="You look after a living room through tools. After a tool's result, tell the user in one short sentence what it means."
+if [ -n "$SCREENSHOT" ] && [ -n "$VISION" ]; then
+  # 4 tokens: the random model's reply is blank lines (below), and the picture is of the image
+  # in the turn.
+  echo "==> the chat page in headless Chromium: one message with the door camera's snapshot attached"
+  .venv/bin/python scripts/chat_page_screenshot.py --broker-url "ws://127.0.0.1:$WS_PORT" --user demo \
+    --window-size 1000,700 --max-tokens 4 --image "$RUN/front-door.jpg" \
+    --message "Is anyone at the door?" "$SCREENSHOT"
+  echo "==> saved $SCREENSHOT ($(stat -c %s "$SCREENSHOT") bytes)"
+  exit 0
+fi
 if [ -n "$SCREENSHOT" ]; then
   echo "==> the chat page in headless Chromium: one message, sensor_read forced (the demo model calls a tool only then)"
   .venv/bin/python scripts/chat_page_screenshot.py --broker-url "ws://127.0.0.1:$WS_PORT" --user demo \
@@ -147,6 +196,10 @@ if [ -n "$WEB" ]; then
   echo "==> the chat page: http://127.0.0.1:$PAGE_PORT/?broker=ws%3A%2F%2F127.0.0.1%3A$WS_PORT&user=demo&temperature=0&maxTokens=96"
   echo "    Options: tick \"Use the worker's tools\"; Tool choice \"required\" makes the model call one."
   echo "    Ask e.g. \"Is anyone in the room?\". Ctrl-C stops everything; then the devices' log is printed."
+  if [ -n "$VISION" ]; then
+    echo "    The tiny vision model (random weights: its replies are blank) takes images: attach one with"
+    echo "    the paperclip or paste it, e.g. the camera's snapshot $RUN/front-door.jpg, or force door_camera."
+  fi
   # Until Ctrl-C (the INT trap exits; the devices' log is printed by the EXIT path below).
   trap 'trap - INT; echo; echo "==> what the devices received:"; cat "$RUN/devices.jsonl" 2>/dev/null; exit 130' INT
   while kill -0 "$WORKER" 2>/dev/null; do sleep 1; done
@@ -155,25 +208,44 @@ if [ -n "$WEB" ]; then
 fi
 
 SESSION="tools-$$"
+# cat -s: a run of blank lines shows as one (the tiny vision model's replies are nothing else).
 ask() {  # ask MESSAGE [chat flags...]: one message of the conversation, its replies and tool calls
   local message=$1
   shift
   echo
   echo ">>> $message   ($*)"
   .venv/bin/python -m worker.chat --mqtt-port "$PORT" --user demo --session "$SESSION" --temperature 0 \
-    --max-tokens 96 --show-stats --system-prompt "$SYSTEM" --message "$message" "$@" 2>&1 | sed 's/^/    /' \
+    --max-tokens 96 --show-stats --system-prompt "$SYSTEM" --message "$message" "$@" 2>&1 | cat -s | sed 's/^/    /' \
     || echo "    (the chat client exited with status $?: python -m worker.chat --help explains it)"
 }
 
-echo
-echo "==> the lamp is on (a call of this script's own: the devices log it too)"
-mosquitto_pub -p "$PORT" -V mqttv5 -q 1 -t devices/lamp/set -m '{"on": true}'
+if [ -n "$VISION" ]; then
+  echo
+  echo "==> the tiny vision model: its weights are random, so its replies say nothing (blank lines:"
+  echo "    it repeats the last token of its prompt, a newline, at any temperature). What the demo"
+  echo "    shows is the camera's picture in the prompt: the usage line counts its image tokens, and"
+  echo "    the second message finds it in the prefix cache (the snapshot: $RUN/front-door.jpg)"
+  # 48 tokens: enough for the forced call's markup (about 30); the replies run to the limit.
+  ask "Is anyone at the door?" --worker-tools '*' --tool-choice door_camera --max-tokens 48
+  ask "Is the visitor holding anything?" --max-tokens 48
+else
+  echo
+  echo "==> the lamp is on (a call of this script's own: the devices log it too)"
+  mosquitto_pub -p "$PORT" -V mqttv5 -q 1 -t devices/lamp/set -m '{"on": true}'
 
-# workerTools "*": every worker tool this user may use; the session keeps the choice.
-ask "Is anyone in the room? If not, switch the lamp off." --worker-tools '*' --tool-choice sensor_read
-ask "Nobody is in the room, so switch the lamp off." --tool-choice lamp_set
-ask "Is the lamp on now?" --tool-choice lamp_get
-ask "What is 21.5 multiplied by 3?" --tool-choice calc_multiply
+  # workerTools "*": every worker tool this user may use; the session keeps the choice.
+  ask "Is anyone in the room? If not, switch the lamp off." --worker-tools '*' --tool-choice sensor_read
+  ask "Nobody is in the room, so switch the lamp off." --tool-choice lamp_set
+  ask "Is the lamp on now?" --tool-choice lamp_get
+  ask "What is 21.5 multiplied by 3?" --tool-choice calc_multiply
+
+  echo
+  echo "==> the door camera answers with a JPEG (the snapshot: $RUN/front-door.jpg). The demo model"
+  echo "    has no vision: the worker gives it the text [image/jpeg, N bytes], not the picture, so it"
+  echo "    cannot say who is there. bash scripts/tools-demo.sh --vision shows the picture entering"
+  echo "    a vision model's prompt."
+  ask "Is anyone at the door?" --tool-choice door_camera
+fi
 
 echo
 echo "==> what the devices received (devtools/devices.py's log, one call a line):"
@@ -184,7 +256,7 @@ import sys
 for line in open(sys.argv[1]):
     call = json.loads(line)
     who = f"call {call['toolCallId']} of request {call['requestId']}" if call["toolCallId"] else "no call id"
-    print(f"    {call['topic']:<22} {call['payload'] or '(empty)':<16} {who}{' (duplicate)' if call['duplicate'] else ''}")
+    print(f"    {call['topic']:<24} {call['payload'] or '(empty)':<16} {who}{' (duplicate)' if call['duplicate'] else ''}")
 PY
 echo
 grep -o "worker call .*" "$RUN/worker.log" | sed 's/^/    worker log: /' || true

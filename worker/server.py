@@ -87,7 +87,9 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
     from .engine.vllm import VllmEngine
 
     vision = VisionSettings(
-        max_pixels=config.vision.max_pixels, max_images_in_prompt=config.vision.max_images_in_prompt
+        max_pixels=config.vision.max_pixels,
+        max_images_in_prompt=config.vision.max_images_in_prompt,
+        image_threads=config.vision.image_threads,
     )
     return await VllmEngine.start(
         config.engine,

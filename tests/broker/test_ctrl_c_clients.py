@@ -7,15 +7,13 @@ come, which is what lets a Ctrl-C land while one is awaited."""
 from __future__ import annotations
 
 import json
-import os
 import sys
 from collections.abc import Iterator
 
 import pexpect
 import pytest
 
-from devtools import REPO
-from devtools.chat_terminal import PROMPT, Chat, chat_command
+from devtools.chat_terminal import PROMPT, Chat, chat_command, in_terminal
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.mqtt_client import pretend_worker as pretend_worker_on
@@ -23,9 +21,7 @@ from devtools.waiting import PATIENCE
 
 
 def spawn(command: list[str]) -> pexpect.spawn:
-    return pexpect.spawn(
-        command[0], command[1:], cwd=str(REPO), env=dict(os.environ), encoding="utf-8", timeout=PATIENCE
-    )
+    return in_terminal(command, timeout=PATIENCE)
 
 
 def ended(child: pexpect.spawn) -> tuple[int, str]:

@@ -1,8 +1,8 @@
 """Device tools (issue 23): the worker's MqttTransport (Messaging: send with MQTT 5 properties,
 watch) and DeviceTools calling the simulated devices of devtools/devices.py through a real
-mosquitto: a round trip with its properties, timeouts, late answers, a publish the broker's ACL
-refuses, the response topic after a broker restart, concurrent calls, an answer published
-retained."""
+mosquitto: a round trip with its properties, the door camera's snapshot as an image result,
+timeouts, late answers, a publish the broker's ACL refuses, the response topic after a broker
+restart, concurrent calls, an answer published retained."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from typing import Any
 from loguru import logger
 
 from devtools.acl import PASSWORDS, documented_acl_broker
-from devtools.devices import SENSOR, SimulatedDevices
+from devtools.devices import SENSOR, SimulatedDevices, door_snapshot
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, asking, connect, transport_on
 from devtools.waiting import PATIENCE
@@ -112,6 +112,34 @@ def test_a_call_goes_out_with_its_properties_and_its_answer_comes_back(broker: M
         (f"{p}/lamp/set", "call-1", "req-1", True),
         (f"{p}/sensor/read", "call-2", "req-2", False),
     ]
+
+
+def test_the_door_cameras_snapshot_is_an_image_result(broker: Mosquitto) -> None:
+    """The tools demo's camera (scripts/tools-demo.sh door_camera) answers with its JPEG and the
+    Content Type image/jpeg: the call's result carries the picture's bytes (what a vision model
+    sees) and, as its text, what a model without vision gets."""
+    p = prefix()
+    listener = Client(broker.port, [response_topic_for("chat", "gpu-1")])  # sees the answer
+
+    async def run() -> None:
+        async with (
+            transport_on(broker.port) as transport,
+            device_tools(transport, [tool("door_camera", f"{p}/camera/snapshot")]) as tools,
+        ):
+            with devices_on(broker.port, prefix=p) as devices:
+                outcome = await tools.call("door_camera", {}, context(1))
+                jpeg = door_snapshot()
+                assert outcome.ok and outcome.images == ((jpeg, "image/jpeg"),), outcome
+                assert outcome.content == f"[image/jpeg, {len(jpeg)} bytes]"
+                assert jpeg[:3] == b"\xff\xd8\xff" and 2000 < len(jpeg) < 20000  # a real JPEG, small
+                answer = listener.wait_for(lambda m: m.payload == jpeg, 10)
+                assert answer.properties.ContentType == "image/jpeg" and answer.payload == jpeg
+                assert devices.answered[0]["payload"] == f"[image/jpeg, {len(jpeg)} bytes]"
+
+    try:
+        asyncio.run(run())
+    finally:
+        listener.close()
 
 
 def test_a_device_that_does_not_answer_is_a_timeout(broker: Mosquitto) -> None:

@@ -30,7 +30,7 @@ import pexpect
 import psutil
 import pytest
 
-from devtools import REPO
+from devtools.chat_terminal import in_terminal
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client
 from devtools.net import free_port
@@ -54,12 +54,9 @@ class TerminalWorker:
     def __init__(self, model: Path, broker: Mosquitto, state: Path, *extra: str) -> None:
         args = [*engine_args(model), "--mqtt-port", str(broker.port), "--topic-prefix", PREFIX]
         args += ["--worker-id", "ctrlc", "--state-dir", str(state), *extra]
-        self.child = pexpect.spawn(
-            sys.executable,
-            ["-m", "worker", *args],
-            cwd=str(REPO),
+        self.child = in_terminal(
+            [sys.executable, "-m", "worker", *args],
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
-            encoding="utf-8",
             codec_errors="replace",
             timeout=300,
             dimensions=(50, 250),

@@ -41,6 +41,10 @@ from worker.engine.port import (
 pytestmark = pytest.mark.e2e
 
 MAX_TOKENS = 4
+IMAGE_THREADS = 2
+# How long one image's processing waits for the other's at the tests' barrier before it gives
+# up (and the test fails): only a bound for a failure, never reached when they overlap.
+BARRIER_TIMEOUT_S = 120.0
 MAX_PIXELS = TEST_MAX_PIXELS
 # The tokens of a 300x200 picture at MAX_PIXELS: scaled (keeping its aspect) in steps of one
 # token's pixels, 28 (Qwen2-VL: 252x168, 9x6 tokens) or 32 (Qwen3-VL: 256x160, 8x5 tokens).
@@ -56,14 +60,21 @@ class Engine:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        config, settings = tiny_engine_settings(model)
+        # Two image threads (and so no processor cache), the tests below process two at once.
+        config, settings = tiny_engine_settings(model, image_threads=IMAGE_THREADS)
         self.engine = self.run(VllmEngine.start(config, stop_token_ids=[], progress_bars=False, vision=settings))
 
     def run(self, coroutine: Any, timeout: float = 600) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self.loop).result(timeout)
 
     def generate(self, ids: list[int], images: list[EngineImage], request_id: str) -> GenerationUpdate:
-        async def collect() -> GenerationUpdate:
+        result: GenerationUpdate = self.generate_all([(ids, images, request_id)])[0]
+        return result
+
+    def generate_all(self, requests: list[tuple[list[int], list[EngineImage], str]]) -> list[GenerationUpdate]:
+        """The requests at once, each generated to its end."""
+
+        async def collect(ids: list[int], images: list[EngineImage], request_id: str) -> GenerationUpdate:
             sampling = SamplingOptions(max_tokens=MAX_TOKENS, temperature=0.0, top_p=1.0)
             last = None
             async for update in self.engine.generate(GenerationRequest(request_id, ids, sampling, tuple(images))):
@@ -71,7 +82,10 @@ class Engine:
             assert last is not None and last.finished
             return last
 
-        result: GenerationUpdate = self.run(collect())
+        async def every() -> list[GenerationUpdate]:
+            return list(await asyncio.gather(*(collect(*request) for request in requests)))
+
+        result: list[GenerationUpdate] = self.run(every())
         return result
 
     def close(self) -> None:
@@ -245,3 +259,64 @@ def test_where_vllm_processes_images_on_the_event_loop_the_worker_does_it_on_its
         vllm_engine._process_inputs = None
     assert update.image_tokens == IMAGE_TOKENS[family] and update.completion_tokens == MAX_TOKENS
     assert len(threads) == 1 and threads[0].startswith("images"), threads
+
+
+class Meeting:
+    """Wraps an image-processing call so that each waits at a barrier for the other: two calls
+    meet only if they run at the same time, on two threads. One after the other, the first would
+    wait alone until the barrier breaks, and its request would fail."""
+
+    def __init__(self, process: Any) -> None:
+        self.process = process
+        self.barrier = threading.Barrier(IMAGE_THREADS, timeout=BARRIER_TIMEOUT_S)
+        self.threads: list[str] = []
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.threads.append(threading.current_thread().name)
+        self.barrier.wait()
+        return self.process(*args, **kwargs)
+
+
+def test_the_start_line_says_how_many_threads_process_images(engine: Engine) -> None:
+    from worker.engine.vllm import vision_words
+
+    vllm_engine: Any = engine.engine
+    vllm_config = vllm_engine._llm.vllm_config
+    assert vllm_engine.image_threads.count == IMAGE_THREADS
+    assert vllm_config.model_config.multimodal_config.mm_processor_cache_gb == 0  # not thread-safe
+    words = vision_words(vllm_engine.info.vision, vllm_config, vllm_engine.image_threads)
+    assert "processed on 2 threads (vision.image_threads)" in words
+    assert "processor cache off" in words
+
+
+def test_two_images_are_processed_at_once_by_vllm(engine: Engine, template: Any, family: str) -> None:
+    """Where vLLM processes a raw prompt's images itself (0.32+: InputProcessor.process_inputs_async
+    on its renderer's workers), it has as many workers as the worker's image threads."""
+    vllm_engine: Any = engine.engine
+    assert vllm_engine._process_inputs is None  # 0.32: vLLM's own threads
+    renderer = vllm_engine._llm.input_processor.renderer
+    meeting = Meeting(renderer._process_multimodal)
+    renderer._process_multimodal = meeting
+    try:
+        ids = render(template, FIRST)
+        updates = engine.generate_all([(ids, [picture(20 + i)], f"vllm-together-{i}") for i in range(IMAGE_THREADS)])
+    finally:
+        del renderer._process_multimodal
+    assert [u.image_tokens for u in updates] == [IMAGE_TOKENS[family]] * IMAGE_THREADS
+    assert len(set(meeting.threads)) == IMAGE_THREADS, meeting.threads
+
+
+def test_two_images_are_processed_at_once_on_the_worker_threads(engine: Engine, template: Any, family: str) -> None:
+    """Where vLLM would process them on the event loop (0.26, taken here on 0.32 as in the test
+    above by hiding process_inputs_async), the worker's image threads process two requests'
+    images at once."""
+    vllm_engine: Any = engine.engine
+    meeting = Meeting(vllm_engine._llm.input_processor.process_inputs)
+    vllm_engine._process_inputs = meeting
+    try:
+        ids = render(template, FIRST)
+        updates = engine.generate_all([(ids, [picture(30 + i)], f"own-together-{i}") for i in range(IMAGE_THREADS)])
+    finally:
+        vllm_engine._process_inputs = None
+    assert [u.image_tokens for u in updates] == [IMAGE_TOKENS[family]] * IMAGE_THREADS
+    assert len(set(meeting.threads)) == IMAGE_THREADS and all(t.startswith("images") for t in meeting.threads)

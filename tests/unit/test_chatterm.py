@@ -97,6 +97,10 @@ def test_a_reply_cut_at_its_length_is_said() -> None:
     term, out = terminal(max_tokens=9)
     term.finish(Pending("r", time.monotonic(), time.monotonic()), reply("Done."))
     assert out.getvalue() == "Done.\n"
+    # After a tool round usage counts every generation; the limit is each one's.
+    term, out = terminal(max_tokens=6)
+    term.finish(Pending("r", time.monotonic(), time.monotonic()), reply("The lamp is", finish_reason="length"))
+    assert "[the reply was cut at 6 tokens (9 in all its rounds), its length limit (--max-tokens 6);" in out.getvalue()
 
 
 # ---- tool calls: what the terminal shows and sends, and the one-shot flags (the client

@@ -242,3 +242,39 @@ def test_store_calls_queued_together_run_in_order_and_answer_their_own_callers()
         assert [session for _, session in store.calls] == ["u/first", "u/a", "u/bad", "u/c"]
 
     asyncio.run(scenario())
+
+
+def test_a_call_from_a_new_event_loop_is_answered_while_a_closed_loops_call_still_runs() -> None:
+    """One cache, one asyncio.run after another (as tests use it): a call made from the second
+    loop while the store's thread still runs the first loop's call is answered on its own
+    loop. It was answered on the first one, closed by then, and waited forever (a tool-loop
+    test hung so on a loaded machine)."""
+    from worker.core.session_cache import SessionCache
+
+    entered, release = threading.Event(), threading.Event()
+
+    class Gated(SlowStore):
+        def load(self, session: str) -> Any:
+            if session == "u/first":
+                entered.set()
+                release.wait(PATIENCE)
+            return super().load(session)
+
+    cache = SessionCache(Gated(0.0), 100)
+
+    async def first() -> None:
+        call = asyncio.ensure_future(cache.aget("u/first"))
+        await asyncio.to_thread(entered.wait, PATIENCE)
+        call.cancel()  # the caller gives up; the store's call runs on, and this loop closes
+
+    asyncio.run(first())
+    assert entered.is_set() and not release.is_set()
+
+    async def second() -> str:
+        call = asyncio.ensure_future(cache.aget("u/second"))  # queued behind the running call
+        await asyncio.sleep(0)
+        release.set()
+        history = await asyncio.wait_for(call, PATIENCE)
+        return type(history).__name__
+
+    assert asyncio.run(second()) == "SessionHistory"

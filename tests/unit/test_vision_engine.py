@@ -11,8 +11,10 @@ from worker.engine.kvtier import GIB, HostMemory
 from worker.engine.port import ImagesRejected, VisionInfo, VisionSettings
 from worker.engine.vllm import (
     Host,
+    ImageThreads,
     check_image_placeholders,
     engine_arguments,
+    image_threads,
     processor_cache_gib,
     vision_arguments,
 )
@@ -45,6 +47,34 @@ def test_vision_arguments() -> None:
     }
     chosen = VisionSettings(processor_cache_gib=0.5)
     assert vision_arguments(chosen, cpu_host(20))["mm_processor_cache_gb"] == 0.5
+
+
+def test_images_are_processed_on_one_thread_with_the_processor_cache_by_default() -> None:
+    assert image_threads(VisionSettings()) == ImageThreads(1, "the default")
+    arguments = vision_arguments(VisionSettings(), cpu_host(20))
+    assert arguments["mm_processor_cache_gb"] == 1.25 and "renderer_num_workers" not in arguments
+    assert image_threads(VisionSettings(image_threads=1), {"mm_processor_cache_gb": 2}).count == 1
+
+
+def test_several_image_threads_turn_the_processor_cache_off() -> None:
+    """vLLM's processor cache is not thread-safe: off with several threads, and vLLM's renderer
+    gets as many workers (the threads that process images where vLLM does it itself)."""
+    chosen = VisionSettings(image_threads=3)
+    assert image_threads(chosen) == ImageThreads(3, "vision.image_threads")
+    arguments = vision_arguments(chosen, cpu_host(20))
+    assert arguments["mm_processor_cache_gb"] == 0 and arguments["renderer_num_workers"] == 3
+    kwargs = engine_arguments(EngineConfig(model="m"), host=cpu_host(20), vision=chosen)
+    assert kwargs["mm_processor_cache_gb"] == 0 and kwargs["renderer_num_workers"] == 3
+    # engine.extra's mm_processor_cache_gb 0 is no cache: the threads stay
+    assert image_threads(chosen, {"mm_processor_cache_gb": 0}).count == 3
+
+
+def test_several_image_threads_and_a_processor_cache_are_refused() -> None:
+    config = EngineConfig(model="m", extra={"mm_processor_cache_gb": 2})
+    with pytest.raises(ValueError, match=r"vision\.image_threads 2 needs vLLM's processor cache off"):
+        engine_arguments(config, host=cpu_host(20), vision=VisionSettings(image_threads=2))
+    with pytest.raises(ValueError, match=r"the image settings set 0\.5 GiB"):
+        image_threads(VisionSettings(image_threads=2, processor_cache_gib=0.5))
 
 
 def test_engine_extra_wins_over_the_vision_settings() -> None:
@@ -85,3 +115,24 @@ def test_a_model_with_a_bare_image_token() -> None:
     check_image_placeholders([1, 9, 2, 9], 2, llava, "m")
     with pytest.raises(ImagesRejected):
         check_image_placeholders([1, 9, 9], 1, llava, "m")
+
+
+def test_the_start_line_says_which_threads_process_images_and_the_cache() -> None:
+    from types import SimpleNamespace
+
+    from worker.engine.vllm import vision_words
+
+    def config(cache: float) -> SimpleNamespace:
+        multimodal = SimpleNamespace(mm_processor_cache_gb=cache)
+        return SimpleNamespace(model_config=SimpleNamespace(multimodal_config=multimodal))
+
+    vision = VisionInfo(image_token_id=7, placeholder=(6, 7, 8), max_images=8, max_pixels=1048576)
+    assert vision_words(vision, config(1.25), image_threads(VisionSettings())) == (
+        "up to 8 per prompt, each scaled to at most 1,048,576 pixels, processed on one thread (the default), "
+        "processor cache 1.25 GiB per process"
+    )
+    assert vision_words(vision, config(0), image_threads(VisionSettings(image_threads=4))) == (
+        "up to 8 per prompt, each scaled to at most 1,048,576 pixels, processed on 4 threads "
+        "(vision.image_threads), processor cache off (an image that a session's history sends again is "
+        "processed again)"
+    )

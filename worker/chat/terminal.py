@@ -102,10 +102,14 @@ def budget_note(reply: ChatReply) -> str:
 def length_note(reply: ChatReply, max_tokens: int | None) -> str:
     """What to say of a reply that ended on its length (finishReason ``length``): it is cut."""
     limit = f"--max-tokens {max_tokens}" if max_tokens is not None else "the worker's default maxTokens"
-    return (
-        f"the reply was cut at {reply.usage.completion_tokens} tokens, its length limit ({limit}); "
-        "ask for a longer one with --max-tokens N"
+    spent = reply.usage.completion_tokens
+    # maxTokens bounds each generation; usage counts every generation of a tool loop.
+    at = (
+        f"{spent} tokens"
+        if max_tokens is None or spent <= max_tokens
+        else f"{max_tokens} tokens ({spent} in all its rounds)"
     )
+    return f"the reply was cut at {at}, its length limit ({limit}); ask for a longer one with --max-tokens N"
 
 
 def usage_line(reply: ChatReply, round_trip_ms: float | None = None) -> str:

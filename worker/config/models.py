@@ -903,6 +903,17 @@ class VisionConfig(Section):
         flag="--max-pixels",
         ge=784,
     )
+    image_threads: int | None = opt(
+        None,
+        "Threads that process images for the engine (scale, normalise and cut into patches: about "
+        "45 ms for a 1024x768 image). Default: one, with vLLM's processor cache, which keeps an "
+        "image that a session's history sends again from being processed again. More than one "
+        "turns that cache off (it is not thread-safe); measured on a GPU host they gained little "
+        "and stalled the first burst of images (docs/performance.md, Images).",
+        flag="--image-threads",
+        ge=1,
+        le=64,
+    )
     max_image_pixels: int = opt(
         50_000_000,
         "Largest image accepted, in pixels (width x height, read from its header before its "

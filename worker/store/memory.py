@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import time
 
-from ..session import SessionHistory
+from ..session import SessionHistory, StoredImage
+from .port import stored_images
 
 
 class MemoryStore:
@@ -21,12 +22,25 @@ class MemoryStore:
         self._sessions: dict[str, tuple[SessionHistory, float]] = {}
         self._deliveries: dict[tuple[str, str], int] = {}
         self._progress: dict[tuple[str, str], str] = {}
+        # A session's images by hash, as the other stores keep them: each added once, by the
+        # save whose turns first refer to it, and dropped by the save that trims the last turn
+        # showing it, by a reset or an expiry.
+        self._images: dict[str, dict[str, StoredImage]] = {}
 
     def load(self, session: str) -> SessionHistory | None:
         entry = self._sessions.get(session)
         return entry[0] if entry else None
 
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
+        images = self._images.setdefault(session, {})
+        new, gone = stored_images(history, set(images))
+        images.update(new)
+        for sha in gone:
+            del images[sha]
+        # The history keeps what the store keeps: a trimmed turn's images go with it.
+        history.images = dict(images)
+        if not images:
+            del self._images[session]
         self._sessions[session] = (history, time.time())
         self._deliveries.pop((session, key), None)
         self._progress.pop((session, key), None)
@@ -35,6 +49,7 @@ class MemoryStore:
     def reset(self, session: str) -> None:
         for done in [k for k in self._progress if k[0] == session]:
             del self._progress[done]
+        self._images.pop(session, None)
         entry = self._sessions.get(session)
         if entry:
             # A reset copy: the object stored may be the one the cache holds, which the cache
@@ -56,6 +71,7 @@ class MemoryStore:
         names = [name for name, (_, updated) in self._sessions.items() if updated < cutoff]
         for name in names:
             del self._sessions[name]
+            self._images.pop(name, None)
         return names
 
     def save_progress(self, session: str, key: str, progress: str) -> None:

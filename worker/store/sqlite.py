@@ -14,9 +14,13 @@ only when SQLite itself proves it corrupt (not a database, malformed, failed int
 never for a lock. One session whose stored state cannot be parsed raises SessionUnreadable for
 that session alone; its reset still works (it deletes the row without reading it).
 
-Deleting means the text is gone from the files, not only from the tables: ``secure_delete``
-overwrites deleted rows with zeros, and a reset or an expiry checkpoints and truncates the
-WAL, which still holds the pages as they were before.
+A session's images are rows of their own (``images``, by session and content hash): each is
+written once, in the transaction of the save whose state first refers to it, and deleted in
+the one that trims the last turn showing it; the state holds only their hashes.
+
+Deleting means the text (and the images) is gone from the files, not only from the tables:
+``secure_delete`` overwrites deleted rows with zeros, and a reset or an expiry checkpoints and
+truncates the WAL, which still holds the pages as they were before.
 """
 
 from __future__ import annotations
@@ -31,8 +35,8 @@ from typing import Any, TypeVar
 
 from loguru import logger
 
-from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory
-from .port import StoreUnavailable, decode_history, encode_state
+from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory, StoredImage
+from .port import StoreUnavailable, decode_history, encode_state, missing_images, stored_images
 
 DATABASE_NAME = "sessions.sqlite3"
 # How long one statement waits for another connection's lock, and how often it is tried. The
@@ -94,7 +98,21 @@ def _guarded(method: Callable[..., T]) -> Callable[..., T]:
     return guarded
 
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
+# A session's images (version 3; added to an older database on open): each once per session,
+# by content hash, written by the save whose state first refers to it and deleted by the save
+# that trims the last turn showing it (port.py stored_images), by a reset or an expiry. Per
+# session, not shared between sessions: a reset or an expiry of one never touches another's,
+# and no reference count has to be kept right (the same image in two sessions is stored twice).
+_IMAGES = """
+CREATE TABLE IF NOT EXISTS images (
+    session TEXT NOT NULL,
+    sha256 TEXT NOT NULL,           -- the hash the state's image parts name
+    media_type TEXT NOT NULL,
+    data BLOB NOT NULL,             -- the bytes as the client (a topic, a tool) sent them
+    PRIMARY KEY (session, sha256)
+);
+"""
 # A request's tool-loop progress (version 2; added to a version-1 database on open).
 _PROGRESS = """
 CREATE TABLE IF NOT EXISTS progress (
@@ -109,7 +127,7 @@ _SCHEMA = (
     """
 CREATE TABLE IF NOT EXISTS sessions (
     name TEXT PRIMARY KEY,
-    state TEXT NOT NULL,            -- {"systemPrompt": ..., "turns": [{"key", "user", "assistant"}]}
+    state TEXT NOT NULL,            -- port.py encode_state: the turns (images by hash), tools, ...
     updated REAL NOT NULL           -- time.time() of the last change
 );
 CREATE TABLE IF NOT EXISTS answers (
@@ -129,6 +147,7 @@ CREATE TABLE IF NOT EXISTS deliveries (
 );
 """
     + _PROGRESS
+    + _IMAGES
 )
 
 
@@ -175,7 +194,7 @@ class SqliteStore:
         try:
             # Read-only checks first: a database this worker must not use is left untouched.
             version = db.execute("PRAGMA user_version").fetchone()[0]
-            if version not in (0, 1, SCHEMA_VERSION):
+            if not 0 <= version <= SCHEMA_VERSION:
                 # A newer worker's database: refuse to start rather than throw it away.
                 raise StoreUnavailable(
                     f"{self.path} has schema version {version}; this worker knows {SCHEMA_VERSION} (a newer worker's?)"
@@ -188,8 +207,10 @@ class SqliteStore:
             db.execute("PRAGMA synchronous=NORMAL")
             db.execute("PRAGMA secure_delete=ON")
             if version != SCHEMA_VERSION:  # a new or older database: writing takes the lock, so only then
-                db.executescript(_SCHEMA if version == 0 else _PROGRESS)
-                db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+                # Every table is "IF NOT EXISTS": an older database gets the tables it lacks, its
+                # rows as they are (a state holding its images still reads: port.py
+                # parse_state), all in one transaction with the new version.
+                db.executescript(f"BEGIN IMMEDIATE; {_SCHEMA} PRAGMA user_version={SCHEMA_VERSION}; COMMIT;")
         except BaseException:
             db.close()
             raise
@@ -205,14 +226,28 @@ class SqliteStore:
 
     @_guarded
     def load(self, session: str) -> SessionHistory | None:
-        row = self._db.execute("SELECT state FROM sessions WHERE name = ?", (session,)).fetchone()
-        answers = self._db.execute(
-            "SELECT key, payload FROM answers WHERE session = ? ORDER BY created DESC LIMIT ?",
-            (session, ANSWERED_KEYS_PER_SESSION),
-        ).fetchall()
-        if row is None and not answers:
-            return None
-        return decode_history(session, row[0] if row else encode_state(SessionHistory()), list(reversed(answers)))
+        self._db.execute("BEGIN")  # one snapshot: the state and the images it refers to
+        try:
+            row = self._db.execute("SELECT state FROM sessions WHERE name = ?", (session,)).fetchone()
+            answers = self._db.execute(
+                "SELECT key, payload FROM answers WHERE session = ? ORDER BY created DESC LIMIT ?",
+                (session, ANSWERED_KEYS_PER_SESSION),
+            ).fetchall()
+            if row is None and not answers:
+                return None
+            history = decode_history(
+                session, row[0] if row else encode_state(SessionHistory()), list(reversed(answers))
+            )
+            missing = missing_images(history)
+            if missing:
+                for sha, media_type, data in self._db.execute(
+                    "SELECT sha256, media_type, data FROM images WHERE session = ?", (session,)
+                ):
+                    if sha in missing:
+                        history.images[sha] = StoredImage(bytes(data), media_type)
+            return history
+        finally:
+            self._db.execute("COMMIT")
 
     @_guarded
     def save(self, session: str, history: SessionHistory, key: str, payload: bytes | None) -> bytes | None:
@@ -223,6 +258,7 @@ class SqliteStore:
                 "ON CONFLICT (name) DO UPDATE SET state = excluded.state, updated = excluded.updated",
                 (session, encode_state(history), now),
             )
+            self._save_images(session, history)
             if payload is not None:
                 self._db.execute(
                     "INSERT OR REPLACE INTO answers (session, key, payload, created) VALUES (?, ?, ?, ?)",
@@ -237,10 +273,22 @@ class SqliteStore:
             self._db.execute("DELETE FROM progress WHERE session = ? AND key = ?", (session, key))
         return None
 
+    def _save_images(self, session: str, history: SessionHistory) -> None:
+        """In the save's transaction: the images the state refers to that are not stored yet
+        are written (once: a later save finds them), those it no longer refers to deleted."""
+        stored = {row[0] for row in self._db.execute("SELECT sha256 FROM images WHERE session = ?", (session,))}
+        new, gone = stored_images(history, stored)
+        self._db.executemany(
+            "INSERT OR IGNORE INTO images (session, sha256, media_type, data) VALUES (?, ?, ?, ?)",
+            [(session, sha, image.media_type, image.data) for sha, image in new.items()],
+        )
+        self._db.executemany("DELETE FROM images WHERE session = ? AND sha256 = ?", [(session, sha) for sha in gone])
+
     @_guarded
     def reset(self, session: str) -> None:
         with self._transaction():
             self._db.execute("DELETE FROM sessions WHERE name = ?", (session,))
+            self._db.execute("DELETE FROM images WHERE session = ?", (session,))
             self._db.execute("UPDATE answers SET payload = NULL WHERE session = ?", (session,))
             self._db.execute("DELETE FROM progress WHERE session = ?", (session,))
         self._purge_wal()
@@ -273,6 +321,9 @@ class SqliteStore:
                     (cutoff, cutoff),
                 )
             ]
+            self._db.execute(
+                "DELETE FROM images WHERE session IN (SELECT name FROM sessions WHERE updated < ?)", (cutoff,)
+            )
             self._db.execute("DELETE FROM sessions WHERE updated < ?", (cutoff,))
             self._db.execute(
                 "DELETE FROM answers WHERE session IN "
