@@ -44,6 +44,16 @@ _prefixes = itertools.count()
 MB = 1 << 20
 
 
+# The tables of a schema-1 database (before tool calling), as an older worker made them.
+SCHEMA_1_TABLES = (
+    "CREATE TABLE sessions (name TEXT PRIMARY KEY, state TEXT NOT NULL, updated REAL NOT NULL);"
+    "CREATE TABLE answers (session TEXT NOT NULL, key TEXT NOT NULL, payload BLOB, created REAL NOT NULL,"
+    " PRIMARY KEY (session, key));"
+    "CREATE TABLE deliveries (session TEXT NOT NULL, key TEXT NOT NULL, count INTEGER NOT NULL,"
+    " updated REAL NOT NULL, PRIMARY KEY (session, key));"
+)
+
+
 def image(n: int, size: int = 64) -> tuple[ImageRef, StoredImage]:
     """An image's ref and bytes (not a decodable image: the stores keep bytes, never look)."""
     data = bytes([n]) * size
@@ -250,12 +260,7 @@ def test_a_state_with_its_images_inline_still_loads_and_moves_them_out(kind: Kin
         # A database of schema 2 (tool-loop progress, no images table) holding the old state.
         db = sqlite3.connect(tmp_path / DATABASE_NAME)
         db.executescript(
-            "CREATE TABLE sessions (name TEXT PRIMARY KEY, state TEXT NOT NULL, updated REAL NOT NULL);"
-            "CREATE TABLE answers (session TEXT NOT NULL, key TEXT NOT NULL, payload BLOB, created REAL NOT NULL,"
-            " PRIMARY KEY (session, key));"
-            "CREATE TABLE deliveries (session TEXT NOT NULL, key TEXT NOT NULL, count INTEGER NOT NULL,"
-            " updated REAL NOT NULL, PRIMARY KEY (session, key));"
-            "CREATE TABLE progress (session TEXT NOT NULL, key TEXT NOT NULL, progress TEXT NOT NULL,"
+            SCHEMA_1_TABLES + "CREATE TABLE progress (session TEXT NOT NULL, key TEXT NOT NULL, progress TEXT NOT NULL,"
             " updated REAL NOT NULL, PRIMARY KEY (session, key));"
             "PRAGMA user_version=2;"
         )
@@ -283,14 +288,7 @@ def test_an_older_database_is_migrated_in_place(tmp_path: Path) -> None:
     """A schema-1 database (before tool calling: turns of user and assistant text) opens as
     the current schema with its sessions, which take images from then on."""
     db = sqlite3.connect(tmp_path / DATABASE_NAME)
-    db.executescript(
-        "CREATE TABLE sessions (name TEXT PRIMARY KEY, state TEXT NOT NULL, updated REAL NOT NULL);"
-        "CREATE TABLE answers (session TEXT NOT NULL, key TEXT NOT NULL, payload BLOB, created REAL NOT NULL,"
-        " PRIMARY KEY (session, key));"
-        "CREATE TABLE deliveries (session TEXT NOT NULL, key TEXT NOT NULL, count INTEGER NOT NULL,"
-        " updated REAL NOT NULL, PRIMARY KEY (session, key));"
-        "PRAGMA user_version=1;"
-    )
+    db.executescript(SCHEMA_1_TABLES + "PRAGMA user_version=1;")
     state = {"systemPrompt": None, "turns": [{"key": "k1", "user": "hi", "assistant": "hello"}]}
     db.execute("INSERT INTO sessions VALUES (?, ?, ?)", ("u/s", json.dumps(state), time.time()))
     db.commit()
