@@ -109,6 +109,7 @@ class FakeEngine:
         # the worker's loop): a test holds a request running until it has seen what it needs
         # happen meanwhile, instead of counting on the request taking long enough.
         self.holds: dict[str, asyncio.Event] = {}
+        self._aborts: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
@@ -135,7 +136,7 @@ class FakeEngine:
         try:
             for key, hold in self.holds.items():
                 if names(key, request):
-                    await hold.wait()
+                    await self._held(hold, request.request_id)
             step, limit = self.tokens_per_update, request.sampling.max_tokens
             for start in range(0, limit, step):
                 await asyncio.sleep(0.01)
@@ -157,8 +158,20 @@ class FakeEngine:
         finally:
             self.running -= 1
 
+    async def _held(self, hold: asyncio.Event, request_id: str) -> None:
+        """Wait for ``hold``, or for the request's abort (a worker that stops aborts what it
+        still runs, held or not, as the real engine ends an aborted request at once)."""
+        aborted = self._aborts.setdefault(request_id, asyncio.Event())
+        waits = [asyncio.ensure_future(hold.wait()), asyncio.ensure_future(aborted.wait())]
+        try:
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for wait in waits:
+                wait.cancel()
+
     async def abort(self, request_id: str) -> None:
         self.aborted.add(request_id)
+        self._aborts.setdefault(request_id, asyncio.Event()).set()
 
     def take_stats(self) -> EngineStats:
         return EngineStats(max_running=self.most_running)
