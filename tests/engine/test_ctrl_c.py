@@ -161,10 +161,11 @@ def test_a_second_ctrl_c_stops_at_once_and_the_request_is_answered_after_a_resta
     answer = watch.wait_for(lambda m: m.topic.endswith("/forced/reply"), timeout=PATIENCE).json()
     assert answer["requestId"] == "forced-0" and "error" not in answer, answer
     processes = second.engine_processes()
-    # Out of the terminal's reach: vLLM's engine core and its workers lead sessions of their own
-    # (multiprocessing's resource tracker, also a child, ignores SIGINT itself).
+    # Out of the terminal's reach: vLLM's engine core (and the model workers of a multiprocessing
+    # executor: none here, the CPU engine runs its model in the engine core) leads a session of
+    # its own (multiprocessing's resource tracker, also a child, ignores SIGINT itself).
     vllm = [p for p in processes if p.name().startswith("VLLM::")]
-    assert len(vllm) >= 2 and all(os.getsid(p.pid) == p.pid for p in vllm), [
+    assert vllm and all(os.getsid(p.pid) == p.pid for p in vllm), [
         (p.pid, p.name(), os.getsid(p.pid)) for p in processes
     ]
     request(watch, "graceful", "graceful-0", 1000)

@@ -334,3 +334,31 @@ def test_the_start_refuses_idle_gpus_before_the_model_load(tmp_path: Any, monkey
         logger.remove(sink)
     assert any(line.startswith("WARNING GPUs: 3 of the 4 visible GPUs") for line in lines)
     assert any("tensor parallel 4" in line and "1.4-2.3x" in line for line in lines)
+
+
+def test_the_cpu_backend_runs_a_one_device_model_in_the_engine_core(tmp_path: Any) -> None:
+    """On the CPU backend a one-device engine gets vLLM's in-process executor by its class
+    name (vLLM would swap "uni" for its multiprocessing executor: a third process); a GPU,
+    tensor parallel 2 and an executor engine.extra names are left as they are."""
+    import json
+
+    from worker.config.models import EngineConfig
+    from worker.engine.vllm import IN_PROCESS_EXECUTOR, Host, engine_arguments
+
+    (tmp_path / "config.json").write_text(json.dumps(geometry(2048, 28, 16, 8, 6144, 151936, True)))
+    cpu = Host(cpu_backend=True, memory_gib=8.0, gpus=1)
+    gpu = Host(cpu_backend=False, memory_gib=125.0, gpus=1, gpu=H100, devices=("0",))
+    model = str(tmp_path)
+    assert engine_arguments(EngineConfig(model=model), host=cpu)["distributed_executor_backend"] == IN_PROCESS_EXECUTOR
+    assert "distributed_executor_backend" not in engine_arguments(EngineConfig(model=model, kv_offload_gib=0), host=gpu)
+    assert "distributed_executor_backend" not in engine_arguments(
+        EngineConfig(model=model, tensor_parallel_size=2), host=cpu
+    )
+    chosen = engine_arguments(EngineConfig(model=model, extra={"distributed_executor_backend": "mp"}), host=cpu)
+    assert chosen["distributed_executor_backend"] == "mp"
+    import importlib
+
+    from vllm.v1.executor.abstract import Executor
+
+    module, _, name = IN_PROCESS_EXECUTOR.rpartition(".")
+    assert issubclass(getattr(importlib.import_module(module), name), Executor)

@@ -4,6 +4,9 @@ without starting an engine (tests/engine/test_vision.py runs them on the real on
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 import pytest
 
 from worker.config.models import EngineConfig
@@ -16,6 +19,7 @@ from worker.engine.vllm import (
     engine_arguments,
     image_threads,
     processor_cache_gib,
+    processor_size,
     vision_arguments,
 )
 
@@ -47,6 +51,44 @@ def test_vision_arguments() -> None:
     }
     chosen = VisionSettings(processor_cache_gib=0.5)
     assert vision_arguments(chosen, cpu_host(20))["mm_processor_cache_gb"] == 0.5
+
+
+@pytest.mark.parametrize(
+    ("preprocessor", "expected"),
+    [
+        # Qwen2-VL and Qwen3-VL today: pixel counts in size; the model's own lower bound stays
+        (
+            {"size": {"shortest_edge": 3136, "longest_edge": 12845056}},
+            {"size": {"shortest_edge": 3136, "longest_edge": 500_000}},
+        ),
+        (
+            {"size": {"shortest_edge": 65536, "longest_edge": 16777216}},
+            {"size": {"shortest_edge": 65536, "longest_edge": 500_000}},
+        ),
+        # older Qwen2-VL configurations
+        ({"min_pixels": 3136, "max_pixels": 12845056}, {"size": {"shortest_edge": 3136, "longest_edge": 500_000}}),
+        # a lower bound above the configured most is lowered to it
+        (
+            {"size": {"shortest_edge": 600_000, "longest_edge": 12845056}},
+            {"size": {"shortest_edge": 500_000, "longest_edge": 500_000}},
+        ),
+        # CLIP-style processors (edge lengths, no longest_edge), none, or unreadable: max_pixels
+        ({"size": {"shortest_edge": 336}}, {"max_pixels": 500_000}),
+        (None, {"max_pixels": 500_000}),
+        ("{not json", {"max_pixels": 500_000}),
+    ],
+)
+def test_an_image_is_bounded_by_size_where_the_processor_counts_pixels(
+    tmp_path: Path, preprocessor: object, expected: dict[str, object]
+) -> None:
+    """transformers 5 warns at every processor call given max_pixels (deprecated) and refuses a
+    size with one edge: a Qwen-VL processor gets both edges, its own lower bound kept."""
+    if preprocessor is not None:
+        text = preprocessor if isinstance(preprocessor, str) else json.dumps(preprocessor)
+        (tmp_path / "preprocessor_config.json").write_text(text)
+    settings = VisionSettings(max_pixels=500_000)
+    assert processor_size(500_000, str(tmp_path)) == expected
+    assert vision_arguments(settings, cpu_host(20), model=str(tmp_path))["mm_processor_kwargs"] == expected
 
 
 def test_images_are_processed_on_one_thread_with_the_processor_cache_by_default() -> None:

