@@ -245,17 +245,23 @@ def model_size_from_config(
     )
 
 
+def read_model_json(model: str, name: str) -> dict[str, Any] | None:
+    """The JSON object in the file ``name`` of a local model directory; None for a hub id, a
+    missing file, or one that cannot be read or holds no object."""
+    try:
+        data = json.loads((Path(model) / name).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
 def read_model_size(
     model: str, *, dtype: str = "auto", quantization: str | None = None, kv_cache_dtype: str = "auto"
 ) -> ModelSize | None:
     """model_size_from_config of a local model directory; None for a hub id or a config that
     cannot be read (the limits then stay at the GPU's row)."""
-    path = Path(model) / "config.json"
-    try:
-        config = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
-    if not isinstance(config, dict):
+    config = read_model_json(model, "config.json")
+    if config is None:
         return None
     return model_size_from_config(config, dtype=dtype, quantization=quantization, kv_cache_dtype=kv_cache_dtype)
 

@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import importlib.util
 import inspect
-import json
 import logging
 import os
 import time
@@ -54,6 +53,7 @@ from .limits import (
     choose_limits,
     limits_words,
     parallelism_plan,
+    read_model_json,
     read_model_size,
     visible_devices,
 )
@@ -537,16 +537,12 @@ def processor_size(max_pixels: int, model: str) -> dict[str, Any]:
     while vLLM 0.26 - 0.33 count an image's tokens from either form. Any other model, or one
     whose processor configuration is not a local file, gets ``max_pixels`` as before (a
     processor that has no such argument ignores it)."""
-    path = Path(model) / "preprocessor_config.json"
-    try:
-        preprocessor = json.loads(path.read_text()) if path.is_file() else {}
-    except (OSError, ValueError):
-        preprocessor = {}
-    size = preprocessor.get("size") if isinstance(preprocessor, dict) else None
+    preprocessor = read_model_json(model, "preprocessor_config.json") or {}
+    size = preprocessor.get("size")
     least = None
     if isinstance(size, dict) and "longest_edge" in size:
         least = size.get("shortest_edge")
-    elif isinstance(preprocessor, dict) and "max_pixels" in preprocessor:
+    elif "max_pixels" in preprocessor:
         least = preprocessor.get("min_pixels")
     if not isinstance(least, int) or isinstance(least, bool) or least <= 0:
         return {"max_pixels": max_pixels}
