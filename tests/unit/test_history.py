@@ -361,3 +361,38 @@ def test_a_prompt_prepared_then_rendered_is_templated_once_and_the_same(tiny_mod
     other = tokenizer.render([{"role": "user", "content": "hello again"}], add_generation_prompt=True)
     without = tokenizer.render_text(messages, add_generation_prompt=False)
     assert len(calls) == 3 and other != ids and not without.endswith("assistant\n")
+
+
+def test_turns_in_flight_together_are_each_templated_once(tiny_model: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under a burst every request prepares before the first renders: each turn's second render
+    still finds its own text (a single remembered render made every turn render twice), and the
+    remembered texts stay within their bound in characters."""
+    import asyncio
+
+    from worker.engine import tokenizer as module
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    turns: list[Any] = [[{"role": "user", "content": f"question number {n}"}] for n in range(50)]
+    calls: list[int] = []
+    template = tokenizer._tokenizer.apply_chat_template
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return template(*args, **kwargs)
+
+    tokenizer._tokenizer.apply_chat_template = counted
+
+    async def prepare_all() -> None:
+        await asyncio.gather(*(tokenizer.prepare(messages) for messages in turns))
+
+    asyncio.run(prepare_all())
+    rendered = [tokenizer.render(messages, add_generation_prompt=True) for messages in turns]
+    assert len(calls) == len(turns)
+    assert rendered[7] == tokenizer.encode(template(turns[7], add_generation_prompt=True, tokenize=False))
+
+    one = len(tokenizer.render_text(turns[0], add_generation_prompt=True))
+    monkeypatch.setattr(module, "RENDER_CACHE_CHARS", one * 3)
+    for messages in turns:
+        tokenizer.render_text(messages, add_generation_prompt=False)
+    assert tokenizer._render_chars <= one * 3 and len(tokenizer._renders) <= 4

@@ -22,6 +22,7 @@ encodes, so the loop goes on streaming meanwhile.
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import re
 from collections import OrderedDict
@@ -38,6 +39,11 @@ NO_ARGS = {"type": "object", "properties": {}}
 END_OF_TURN_TOKENS = ("<|im_end|>", "<|eot_id|>", "<|end|>", "<end_of_turn>", "<|endoftext|>")
 SEGMENT_CACHE_SIZE = 8192
 TOOLS_CACHE_SIZE = 64
+# The template texts kept for a turn's second render: every request in flight renders once in
+# prepare and again in build_prompt, and 1,000 requests at once all prepare before the first
+# builds. Bounded in characters (each entry also costs a 16-byte key): 8M characters hold 1,000
+# prompts of 2,000 tokens (about 8k characters each), 8-32 MiB.
+RENDER_CACHE_CHARS = 8_000_000
 LONG_TEXT = 4096  # characters: count_text encodes a longer text without the GIL
 _SELF_CHECK = [
     {"role": "system", "content": "You are terse.  Ünïcödé, 数字 123, emoji 🙂\n\n  spaces "},
@@ -79,7 +85,8 @@ class ChatTokenizer:
         self._splitter = re.compile(f"({pattern})") if pattern else None
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
         self._tools_cache: OrderedDict[str, Any] = OrderedDict()
-        self._last_render: tuple[str, str] | None = None  # (messages' JSON, their template text)
+        self._renders: OrderedDict[bytes, str] = OrderedDict()  # digest of the messages' JSON: text
+        self._render_chars = 0
         self._cache_segments = self._splitter is not None and self._segmented_matches_whole()
         if not self._cache_segments:
             logger.info("Tokenizer of {}: encoding whole prompts (segment cache does not match it)", model)
@@ -104,17 +111,22 @@ class ChatTokenizer:
         return sorted(ids)
 
     def _template(self, messages: Sequence[ChatMessage], *, add_generation_prompt: bool, tools: Tools = None) -> str:
-        # A turn renders the same messages twice in a row (prepare, then render): the second
-        # is the first's text. The template (jinja) was a fifth of the event loop's time per
-        # request at intake (bench/intake.py --to-engine: 1,000 one-turn requests at once);
-        # the key (their JSON text) costs a tenth of a render.
+        # A turn renders the same messages twice (prepare, then build_prompt): the second finds
+        # the first's text here. The template (jinja) was a fifth of the event loop's time per
+        # request at intake (bench/intake.py --to-engine: 1,000 one-turn requests at once); the
+        # key (their JSON text, digested) costs a tenth of a render. One slot was not enough:
+        # under a burst every request prepares before the first builds, so each rendered twice
+        # (2,000 renders for 1,000 requests, 0.3 ms each, profiled on 2 cores).
         try:
-            key = json.dumps([messages, tools, add_generation_prompt], ensure_ascii=False, separators=(",", ":"))
+            text_key = json.dumps([messages, tools, add_generation_prompt], ensure_ascii=False, separators=(",", ":"))
         except (TypeError, ValueError):
-            key = None  # not JSON (no message is, today): rendered every time
-        last = self._last_render
-        if key is not None and last is not None and last[0] == key:
-            return last[1]
+            text_key = None  # not JSON (no message is, today): rendered every time
+        key = hashlib.blake2b(text_key.encode(), digest_size=16).digest() if text_key is not None else None
+        if key is not None:
+            cached = self._renders.get(key)
+            if cached is not None:
+                self._renders.move_to_end(key)
+                return cached
         text = str(
             self._tokenizer.apply_chat_template(
                 self.defuse(messages),
@@ -123,8 +135,12 @@ class ChatTokenizer:
                 tokenize=False,
             )
         )
-        if key is not None:
-            self._last_render = (key, text)
+        if key is not None and len(text) <= RENDER_CACHE_CHARS:
+            self._renders[key] = text
+            self._render_chars += len(text)
+            while self._render_chars > RENDER_CACHE_CHARS:
+                _, dropped = self._renders.popitem(last=False)
+                self._render_chars -= len(dropped)
         return text
 
     def _defused_tools(self, tools: Sequence[dict[str, Any]]) -> Any:
