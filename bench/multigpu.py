@@ -49,7 +49,7 @@ from tqdm import tqdm
 
 from devtools.worker_process import WorkerProcess
 
-from .burst import ENGINE_LINE, burst_summary, worker_outcome
+from .burst import ENGINE_LINE, KV_TOKENS, burst_summary, worker_outcome
 from .common import REPO, Record, load, phase_list, run_metadata, save
 from .harness import prepare_model, stamped
 from .profiles import PROFILES, Profile
@@ -305,8 +305,11 @@ def run_burst_phase(
         start_workers(phase, profile, model, out, broker.port, extra, workers, result["workers"])
         first = next(iter(workers.values()))
         log = first.log_path.read_bytes()[first.log_offset :].decode(errors="replace")
-        engine = ENGINE_LINE.search(log)
+        engine, kv = ENGINE_LINE.search(log), KV_TOKENS.search(log)
         result["engine_log"] = engine.group(1) if engine else None
+        # Per worker: at 1,000 sessions one GPU's cache may not hold every first turn until its
+        # second comes (the hit falls short there), N GPUs' caches do.
+        result["kv_cache_tokens"] = int(kv.group(1)) if kv else None
         block_size = result["block_size"] = block_size_of(log)
         driver = active = MqttDriver("127.0.0.1", broker.port)
         total = 2 * (profile.multi_burst_warmup + sum(profile.multi_burst_sessions))
@@ -328,11 +331,12 @@ def run_burst_phase(
                     progress=bar.update,
                 )
 
-            # Two turns, as the runs: a second turn's shapes (prefix-cache hits) compile too.
-            warm = burst("warm", profile.multi_burst_warmup)
-            tqdm.write(f"{phase} warm-up ({profile.multi_burst_warmup} sessions): "
-                       + _burst_line(burst_turns_summary(warm, active.round_walls, block_size)))  # fmt: skip
-            time.sleep(STATS_WAIT_S)
+            if profile.multi_burst_warmup:
+                # Two turns, as the runs: a second turn's shapes (prefix-cache hits) compile too.
+                warm = burst("warm", profile.multi_burst_warmup)
+                tqdm.write(f"{phase} warm-up ({profile.multi_burst_warmup} sessions): "
+                           + _burst_line(burst_turns_summary(warm, active.round_walls, block_size)))  # fmt: skip
+                time.sleep(STATS_WAIT_S)
             for count in profile.multi_burst_sessions:
                 before = processed_by_worker(active.stats)
                 client_cpu = time.process_time()
@@ -407,6 +411,7 @@ def burst_comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "workers": result.get("workers", {}),
                 "engine_log": result.get("engine_log"),
                 "block_size": result.get("block_size"),
+                "kv_cache_tokens": result.get("kv_cache_tokens"),
                 "prompt_tokens": result.get("prompt_tokens"),
                 "max_tokens": result.get("max_tokens"),
                 "followup_tokens": result.get("followup_tokens"),
@@ -522,7 +527,8 @@ def burst_markdown(bursts: dict[str, Any]) -> list[str]:
     ]
     for phase, info in phases.items():
         lines += [
-            f"- `{phase}` (KV block size {info.get('block_size')}): {_workers_line(info['workers'])}.",
+            f"- `{phase}` (KV cache {info.get('kv_cache_tokens')} tokens per worker, blocks of "
+            f"{info.get('block_size')}): {_workers_line(info['workers'])}.",
             f"  - Engine: {info.get('engine_log')}",
         ]
     lines.append("")
