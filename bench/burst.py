@@ -119,7 +119,17 @@ def burst_workload(profile: Profile, count_tokens: Any, render_length: Any) -> W
     return dataclasses.replace(base, user_tokens=(user, user), seed=31)
 
 
-def _seeded(workload: Workload, count: int) -> Workload:
+def model_burst_workload(profile: Profile, tokenizer: Any) -> Workload:
+    """burst_workload measured with the model's tokenizer and chat template (a ChatTokenizer)."""
+
+    def render_length(workload: Workload, index: int) -> int:
+        message = workload.user_message(index, 0, tokenizer.count_text)
+        return len(tokenizer.render(history_messages(workload, [], message), add_generation_prompt=True))
+
+    return burst_workload(profile, tokenizer.count_text, render_length)
+
+
+def seeded(workload: Workload, count: int) -> Workload:
     """Other messages for each burst (the warm-up's: 0): a burst must compute its prompts, not
     find them in the prefix cache from the one before."""
     return dataclasses.replace(workload, seed=workload.seed + 1 + count)
@@ -145,12 +155,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
 
     settings = _merge(profile, profile.burst_limits[name])
     tokenizer = ChatTokenizer(str(model))
-
-    def render_length(workload: Workload, index: int) -> int:
-        message = workload.user_message(index, 0, tokenizer.count_text)
-        return len(tokenizer.render(history_messages(workload, [], message), add_generation_prompt=True))
-
-    workload = burst_workload(profile, tokenizer.count_text, render_length)
+    workload = model_burst_workload(profile, tokenizer)
     per_session = profile.burst_prompt_tokens + profile.burst_max_tokens
     result: dict[str, Any] = {"limits": profile.burst_limits[name], "engine_settings": settings}
     # The worker over MQTT.
@@ -182,7 +187,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     runs: dict[str, Any] = {"worker": {}, "raw": {}}
     try:
         records = driver.run_concurrent(
-            "burst-warm", _seeded(workload, 0), tokenizer.count_text, sessions=first, turns=1, stream=False
+            "burst-warm", seeded(workload, 0), tokenizer.count_text, sessions=first, turns=1, stream=False
         )
         wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
         runs["worker"]["first"] = {**burst_summary([worker_outcome(r) for r in records], wall), "sessions": first}
@@ -193,7 +198,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
             # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the largest burst.
             profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if count == max(sizes) else None
             records = driver.run_concurrent(
-                f"burst-{name}", _seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
+                f"burst-{name}", seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
             )
             # From the first request sent to the last reply: run_concurrent renders every
             # message before it sends the first (seconds for 1,000), which is no part of it.
@@ -219,8 +224,8 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
 
     # Raw vLLM in this process, the same engine arguments (the worker's engine_arguments).
     def rendered(seed_count: int, sessions: int) -> list[list[int]]:
-        seeded = _seeded(workload, seed_count)
-        messages = (seeded.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
+        burst = seeded(workload, seed_count)
+        messages = (burst.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
         return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
 
     result["runs"] = runs

@@ -35,6 +35,7 @@ class MqttDriver:
         self.run_id = uuid.uuid4().hex[:6]
         self._runs = 0
         self.last_send_s = 0.0  # how long run_concurrent's last run took to send its first turns
+        self.round_walls: list[float] = []  # run_rounds' last run: each round, first send to last reply (s)
 
     def _session_names(self, label: str, sessions: int) -> list[str]:
         """Names no earlier run used: a repeated request id would be answered from history."""
@@ -57,15 +58,18 @@ class MqttDriver:
         return sent
 
     def _payloads(self, workload: Workload, sessions: int, turns: int, count_tokens: Any, max_tokens: int,
-                  stream: bool, extra: dict[str, Any] | None) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
+                  stream: bool, extra: dict[str, Any] | None,
+                  followup: Workload | None = None) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
         """Every request of a run, built before the first is sent: tokenizing while sending
         would hold the GIL and delay paho's network thread, so a request would leave the
-        client later than its timestamp says (seen as 0.7-3 s outliers in bursts of 50)."""
+        client later than its timestamp says (seen as 0.7-3 s outliers in bursts of 50).
+        ``followup``: the messages of the turns after the first, where not ``workload``'s."""
         out: dict[tuple[int, int], dict[str, Any]] = {}
         for index in range(sessions):
             for turn in range(turns):
+                messages = followup if followup is not None and turn > 0 else workload
                 payload: dict[str, Any] = {
-                    "message": workload.user_message(index, turn, count_tokens),
+                    "message": messages.user_message(index, turn, count_tokens),
                     "maxTokens": max_tokens,
                     "stream": stream,
                     **(extra or {}),
@@ -177,23 +181,34 @@ class MqttDriver:
         sessions: int,
         turns: int,
         max_tokens: int | None = None,
+        stream: bool = True,
+        followup: Workload | None = None,
+        progress: Progress | None = None,
     ) -> list[Record]:
         """``sessions`` users send each turn at the same moment, and the next one once every
         session has its reply: each round arrives at once, with every history of the round
-        before it to keep or to lose."""
+        before it to keep or to lose. ``followup``: the messages of the later turns (short
+        ones, say), where not ``workload``'s. Each round's time from its first request sent
+        to its last reply is in ``round_walls`` afterwards (seconds)."""
         max_tokens = max_tokens or workload.max_tokens
         names = self._session_names(label, sessions)
         index_of = {name: i for i, name in enumerate(names)}
         records: list[Record] = []
         first_delta: dict[str, float] = {}
-        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, True, None)
+        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, stream, None, followup)
+        self.round_walls = []
         for turn in range(turns):
+            started = time.perf_counter()
             sent_at = {
                 name: self._send(name, {**payloads[(i, turn)], "requestId": f"{name}-t{turn}"})
                 for i, name in enumerate(names)
             }
+            last = started
             for _ in names:
                 received, name, reply = self._wait_reply(first_delta)
+                last = max(last, received)
+                if progress:
+                    progress(1)
                 records.append(
                     _record(
                         label,
@@ -206,6 +221,7 @@ class MqttDriver:
                         reply,
                     )
                 )
+            self.round_walls.append(last - started)
         return records
 
     def run_one_at_a_time(

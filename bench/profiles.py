@@ -38,6 +38,13 @@ class Profile:
     multi_concurrency: tuple[int, ...] = (1, 10, 50, 100, 200)
     gpus: tuple[str, ...] = ("0", "1")
     tensor_parallel_size: int = 2
+    # The burst phases of bench/multigpu.py (burst_single, burst_dp): N sessions send a first
+    # turn of burst_prompt_tokens at the same moment, then, once every reply is in, a second of
+    # multi_burst_followup_tokens at the same moment; after a warm-up of multi_burst_warmup
+    # sessions (two turns, not recorded).
+    multi_burst_sessions: tuple[int, ...] = (320, 1000)
+    multi_burst_warmup: int = 64
+    multi_burst_followup_tokens: int = 32
     # The capacity phases (bench/capacity.py): engine settings (over engine_overrides), N at
     # these multiples of the sessions the KV cache holds (at most capacity_max_sessions), turns
     # per session, the arrival rate the think times are scaled to (turns/s), the workload, and
@@ -140,6 +147,8 @@ PROFILES: dict[str, Profile] = {
         before_max_tokens=128,  # 512 x 10 turns would not fit the tiny model's 4096 positions
         decode_tokens=128,
         multi_concurrency=(1, 4, 8),
+        multi_burst_sessions=(8, 32),
+        multi_burst_warmup=8,
         tensor_parallel_size=1,  # the CPU engine: --visible-devices is set, nothing is split
         vision_sessions=(1, 4),
         vision_warmup=1,
@@ -157,6 +166,8 @@ PROFILES: dict[str, Profile] = {
         before_max_tokens=64,
         decode_tokens=32,
         multi_concurrency=(1, 4),
+        multi_burst_sessions=(8,),
+        multi_burst_warmup=4,
         tensor_parallel_size=1,
         # The CPU engine's KV cache holds hundreds of tiny sessions: capped, the code path only.
         capacity_multiples=(1, 3),
