@@ -14,6 +14,9 @@ trap 'status=$?; echo "==> scripts/test.sh: $([ $status -eq 0 ] && echo passed |
 bash scripts/setup.sh
 echo "    setup: $(minutes $((SECONDS - started)))"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
+# One OpenMP thread per CPU engine, unbound, as tests/conftest.py sets for pytest (why there):
+# the smoke runs' engines too.
+export OMP_NUM_THREADS="${OMP_NUM_THREADS:-1}" VLLM_CPU_OMP_THREADS_BIND="${VLLM_CPU_OMP_THREADS_BIND:-nobind}"
 echo "==> ruff"
 step=$SECONDS
 .venv/bin/ruff check worker devtools tests scripts bench

@@ -21,6 +21,14 @@ from devtools.redis_server import RedisServer
 os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One OpenMP thread per CPU engine, not bound to a core. vLLM's CPU backend otherwise runs one
+# thread per core, each bound to its core, and every layer ends at a barrier: on 2 cores beside
+# other work (`stress --cpu 2`, or the 2-4 engines of one test) a descheduled thread holds the
+# others spinning at each barrier. tests/engine/test_real_model.py took 261 s beside
+# `stress --cpu 2` and 114 s with one thread (one of its tests 145 s against 15), and 74 s
+# against 74 s on idle cores. Set them in the environment to test with vLLM's own threads.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "nobind")
 
 
 @pytest.fixture(scope="session")
