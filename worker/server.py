@@ -51,6 +51,7 @@ from loguru import logger
 from . import __version__
 from .config.loader import render_toml
 from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
+from .engine.limits import pending_limit_short
 from .engine.port import ServedEngine, ToolSupport, VisionSettings, WarmupPlan
 from .protocol.topics import Topics
 from .system.children import remove_files
@@ -512,6 +513,9 @@ class Server:
         with starting, self._signals_cancel_the_start():
             engine = self.engine = await self._engine_starter(self.config, renderer.stop_token_ids)
         self._resources.push_async_callback(engine.shutdown)
+        short = pending_limit_short(self.config.limits.max_pending_requests, engine.info.max_requests)
+        if short is not None:
+            logger.warning(short)
         return engine
 
     async def _warm_up(self, engine: ServedEngine) -> None:

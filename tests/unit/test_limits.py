@@ -19,6 +19,7 @@ from worker.engine.limits import (
     limits_words,
     model_size_from_config,
     parallelism_plan,
+    pending_limit_short,
     serve_row,
     visible_devices,
 )
@@ -362,3 +363,23 @@ def test_the_cpu_backend_runs_a_one_device_model_in_the_engine_core(tmp_path: An
 
     module, _, name = IN_PROCESS_EXECUTOR.rpartition(".")
     assert issubclass(getattr(importlib.import_module(module), name), Executor)
+
+
+def test_the_default_pending_limit_holds_what_vllm_serves_h100_row_runs_and_a_lower_one_is_named() -> None:
+    """The worker takes at least what the engine runs at once on an H100 or H200 (vllm serve's
+    1024 sequences and fair admission's 128 queued) before it answers busy; a configured limit
+    below what the engine takes gets a start warning naming the value to raise it to."""
+    from worker.config.models import LimitsConfig
+    from worker.engine.admission import admission_limits
+
+    chosen = choose_limits(H200, TWO_B, session_tokens=SESSION)
+    assert chosen.max_num_seqs.value is not None
+    queued = admission_limits(chosen.max_num_seqs.value)
+    engine_requests = queued.max_num_seqs + queued.waiting_requests
+    assert engine_requests == 1024 + 128
+    assert pending_limit_short(LimitsConfig().max_pending_requests, engine_requests) is None
+    assert pending_limit_short(engine_requests, engine_requests) is None
+    assert pending_limit_short(1, None) is None  # the engine did not say
+    words = pending_limit_short(1024, engine_requests)
+    assert words is not None and "max_pending_requests 1024 is below the 1152 requests" in words
+    assert "--max-pending-requests to at least 1152" in words

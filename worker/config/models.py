@@ -563,11 +563,15 @@ class LimitsConfig(Section):
         flag="--max-tool-result-bytes",
         ge=1,
     )
+    # 4096: four times what vllm serve runs at once on an H100 or H200 (max_num_seqs 1024), so a
+    # burst of thousands of sessions waits in the worker's fair admission, not refused. At 1024,
+    # 2,000 one-turn sessions at once on an H200 were answered busy beyond the 1,024th.
     max_pending_requests: int = opt(
-        1024,
+        4096,
         "Requests accepted and not yet answered, all sessions together; above it busy. Also sent "
         "to the broker as the MQTT 5 Receive Maximum (at most 65535), so the broker holds back "
-        "what would exceed it instead of sending it.",
+        "what would exceed it instead of sending it. The start warns where it is below what the "
+        "engine takes at once (max_num_seqs and the requests admission queues in it).",
         flag="--max-pending-requests",
         ge=1,
     )

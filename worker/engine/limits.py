@@ -337,3 +337,20 @@ def visible_devices(cuda_visible_devices: str | None, host_gpus: int) -> list[st
     if cuda_visible_devices is not None:
         return [d.strip() for d in cuda_visible_devices.split(",") if d.strip() and d.strip() != "-1"]
     return [str(i) for i in range(host_gpus)]
+
+
+# -- the worker's pending requests against the engine's ---------------------------------------
+
+
+def pending_limit_short(max_pending_requests: int, engine_requests: int | None) -> str | None:
+    """The start warning where limits.max_pending_requests is below what the engine takes at
+    once (max_num_seqs and what admission queues in it): the worker would answer busy, and the
+    broker hold requests back, while the engine had room. None where it is not below."""
+    if engine_requests is None or max_pending_requests >= engine_requests:
+        return None
+    return (
+        f"limits.max_pending_requests {max_pending_requests} is below the {engine_requests} requests the engine "
+        f"takes at once (max_num_seqs and the requests admission queues in it): beyond {max_pending_requests} "
+        f"requests are answered busy or held back by the broker while the engine has room; "
+        f"raise --max-pending-requests to at least {engine_requests}"
+    )

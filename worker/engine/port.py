@@ -157,6 +157,9 @@ class EngineInfo:
     prefix_caching: bool
     kv_cache_tokens: int | None = None  # the GPU KV cache's size in tokens, where the engine says
     vision: VisionInfo | None = None  # None: the model takes no images
+    # The most requests the engine takes at once: max_num_seqs, plus the requests fair
+    # admission queues in it. None where the engine does not say.
+    max_requests: int | None = None
 
 
 @dataclass(frozen=True)

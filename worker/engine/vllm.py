@@ -1041,8 +1041,10 @@ class VllmEngine:
                 waiting_tokens=config.admission_waiting_tokens,
             )
             admission = Admission(limits)
+            info = dataclasses.replace(info, max_requests=limits.max_num_seqs + limits.waiting_requests)
             logger.info("Admission: fair, {}; the rest wait in the worker, users in turn", limits.words())
         else:
+            info = dataclasses.replace(info, max_requests=int(vllm_config.scheduler_config.max_num_seqs))
             logger.info("Admission: off, every request goes to the engine at once")
         return cls(
             llm,
