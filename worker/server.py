@@ -91,6 +91,7 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
         max_pixels=config.vision.max_pixels,
         max_images_in_prompt=config.vision.max_images_in_prompt,
         image_threads=config.vision.image_threads,
+        image_torch_threads=config.vision.image_torch_threads,
     )
     return await VllmEngine.start(
         config.engine,

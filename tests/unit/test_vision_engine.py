@@ -178,3 +178,22 @@ def test_the_start_line_says_which_threads_process_images_and_the_cache() -> Non
         "(vision.image_threads), processor cache off (an image that a session's history sends again is "
         "processed again)"
     )
+
+
+def test_the_torch_threads_per_image_come_from_omp_the_settings_or_the_host() -> None:
+    """The operator's OMP_NUM_THREADS (what vLLM reads) wins; then vision.image_torch_threads; by
+    default a quarter of a GPU host's CPUs, at most 4, and one on the CPU backend."""
+    from worker.engine.vllm import image_torch_threads
+
+    gpu_host = {"cpu_backend": False, "cpus": 16}
+    assert image_torch_threads(VisionSettings(), **gpu_host, environ={}) == ImageThreads(
+        4, "a quarter of the host's 16 CPUs, at most 4"
+    )
+    assert image_torch_threads(VisionSettings(), cpu_backend=False, cpus=64, environ={}).count == 4
+    assert image_torch_threads(VisionSettings(), cpu_backend=False, cpus=6, environ={}).count == 1
+    assert image_torch_threads(VisionSettings(), cpu_backend=True, cpus=64, environ={}).count == 1
+    configured = VisionSettings(image_torch_threads=2)
+    assert image_torch_threads(configured, **gpu_host, environ={}) == ImageThreads(2, "vision.image_torch_threads")
+    omp = image_torch_threads(configured, **gpu_host, environ={"OMP_NUM_THREADS": "8"})
+    assert omp == ImageThreads(8, "OMP_NUM_THREADS")
+    assert image_torch_threads(configured, **gpu_host, environ={"OMP_NUM_THREADS": "many"}).count == 1

@@ -918,6 +918,15 @@ class VisionConfig(Section):
         ge=1,
         le=64,
     )
+    image_torch_threads: int | None = opt(
+        None,
+        "Torch threads that process one image (vLLM runs an image's resize and normalisation with "
+        "OMP_NUM_THREADS threads, 1 where unset). Default: OMP_NUM_THREADS where set; else on a "
+        "GPU host a quarter of the CPUs, at most 4; 1 on the CPU backend, whose model has the cores.",
+        flag="--image-torch-threads",
+        ge=1,
+        le=64,
+    )
     max_image_pixels: int = opt(
         50_000_000,
         "Largest image accepted, in pixels (width x height, read from its header before its "

@@ -133,6 +133,7 @@ class VisionSettings:
     max_images_in_prompt: int = 8  # the engine's limit_mm_per_prompt
     processor_cache_gib: float | None = None  # the processor cache, per process; None: from host memory
     image_threads: int | None = None  # threads that process images; None: from the host's CPUs
+    image_torch_threads: int | None = None  # torch threads per image; None: from the host's CPUs
 
 
 @dataclass(frozen=True)
