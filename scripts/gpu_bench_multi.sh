@@ -19,13 +19,16 @@
 # scripts/bundle-redis.sh carried to /root/redis is used where it is. BENCH_WORKER_ARGS replaces
 # those worker flags ({redis_port}: the port of that redis-server). The worker needs the redis
 # Python package. (Not WORKER_*: the worker refuses unknown WORKER_ environment variables.)
+# BENCH_GPUS: the GPUs, in order (the single-worker phases take the first; default every GPU);
+# BENCH_VLLM_CACHE: the compile cache (default /root/vllm-cache), another one where another
+# benchmark compiles the same geometry at the same time.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 geometry=${1:-qwen3-1.7b} phases=${2:-burst_single,burst_dp} profile=${3:-gpu}
 export PYTHONPATH="/root/site:$PWD" VLLM_USE_FLASHINFER_SAMPLER=0 HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
-  PYTHONUNBUFFERED=1 VLLM_CACHE_ROOT=/root/vllm-cache
+  PYTHONUNBUFFERED=1 VLLM_CACHE_ROOT=${BENCH_VLLM_CACHE:-/root/vllm-cache}
 count=$(nvidia-smi -L | grep -c '^GPU ')
-gpus=$(seq -s, 0 $((count - 1)))
+gpus=${BENCH_GPUS:-$(seq -s, 0 $((count - 1)))}  # BENCH_GPUS=1,0: the single phases on GPU 1
 name=$geometry${profile#gpu}
 results=${BENCH_RESULTS:-/root/bench}/gpu-${count}x
 out=$results/$name
