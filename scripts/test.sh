@@ -3,9 +3,10 @@
 # the tests. Extra arguments go to pytest (and skip the smoke run): `bash scripts/test.sh -k config`.
 # It says how long each step took and, at the end, the whole run (also when a step fails).
 # Measured on 2 cores: the setup ~6 minutes on a fresh machine (seconds later); ruff and mypy
-# under 1; the smoke runs 5.4 idle (7 engine starts of ~40 s: 142 + 173 + 4 s), 6.5 beside
-# `stress --cpu 2`; pytest 26.8 idle, 51.9 beside it. The whole run 32.5 minutes on idle cores
-# with the setup done, 59.3 beside `stress --cpu 2`.
+# under 1; the smoke runs 5.4 idle (then 7 engine starts of ~40 s, now 6), 5.9 beside
+# `stress --cpu 2`; pytest 26.8 idle, 30.8 beside it. The whole run 32.5 minutes on idle cores
+# with the setup done, 37.4 beside `stress --cpu 2` (59.3 before the test engines ran one
+# OpenMP thread each: tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
@@ -42,7 +43,7 @@ run_step() {  # run_step NAME LOGFILE COMMAND...
 }
 if [ $# -eq 0 ]; then
   # The three smoke runs: 5.4 minutes on 2 idle cores, almost all of it engine starts (each
-  # phase but the scale run starts one), 6.5 beside `stress --cpu 2`; each prints its phases
+  # phase but the scale run starts one), 5.9 beside `stress --cpu 2`; each prints its phases
   # as they end.
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
   smoke=$(mktemp -d)
