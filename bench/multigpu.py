@@ -146,6 +146,22 @@ def processed_by_worker(stats: list[dict[str, Any]]) -> dict[str, int]:
     return {worker: int(s["processed"]) for worker, s in latest.items() if s.get("processed") is not None}
 
 
+def record_processed(result: dict[str, Any], stats: list[dict[str, Any]]) -> None:
+    """Each worker's requests processed, from its latest stats message, into the phase's result."""
+    latest = processed_by_worker(stats)
+    for worker_id, info in result["workers"].items():
+        info["processed"] = latest.get(worker_id)
+
+
+def stop_all(driver: Any, workers: dict[str, WorkerProcess], broker: Any) -> None:
+    """A phase's benchmark client (None before it connected), workers and broker, on every path."""
+    if driver is not None:
+        driver.close()
+    for worker in workers.values():
+        worker.stop(STOP_TIMEOUT)
+    broker.stop()
+
+
 def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: str, extra: list[str]) -> dict[str, Any]:
     from worker.engine.tokenizer import ChatTokenizer
 
@@ -186,16 +202,10 @@ def run_phase(phase: str, profile: Profile, model: Path, out: Path, mosquitto: s
                 run["summary"]["client_cpu_cores"] = round(used, 2)
                 runs[count] = run
         time.sleep(STATS_WAIT_S)  # one more stats message from each worker
-        latest = processed_by_worker(active.stats)
-        for worker_id, info in result["workers"].items():
-            info["processed"] = latest.get(worker_id)
+        record_processed(result, active.stats)
         result["concurrency"] = runs
     finally:
-        if driver is not None:
-            driver.close()
-        for worker in workers.values():
-            worker.stop(STOP_TIMEOUT)
-        broker.stop()
+        stop_all(driver, workers, broker)
     return result
 
 
@@ -352,16 +362,10 @@ def run_burst_phase(
                 summary["records"] = [[getattr(r, f) for f in RECORD_FIELDS] for r in records]
                 bursts[count] = summary
                 tqdm.write(f"{phase} {count} sessions: {_burst_line(summary)}")
-        latest = processed_by_worker(active.stats)
-        for worker_id, info in result["workers"].items():
-            info["processed"] = latest.get(worker_id)
+        record_processed(result, active.stats)
         result["bursts"] = bursts
     finally:
-        if driver is not None:
-            driver.close()
-        for worker in workers.values():
-            worker.stop(STOP_TIMEOUT)
-        broker.stop()
+        stop_all(driver, workers, broker)
     return result
 
 

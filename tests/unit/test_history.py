@@ -337,6 +337,20 @@ def test_every_added_token_of_a_real_models_tokenizer_written_in_text_is_encoded
     assert ids.count(added["<|im_start|>"]) == plain.count(added["<|im_start|>"])
 
 
+def count_renders(tokenizer: Any) -> tuple[list[int], Any]:
+    """The tokenizer's chat template wrapped to count its renders: (the list that grows by one
+    per render, the template itself)."""
+    calls: list[int] = []
+    template = tokenizer._tokenizer.apply_chat_template
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return template(*args, **kwargs)
+
+    tokenizer._tokenizer.apply_chat_template = counted
+    return calls, template
+
+
 def test_a_prompt_prepared_then_rendered_is_templated_once_and_the_same(tiny_model: Path) -> None:
     """prepare() and render() of one turn render its chat template once: the second call is the
     first's text, and other messages (or the generation prompt) are rendered anew."""
@@ -346,14 +360,7 @@ def test_a_prompt_prepared_then_rendered_is_templated_once_and_the_same(tiny_mod
 
     tokenizer = ChatTokenizer(str(tiny_model))
     messages: list[Any] = [{"role": "user", "content": "hello there"}]
-    calls: list[int] = []
-    template = tokenizer._tokenizer.apply_chat_template
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return template(*args, **kwargs)
-
-    tokenizer._tokenizer.apply_chat_template = counted
+    calls, template = count_renders(tokenizer)
     asyncio.run(tokenizer.prepare(messages))
     ids = tokenizer.render(messages, add_generation_prompt=True)
     assert len(calls) == 1
@@ -374,14 +381,7 @@ def test_turns_in_flight_together_are_each_templated_once(tiny_model: Path, monk
 
     tokenizer = ChatTokenizer(str(tiny_model))
     turns: list[Any] = [[{"role": "user", "content": f"question number {n}"}] for n in range(50)]
-    calls: list[int] = []
-    template = tokenizer._tokenizer.apply_chat_template
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return template(*args, **kwargs)
-
-    tokenizer._tokenizer.apply_chat_template = counted
+    calls, template = count_renders(tokenizer)
 
     async def prepare_all() -> None:
         await asyncio.gather(*(tokenizer.prepare(messages) for messages in turns))
