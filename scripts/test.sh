@@ -5,8 +5,8 @@
 # Measured on 2 cores: the setup ~6 minutes on a fresh machine (seconds later); ruff and mypy
 # under 1; the smoke runs 5.4 idle (then 7 engine starts of ~40 s, now 6), 5.9 beside
 # `stress --cpu 2`; pytest 26.8 idle, 30.8 beside it. The whole run 32.5 minutes on idle cores
-# with the setup done, 37.4 beside `stress --cpu 2` (59.3 before the test engines ran one
-# OpenMP thread each: tests/conftest.py).
+# with the setup done, 37.4 and 45.4 in two passes beside `stress --cpu 2` (59.3 before the
+# test engines ran one OpenMP thread each: tests/conftest.py).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS

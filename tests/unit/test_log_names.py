@@ -80,3 +80,31 @@ def test_the_warmup_check_sees_the_engine_cores_error_lines() -> None:
     (problem,) = warmup_problems(log)
     assert "grammar rejected tokens" in problem
     assert warmup_problems(log.replace("| ERROR   |", "| INFO    |")) == []
+
+
+def test_a_device_answer_come_before_the_tools_watch_is_dropped_not_an_invalid_topic() -> None:
+    """A restart's broker session delivers a device's late answer at the connect, before the
+    tools subscribe their response topic: acknowledged and dropped as an answer no call waits
+    for, not taken for a request on an invalid topic. Other invalid topics are still named."""
+    from worker.protocol.topics import tool_responses_topic
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="DEBUG", format="{level} {message}")
+
+    async def scenario() -> None:
+        h = Harness()
+        answers = tool_responses_topic(h.service.config.mqtt.topic_prefix, h.service.worker_id)
+        late = h.transport.deliver(answers, {"ok": True})
+        h.transport.deliver("chat/_tools/another-worker/responses", {"ok": True})
+        h.transport.deliver("chat/u/s1/request", {"message": "hi", "requestId": "after"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        assert late in h.transport.acked
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        logger.remove(sink)
+    dropped = [line for line in lines if line.startswith("DEBUG Dropping a device answer on chat/_tools/")]
+    assert len(dropped) == 1 and "that no call waits for" in dropped[0], lines
+    invalid = [line for line in lines if "invalid topic" in line]
+    assert len(invalid) == 1 and "another-worker" in invalid[0], invalid

@@ -319,3 +319,31 @@ def test_a_bad_image_is_refused_before_the_engine_and_the_session_is_unchanged()
         assert history is not None and [t.user for t in history.turns] == ["a"] and set(history.images) == {sha(good)}
 
     asyncio.run(scenario())
+
+
+def test_an_image_come_before_its_topic_is_watched_is_dropped_not_an_invalid_topic() -> None:
+    """A persistent broker session may deliver a watched image topic's message at the connect,
+    before the vision topics subscribe (the subscription brings the retained image again):
+    acknowledged and dropped, not taken for a request on an invalid topic."""
+    from loguru import logger
+
+    from worker.vision.topics import VisionTopics
+
+    lines: list[str] = []
+    sink = logger.add(lambda m: lines.append(str(m)), level="DEBUG", format="{level} {message}")
+
+    async def scenario() -> None:
+        topic = {"name": "door", "topic": "cam/+/snapshot", "users": ["u"], "max_age": 0, "timeout": 5}
+        h = Harness(vision_engine=True, vision={"topics": [topic]})
+        h.service.vision_topics = VisionTopics(h.service.config.vision, Camera())  # type: ignore[arg-type]
+        early = h.transport.deliver("cam/door/snapshot", picture((5, 5, 5)))
+        h.transport.deliver("chat/u/s/request", {"message": "hi", "maxTokens": 2, "requestId": "after"})
+        await h.run_until(lambda: h.transport.replies("s"))
+        assert early in h.transport.acked
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        logger.remove(sink)
+    assert any(line.startswith("DEBUG Dropping an image on 'cam/door/snapshot'") for line in lines), lines
+    assert not [line for line in lines if "invalid topic" in line]

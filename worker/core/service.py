@@ -44,7 +44,7 @@ from ..protocol.messages import (
     request_key,
 )
 from ..protocol.packets import fit_answer
-from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, topic_matches
+from ..protocol.topics import Inbound, InvalidTopic, SessionAddress, Topics, tool_responses_topic, topic_matches
 from ..session import SessionHistory
 from ..store.port import HistoryStore, SessionUnreadable, StoreError, StoreUnavailable
 from ..tools.port import Toolbox
@@ -115,6 +115,7 @@ class Service:
         self.transport = transport
         self.topics = Topics(config.mqtt.topic_prefix)
         self.worker_id = config.effective_worker_id
+        self._tool_responses = tool_responses_topic(config.mqtt.topic_prefix, self.worker_id)
         self.sessions = SessionCache(store, config.history.max_sessions)
         self.stats = StatsCollector(self.worker_id)
         self._runtime: dict[str, SessionRuntime] = {}
@@ -308,6 +309,9 @@ class Service:
         try:
             address, kind = self.topics.parse(message.topic)
         except InvalidTopic as exc:
+            if self._watched_before_watching(message):
+                self._acknowledge([message])
+                return
             # Named escaped and cut (log_text): the sender chose it, but it cannot forge a line.
             logger.warning("Ignoring a message on an invalid topic {}: {}", log_text(message.topic, 128), exc)
             self.stats.record_invalid_topic()
@@ -322,6 +326,23 @@ class Service:
             self._dispatch_control(message, address)
         else:
             await self._dispatch_request(message, address)
+
+    def _watched_before_watching(self, message: InboundMessage) -> bool:
+        """A message that is no request, on a topic the worker's tools or vision topics watch,
+        come before they started watching: the broker session of a restart delivers what it
+        kept (a device's late answer to the killed run's call) at the connect, before the tools
+        subscribe. No call of this run waits for such an answer, and a watched image topic's
+        retained image comes again with the subscription: dropped, not taken for an invalid
+        request (seen beside a CPU hog: "Ignoring a message on an invalid topic
+        '<prefix>/_tools/<id>/responses'" 2 ms before the tools' SUBSCRIBE)."""
+        topic = message.topic
+        if topic == self._tool_responses:
+            logger.debug("Dropping a device answer on {} that no call waits for (before the tools started)", topic)
+            return True
+        if self.vision_topics is not None and any(topic_matches(f, topic) for f in self.vision_topics.filters):
+            logger.debug("Dropping an image on {} that came before its topic was watched", log_text(topic, 128))
+            return True
+        return False
 
     def _runtime_for(self, address: SessionAddress) -> SessionRuntime:
         return self._runtime.setdefault(str(address), SessionRuntime())

@@ -20,6 +20,13 @@ from enum import Enum
 from ..config.models import TOPIC_PART
 
 WORKER_NAMESPACE = "_worker"
+TOOLS_NAMESPACE = "_tools"
+
+
+def tool_responses_topic(topic_prefix: str, worker_id: str) -> str:
+    """Where devices answer the worker's calls: ``<prefix>/_tools/<worker_id>/responses``
+    (tools/mqtt.py says why it is the same at every start)."""
+    return f"{topic_prefix}/{TOOLS_NAMESPACE}/{worker_id}/responses"
 
 
 class InvalidTopic(ValueError):

@@ -30,6 +30,7 @@ from loguru import logger
 
 from ..protocol.images import MEDIA_ALIASES, sniff_media_type
 from ..protocol.messages import log_text
+from ..protocol.topics import tool_responses_topic
 from ..transport.port import Delivery, Messaging, OutboundProperties, PublishFailed, PublishRefused
 from .port import CallContext, ToolOutcome, WorkerTool, cut_utf8
 
@@ -64,7 +65,7 @@ def response_topic_for(topic_prefix: str, worker_id: str) -> str:
     never taken for a new call's all the same: each call's CorrelationData is 16 random bytes,
     and an answer whose bytes no pending call has is dropped. The ACL grants the worker
     ``<prefix>/_tools/<worker_id>/#`` (docs/security.md)."""
-    return f"{topic_prefix}/_tools/{worker_id}/responses"
+    return tool_responses_topic(topic_prefix, worker_id)
 
 
 class ToolsClosed(Exception):
