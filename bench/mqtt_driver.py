@@ -22,25 +22,39 @@ Progress = Callable[[int], None]
 
 
 class MqttDriver:
-    def __init__(self, host: str, port: int, prefix: str = "chat", user: str = "bench") -> None:
+    def __init__(
+        self,
+        host: str,
+        port: int,
+        prefix: str = "chat",
+        user: str = "bench",
+        *,
+        replies: bool = True,
+        stats: bool = True,
+    ) -> None:
+        """``replies``/``stats``: whether to receive the sessions' replies and the workers' stats
+        (several benchmark clients: each its sessions' replies, one of them the stats)."""
         self.prefix, self.user = prefix, user
         self.events: queue.Queue[tuple[float, str, bytes]] = queue.Queue()
         self.stats: list[dict[str, Any]] = []
         subscriptions = [
-            (f"{prefix}/{user}/+/reply", 1),
-            (f"{prefix}/{user}/+/stream", 0),
-            (f"{prefix}/_worker/+/stats", 1),
+            *([(f"{prefix}/{user}/+/reply", 1), (f"{prefix}/{user}/+/stream", 0)] if replies else []),
+            *([(f"{prefix}/_worker/+/stats", 1)] if stats else []),
         ]
         self.client = connect(port, subscriptions, on_message=self._on_message, host=host, keepalive=60)
         self.run_id = uuid.uuid4().hex[:6]
         self._runs = 0
         self.last_send_s = 0.0  # how long run_concurrent's last run took to send its first turns
         self.round_walls: list[float] = []  # run_rounds' last run: each round, first send to last reply (s)
+        # The same rounds' (first send, last reply) in time.perf_counter(): CLOCK_MONOTONIC on
+        # Linux, one clock for every process of the host, so several clients' rounds merge.
+        self.round_spans: list[tuple[float, float]] = []
 
-    def _session_names(self, label: str, sessions: int) -> list[str]:
-        """Names no earlier run used: a repeated request id would be answered from history."""
+    def _session_names(self, label: str, sessions: int, first: int = 0) -> list[str]:
+        """Names no earlier run used (nor another driver's: run_id): a repeated request id would
+        be answered from history. ``first``: the index of the first session (several clients)."""
         self._runs += 1
-        return [f"{label}-c{sessions}-{i}-{self.run_id}{self._runs}" for i in range(sessions)]
+        return [f"{label}-c{sessions}-{i}-{self.run_id}{self._runs}" for i in range(first, first + sessions)]
 
     def _on_message(self, message: mqtt.MQTTMessage) -> None:
         if message.topic.endswith("/stats"):
@@ -58,14 +72,15 @@ class MqttDriver:
         return sent
 
     def _payloads(self, workload: Workload, sessions: int, turns: int, count_tokens: Any, max_tokens: int,
-                  stream: bool, extra: dict[str, Any] | None,
-                  followup: Workload | None = None) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
+                  stream: bool, extra: dict[str, Any] | None, followup: Workload | None = None,
+                  first: int = 0) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
         """Every request of a run, built before the first is sent: tokenizing while sending
         would hold the GIL and delay paho's network thread, so a request would leave the
         client later than its timestamp says (seen as 0.7-3 s outliers in bursts of 50).
-        ``followup``: the messages of the turns after the first, where not ``workload``'s."""
+        ``followup``: the messages of the turns after the first, where not ``workload``'s;
+        ``first``: the index of the first session (its messages are those of that index)."""
         out: dict[tuple[int, int], dict[str, Any]] = {}
-        for index in range(sessions):
+        for index in range(first, first + sessions):
             for turn in range(turns):
                 messages = followup if followup is not None and turn > 0 else workload
                 payload: dict[str, Any] = {
@@ -184,24 +199,32 @@ class MqttDriver:
         stream: bool = True,
         followup: Workload | None = None,
         progress: Progress | None = None,
+        first: int = 0,
+        before_round: Callable[[int], object] | None = None,
     ) -> list[Record]:
         """``sessions`` users send each turn at the same moment, and the next one once every
         session has its reply: each round arrives at once, with every history of the round
         before it to keep or to lose. ``followup``: the messages of the later turns (short
         ones, say), where not ``workload``'s. Each round's time from its first request sent
-        to its last reply is in ``round_walls`` afterwards (seconds)."""
+        to its last reply is in ``round_walls`` afterwards (seconds), its first send and last
+        reply in ``round_spans``. Several clients: ``first``, the index of this client's first
+        session (its messages and records are those of sessions first, first + 1, ...), and
+        ``before_round(turn)``, called with every request rendered, before a round's first send
+        (a barrier that starts the round in every client together)."""
         max_tokens = max_tokens or workload.max_tokens
-        names = self._session_names(label, sessions)
-        index_of = {name: i for i, name in enumerate(names)}
+        names = self._session_names(label, sessions, first)
+        index_of = {name: first + i for i, name in enumerate(names)}
         records: list[Record] = []
         first_delta: dict[str, float] = {}
-        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, stream, None, followup)
-        self.round_walls = []
+        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, stream, None, followup, first)
+        self.round_walls, self.round_spans = [], []
         for turn in range(turns):
+            if before_round is not None:
+                before_round(turn)
             started = time.perf_counter()
             sent_at = {
-                name: self._send(name, {**payloads[(i, turn)], "requestId": f"{name}-t{turn}"})
-                for i, name in enumerate(names)
+                name: self._send(name, {**payloads[(index_of[name], turn)], "requestId": f"{name}-t{turn}"})
+                for name in names
             }
             last = started
             for _ in names:
@@ -222,6 +245,7 @@ class MqttDriver:
                     )
                 )
             self.round_walls.append(last - started)
+            self.round_spans.append((started, last))
         return records
 
     def run_one_at_a_time(

@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import itertools
 import os
 import re
@@ -42,6 +43,7 @@ import shlex
 import shutil
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -49,8 +51,9 @@ from tqdm import tqdm
 
 from devtools.worker_process import WorkerProcess
 
-from .burst import ENGINE_LINE, KV_TOKENS, burst_summary, worker_outcome
-from .common import REPO, Record, load, phase_list, run_metadata, save
+from .burst import ENGINE_LINE, KV_TOKENS, burst_summary, seeded, worker_outcome
+from .clients import ClientPool, ClientResult, client_cpu, merge
+from .common import REPO, Record, Workload, load, phase_list, run_metadata, save
 from .harness import prepare_model, stamped
 from .profiles import PROFILES, Profile
 from .runs import STOP_TIMEOUT, start_broker, start_redis, start_worker, timed, wait_ready
@@ -282,19 +285,64 @@ def _burst_line(summary: dict[str, Any]) -> str:
             f"both {summary['both']['tok_per_s']} tok/s",
             f"turn 2 cached/prompt {cache['cached_over_prompt_mean']}, first turn found {cache['first_turn_found']}",
             f"without history {summary['turns_without_history']}",
+            _clients_text(summary),
         ]
     )
 
 
+def _clients_text(summary: dict[str, Any]) -> str:
+    """The clients' CPU: all of them together, and the busiest (near 1.0 it limits the burst)."""
+    clients = summary.get("clients", 1)
+    total = summary.get("client_cpu_cores")
+    busiest = summary.get("client_cpu_cores_max", total)
+    return f"{clients} client{'s' if clients != 1 else ''}: CPU {total} cores, busiest client {busiest}"
+
+
+BurstRun = Callable[[str, int], list[ClientResult]]
+
+
+def burst_runs(
+    phase: str, driver: Any, pool: ClientPool | None, tokenizer: Any, workload: Workload, followup: Workload, bar: Any
+) -> BurstRun:
+    """A two-turn burst of a label and a number of sessions: in this process through ``driver``
+    (one client), or split over ``pool``'s clients."""
+
+    def burst(label: str, sessions: int) -> list[ClientResult]:
+        # Other messages for each N (the warm-up's: seed 0): no burst finds its prompts in the
+        # prefix cache from an earlier one.
+        seed = sessions if label != "warm" else 0
+        name, first, then = f"burst-{phase}-{label}", seeded(workload, seed), seeded(followup, seed)
+        if pool is not None:
+            results = pool.run_rounds(name, first, then, sessions)
+            bar.update(sum(len(result.records) for result in results))
+            return results
+        cpu = time.process_time()
+        records = driver.run_rounds(name, first, tokenizer.count_text, sessions=sessions, turns=2, stream=False,
+                                    followup=then, progress=bar.update)  # fmt: skip
+        return [ClientResult(records, list(driver.round_spans), time.process_time() - cpu)]
+
+    return burst
+
+
+def summarise_burst(results: list[ClientResult], block_size: int) -> tuple[dict[str, Any], list[Record]]:
+    """One burst's summary over every client's replies (burst_turns_summary over the merged
+    walls) with the clients' CPU, and the replies."""
+    records, walls, cores = merge(results)
+    summary = burst_turns_summary(records, walls, block_size)
+    summary.update(client_cpu(cores))
+    return summary, records
+
+
 def run_burst_phase(
-    phase: str, profile: Profile, model: Path, out: Path, mosquitto: str, extra: list[str]
+    phase: str, profile: Profile, model: Path, out: Path, mosquitto: str, extra: list[str], clients: int = 1
 ) -> dict[str, Any]:
     """burst_single or burst_dp: the workers of single or dp; a warm-up burst of
     multi_burst_warmup sessions (two turns, not recorded), then for each N of
-    multi_burst_sessions a two-turn burst (see the module's doc)."""
+    multi_burst_sessions a two-turn burst (see the module's doc), sent by ``clients``
+    benchmark clients (bench/clients.py; one: this process)."""
     from worker.engine.tokenizer import ChatTokenizer
 
-    from .burst import model_burst_workload, seeded
+    from .burst import model_burst_workload
     from .mqtt_driver import MqttDriver
 
     tokenizer = ChatTokenizer(str(model))
@@ -309,64 +357,62 @@ def run_burst_phase(
         "prompt_tokens": profile.burst_prompt_tokens,
         "max_tokens": profile.burst_max_tokens,
         "followup_tokens": short,
+        "clients": clients,
     }
     driver: MqttDriver | None = None
+    pool: ClientPool | None = None
     try:
         start_workers(phase, profile, model, out, broker.port, extra, workers, result["workers"])
-        first = next(iter(workers.values()))
-        log = first.log_path.read_bytes()[first.log_offset :].decode(errors="replace")
-        engine, kv = ENGINE_LINE.search(log), KV_TOKENS.search(log)
-        result["engine_log"] = engine.group(1) if engine else None
-        # Per worker: at 1,000 sessions one GPU's cache may not hold every first turn until its
-        # second comes (the hit falls short there), N GPUs' caches do.
-        result["kv_cache_tokens"] = int(kv.group(1)) if kv else None
-        block_size = result["block_size"] = block_size_of(log)
-        driver = active = MqttDriver("127.0.0.1", broker.port)
+        block_size = read_engine_facts(next(iter(workers.values())), result)
+        # This process keeps the workers' stats; with several clients they receive the replies.
+        driver = MqttDriver("127.0.0.1", broker.port, replies=clients == 1)
+        pool = ClientPool(clients, broker.port, model) if clients > 1 else None
         total = 2 * (profile.multi_burst_warmup + sum(profile.multi_burst_sessions))
-        bursts: dict[int, Any] = {}
         with tqdm(total=total, desc=phase, unit="req") as bar:
-
-            def burst(label: str, sessions: int) -> list[Record]:
-                # Other messages for each N (the warm-up's: seed 0): no burst finds its
-                # prompts in the prefix cache from an earlier one.
-                seed = sessions if label != "warm" else 0
-                return active.run_rounds(
-                    f"burst-{phase}-{label}",
-                    seeded(workload, seed),
-                    tokenizer.count_text,
-                    sessions=sessions,
-                    turns=2,
-                    stream=False,
-                    followup=seeded(followup, seed),
-                    progress=bar.update,
-                )
-
-            if profile.multi_burst_warmup:
-                # Two turns, as the runs: a second turn's shapes (prefix-cache hits) compile too.
-                warm = burst("warm", profile.multi_burst_warmup)
-                tqdm.write(f"{phase} warm-up ({profile.multi_burst_warmup} sessions): "
-                           + _burst_line(burst_turns_summary(warm, active.round_walls, block_size)))  # fmt: skip
-                time.sleep(STATS_WAIT_S)
-            for count in profile.multi_burst_sessions:
-                before = processed_by_worker(active.stats)
-                client_cpu = time.process_time()
-                records = burst("run", count)
-                walls = list(active.round_walls)
-                used = (time.process_time() - client_cpu) / max(sum(walls), 1e-9)
-                time.sleep(STATS_WAIT_S)  # the stats messages covering the burst's end
-                after = processed_by_worker(active.stats)
-                summary = burst_turns_summary(records, walls, block_size)
-                summary["processed"] = {w: after.get(w, 0) - before.get(w, 0) for w in workers}
-                summary["client_cpu_cores"] = round(used, 2)
-                summary["record_fields"] = RECORD_FIELDS
-                summary["records"] = [[getattr(r, f) for f in RECORD_FIELDS] for r in records]
-                bursts[count] = summary
-                tqdm.write(f"{phase} {count} sessions: {_burst_line(summary)}")
-        record_processed(result, active.stats)
-        result["bursts"] = bursts
+            burst = burst_runs(phase, driver, pool, tokenizer, workload, followup, bar)
+            result["bursts"] = run_bursts(phase, profile, burst, driver, list(workers), block_size)
+        record_processed(result, driver.stats)
     finally:
+        if pool is not None:
+            pool.close()
         stop_all(driver, workers, broker)
     return result
+
+
+def read_engine_facts(worker: WorkerProcess, result: dict[str, Any]) -> int:
+    """The first worker's "Engine:" line and KV cache size into ``result``; its block size."""
+    log = worker.log_path.read_bytes()[worker.log_offset :].decode(errors="replace")
+    engine, kv = ENGINE_LINE.search(log), KV_TOKENS.search(log)
+    result["engine_log"] = engine.group(1) if engine else None
+    # Per worker: at 1,000 sessions one GPU's cache may not hold every first turn until its
+    # second comes (the hit falls short there), N GPUs' caches do.
+    result["kv_cache_tokens"] = int(kv.group(1)) if kv else None
+    block_size = result["block_size"] = block_size_of(log)
+    return block_size
+
+
+def run_bursts(
+    phase: str, profile: Profile, burst: BurstRun, driver: Any, workers: list[str], block_size: int
+) -> dict[int, Any]:
+    """The warm-up burst, then one two-turn burst per N of multi_burst_sessions: each N's
+    summary with its records and the requests each worker served (``driver``'s stats)."""
+    if profile.multi_burst_warmup:
+        # Two turns, as the runs: a second turn's shapes (prefix-cache hits) compile too.
+        warm, _ = summarise_burst(burst("warm", profile.multi_burst_warmup), block_size)
+        tqdm.write(f"{phase} warm-up ({profile.multi_burst_warmup} sessions): {_burst_line(warm)}")
+        time.sleep(STATS_WAIT_S)
+    bursts: dict[int, Any] = {}
+    for count in profile.multi_burst_sessions:
+        before = processed_by_worker(driver.stats)
+        summary, records = summarise_burst(burst("run", count), block_size)
+        time.sleep(STATS_WAIT_S)  # the stats messages covering the burst's end
+        after = processed_by_worker(driver.stats)
+        summary["processed"] = {w: after.get(w, 0) - before.get(w, 0) for w in workers}
+        summary["record_fields"] = RECORD_FIELDS
+        summary["records"] = [[getattr(r, f) for f in RECORD_FIELDS] for r in records]
+        bursts[count] = summary
+        tqdm.write(f"{phase} {count} sessions: {_burst_line(summary)}")
+    return bursts
 
 
 def compare(out: Path) -> dict[str, Any]:
@@ -419,6 +465,7 @@ def burst_comparison(results: dict[str, dict[str, Any]]) -> dict[str, Any]:
                 "prompt_tokens": result.get("prompt_tokens"),
                 "max_tokens": result.get("max_tokens"),
                 "followup_tokens": result.get("followup_tokens"),
+                "clients": result.get("clients", 1),
                 "commit": result.get("commit"),
             }
             for phase, result in results.items()
@@ -506,7 +553,10 @@ def _burst_rows(summary: dict[str, Any]) -> list[tuple[str, Any]]:
         ("turn 2: sessions that found turn 1 in the prefix cache", cache["first_turn_found"]),
         ("turns without history", summary["turns_without_history"]),
         ("requests per worker", ", ".join(str(n) for n in processed.values()) or None),
-        ("client CPU (cores)", summary.get("client_cpu_cores")),
+        ("benchmark clients", summary.get("clients", 1)),
+        ("client CPU, all clients (cores)", summary.get("client_cpu_cores")),
+        # Results from before several clients: one client, whose CPU is the busiest's.
+        ("client CPU, busiest client (cores)", summary.get("client_cpu_cores_max", summary.get("client_cpu_cores"))),
     ]
 
 
@@ -526,7 +576,11 @@ def burst_markdown(bursts: dict[str, Any]) -> list[str]:
         "tokens over both walls. TTFT: the client's time to the reply less the worker's time from the first "
         "token on. Turn 2's prefix-cache hit: the mean of cachedTokens / promptTokens, and the share of "
         "sessions whose cachedTokens cover the first turn's prompt up to its last whole KV block. Turns "
-        "without history: second turns whose prompt is shorter than the first turn's prompt and reply.",
+        "without history: second turns whose prompt is shorter than the first turn's prompt and reply. "
+        "Benchmark clients: the processes that sent the sessions, split among them (each round starts in "
+        "all of them together, its wall from the first send in any to the last reply in any); client CPU: "
+        "the cores they used over both walls, all together and the busiest one, which near 1.0 is what "
+        "limits the burst.",
         "",
     ]
     for phase, info in phases.items():
@@ -573,6 +627,17 @@ def gpu_list(text: str) -> tuple[str, ...]:
     return gpus
 
 
+def positive_int(text: str) -> int:
+    """An argparse type for ``--clients``: a whole number of at least 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a whole number of at least 1, got {text!r}")
+    return value
+
+
 def with_gpus(profile: Profile, gpus: tuple[str, ...] | None) -> Profile:
     """The profile on these GPUs: dp starts a worker on each, and tp (where the profile splits
     the model at all: not the CPU profiles, whose tensor-parallel size is 1) spans them all."""
@@ -600,6 +665,13 @@ def main(argv: list[str] | None = None) -> int:
         help="comma separated GPU ids for the phases (dp: one worker each; tp: over all of them; single: the "
         "first), instead of the profile's, e.g. 0,1,2,3",
     )
+    parser.add_argument(
+        "--clients",
+        type=positive_int,
+        default=1,
+        help="benchmark client processes that share each burst's sessions (burst phases; default 1: this "
+        "process). One Python client may itself limit a burst at 1,000 sessions on several GPUs",
+    )
     parser.add_argument("--report", action="store_true", help="only rewrite multi.json and multi.md")
     args = parser.parse_args(argv)
     out: Path = args.out
@@ -625,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
         redis = start_redis(args.redis_server, out) if args.redis_server else None
         extra = shlex.split(args.worker_args.replace("{redis_port}", str(redis.port) if redis else "{redis_port}"))
         started = time.perf_counter()
-        run = run_burst_phase if phase in BURST_PHASES else run_phase
+        run = functools.partial(run_burst_phase, clients=args.clients) if phase in BURST_PHASES else run_phase
         try:
             save(path, stamped(run(phase, profile, model, out, args.mosquitto, extra)))
         finally:
