@@ -22,6 +22,8 @@
 # BENCH_GPUS: the GPUs, in order (the single-worker phases take the first; default every GPU);
 # BENCH_VLLM_CACHE: the compile cache (default /root/vllm-cache), another one where another
 # benchmark compiles the same geometry at the same time.
+# BENCH_CLIENTS: benchmark client processes that share each burst's sessions (default 1; one
+# Python client can itself limit 1,000 sessions on four GPUs: multi.md gives each one's CPU).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 geometry=${1:-qwen3-1.7b} phases=${2:-burst_single,burst_dp} profile=${3:-gpu}
@@ -44,7 +46,7 @@ fi
 if [ -n "${BENCH_REDIS_SERVER:-}" ] && [ -z "${BENCH_WORKER_ARGS:-}" ]; then
   BENCH_WORKER_ARGS="--store redis --redis-url redis://127.0.0.1:{redis_port}/0 --mqtt-session-expiry 0"
 fi
-extra=(--gpus "$gpus")
+extra=(--gpus "$gpus" --clients "${BENCH_CLIENTS:-1}")
 [ -n "${BENCH_WORKER_ARGS:-}" ] && extra+=(--worker-args "$BENCH_WORKER_ARGS")
 [ -n "${BENCH_REDIS_SERVER:-}" ] && extra+=(--redis-server "$BENCH_REDIS_SERVER")
 status=0

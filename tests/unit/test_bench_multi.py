@@ -11,16 +11,20 @@ from typing import Any
 
 import pytest
 
+from bench.clients import ClientResult, client_cpu, merge, merged_walls, split_sessions
 from bench.common import Record, save
 from bench.multigpu import (
     DEFAULT_BLOCK_SIZE,
+    _burst_line,
     block_size_of,
     burst_comparison,
     burst_markdown,
     burst_turns_summary,
     gpu_list,
+    positive_int,
     processed_by_worker,
     second_turn_cache,
+    summarise_burst,
     turns_without_history,
     with_gpus,
     worker_commands,
@@ -216,3 +220,75 @@ def test_multi_md_has_the_burst_tables_beside_the_concurrency_runs(tmp_path: Pat
     text = (tmp_path / "multi.md").read_text()
     assert "## Bursts: one worker against one worker per GPU" in text and "| tokens/s, turn 2 |" in text
     assert "Concurrency runs" not in text  # no such phase ran
+
+
+# Several benchmark clients (--clients K, bench/clients.py): each burst's sessions split over K
+# processes, their replies and rounds merged into one burst.
+
+
+def test_a_bursts_sessions_are_split_over_the_clients_in_consecutive_ranges() -> None:
+    assert split_sessions(1000, 1) == [(0, 1000)]
+    assert split_sessions(1000, 4) == [(0, 250), (250, 250), (500, 250), (750, 250)]
+    assert split_sessions(10, 4) == [(0, 3), (3, 3), (6, 2), (8, 2)]
+    # Every session once: the session numbers (the messages, the records) whatever K is.
+    for sessions, clients in ((64, 3), (7, 7), (2, 4), (0, 2)):
+        parts = split_sessions(sessions, clients)
+        assert [i for first, count in parts for i in range(first, first + count)] == list(range(sessions))
+    assert split_sessions(2, 4)[2:] == [(2, 0), (2, 0)]  # more clients than sessions: some get none
+    with pytest.raises(ValueError, match="at least 1"):
+        split_sessions(10, 0)
+
+
+def client_result(first: int, count: int, spans: list[tuple[float, float]], cpu_s: float) -> ClientResult:
+    records = [turn(s, t, 300 if t == 0 else 470, cached=288 * t) for t in range(2) for s in range(first, first + count)]
+    return ClientResult(records, spans, cpu_s)
+
+
+def test_the_clients_rounds_merge_from_the_first_send_in_any_to_the_last_reply_in_any() -> None:
+    a = client_result(0, 2, [(100.0, 102.0), (102.5, 103.0)], cpu_s=0.5)
+    b = client_result(2, 2, [(100.1, 102.4), (102.6, 103.5)], cpu_s=1.0)
+    idle = ClientResult([], [(90.0, 90.0), (200.0, 200.0)], cpu_s=0.01)  # no sessions: no part in the walls
+    assert merged_walls([a, b, idle]) == pytest.approx([2.4, 1.0])
+    records, walls, cores = merge([a, b, idle])
+    assert sorted((r.session, r.turn) for r in records) == [(s, t) for s in range(4) for t in range(2)]
+    assert walls == pytest.approx([2.4, 1.0])
+    assert cores == [round(0.5 / 3.4, 2), round(1.0 / 3.4, 2), 0.0]  # CPU time over both merged walls
+    # One client: its own walls, as the burst phases measured before there were several.
+    assert merged_walls([a]) == pytest.approx([2.0, 0.5])
+
+
+def test_the_merged_burst_is_summarised_as_one_with_every_clients_cpu() -> None:
+    a = client_result(0, 4, [(0.0, 2.0), (2.0, 2.5)], cpu_s=1.25)
+    b = client_result(4, 4, [(0.0, 1.5), (2.0, 2.4)], cpu_s=2.5)
+    summary, records = summarise_burst([a, b], 16)
+    assert len(records) == 16
+    assert summary["turn1"]["tok_per_s"] == 8 * 128 / 2.0 and summary["turn2"]["tok_per_s"] == 8 * 128 / 0.5
+    # Sessions keep their numbers across clients: each second turn is matched with its first.
+    assert summary["cache"]["sessions"] == 8 and summary["cache"]["first_turn_found"] == 1.0
+    assert summary["turns_without_history"] == 0
+    assert summary["clients"] == 2 and summary["client_cpu_cores_per_client"] == [0.5, 1.0]
+    assert summary["client_cpu_cores"] == 1.5 and summary["client_cpu_cores_max"] == 1.0
+
+
+def test_the_report_gives_the_clients_and_their_cpu() -> None:
+    single = burst_result("burst_single", 10_000.0, ["bench"])
+    single["bursts"]["1000"].update(client_cpu([0.26]))
+    dp = burst_result("burst_dp", 38_000.0, ["bench-gpu0", "bench-gpu1", "bench-gpu2", "bench-gpu3"])
+    dp["bursts"]["1000"].update(client_cpu([0.4, 0.45, 0.38, 0.41]))
+    text = "\n".join(burst_markdown(burst_comparison({"burst_single": single, "burst_dp": dp})))
+    assert "| benchmark clients | 1 | 4 |  |" in text
+    assert "| client CPU, all clients (cores) | 0.26 | 1.64 |  |" in text
+    assert "| client CPU, busiest client (cores) | 0.26 | 0.45 |  |" in text
+    assert "4 clients: CPU 1.64 cores, busiest client 0.45" in _burst_line(dp["bursts"]["1000"])
+    # A result from before several clients: one client, the busiest is it.
+    old = burst_result("burst_single", 10_000.0, ["bench"])
+    old["bursts"]["1000"]["client_cpu_cores"] = 1.15
+    text = "\n".join(burst_markdown(burst_comparison({"burst_single": old})))
+    assert "| benchmark clients | 1 |  |" in text and "| client CPU, busiest client (cores) | 1.15 |  |" in text
+
+
+def test_clients_is_a_whole_number_of_at_least_one() -> None:
+    assert positive_int("4") == 4
+    for bad in ("0", "-1", "two", "1.5"):
+        with pytest.raises(argparse.ArgumentTypeError):
+            positive_int(bad)
