@@ -240,7 +240,8 @@ def test_a_bursts_sessions_are_split_over_the_clients_in_consecutive_ranges() ->
 
 
 def client_result(first: int, count: int, spans: list[tuple[float, float]], cpu_s: float) -> ClientResult:
-    records = [turn(s, t, 300 if t == 0 else 470, cached=288 * t) for t in range(2) for s in range(first, first + count)]
+    sessions = range(first, first + count)
+    records = [turn(s, t, 300 if t == 0 else 470, cached=288 * t) for t in range(2) for s in sessions]
     return ClientResult(records, spans, cpu_s)
 
 
