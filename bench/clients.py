@@ -10,6 +10,13 @@ together: a barrier that every client passes with its connection up and every re
 the burst rendered. A round's wall runs from its first send in any client to its last reply
 in any client (time.perf_counter() is CLOCK_MONOTONIC on Linux, one clock for every process
 of the host).
+
+Each client is its own user namespace, bench0, bench1, ... (chat/bench0/<session>/request):
+an MQTT wildcard matches whole topic levels, so that is how a client receives its own
+sessions' replies and no other's (with one namespace each client would receive, and parse,
+every reply of the burst). The worker's admission releases the requests that wait in the
+worker (beyond the engine's sequences) user by user in turn, so with several clients those
+are released across the namespaces in turn rather than in arrival order.
 """
 
 from __future__ import annotations
@@ -106,15 +113,16 @@ def _run(driver: Any, count_tokens: Any, barrier: Barrier, burst: Burst) -> Clie
     return ClientResult(records, list(driver.round_spans), time.process_time() - cpu)
 
 
-def _client(conn: Connection, barrier: Barrier, port: int, model: str) -> None:
-    """A client process: connect, say so (None), then run each Burst it is sent until None."""
+def _client(conn: Connection, barrier: Barrier, port: int, model: str, user: str) -> None:
+    """A client process: connect as ``user``, say so (None), then run each Burst it is sent
+    until None."""
     from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
 
     try:
         tokenizer = ChatTokenizer(model)
-        driver = MqttDriver("127.0.0.1", port, stats=False)
+        driver = MqttDriver("127.0.0.1", port, user=user, stats=False)
         try:
             conn.send(None)
             while (burst := conn.recv()) is not None:
@@ -138,14 +146,21 @@ class ClientPool:
         for k in range(clients):
             ours, theirs = context.Pipe()
             process = context.Process(
-                target=_client, args=(theirs, self.barrier, port, str(model)), name=f"bench-client{k}", daemon=True
+                target=_client,
+                args=(theirs, self.barrier, port, str(model), f"bench{k}"),
+                name=f"bench-client{k}",
+                daemon=True,
             )
             process.start()
             theirs.close()  # so that our recv() sees the end of a client that died
             self.conns.append(ours)
             self.processes.append(process)
-        for k in range(clients):
-            self._receive(k)
+        try:
+            for k in range(clients):
+                self._receive(k)
+        except BaseException:
+            self.close()  # the others, connected or not
+            raise
 
     def _receive(self, k: int) -> Any:
         try:
