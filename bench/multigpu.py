@@ -17,7 +17,9 @@ Phases (each writes OUT/<phase>.json and is skipped when that file exists, like 
           N sessions send a one-turn request at the same moment (bench/burst.py's workload:
           burst_prompt_tokens with the chat markup, burst_max_tokens, replies not streamed),
           and once every reply is in, a second turn of a short message at the same moment (the
-          worker adds the history from its store)
+          worker adds the history from its store). --clients K splits each burst's sessions
+          over K client processes that start each round together (bench/clients.py): one
+          Python client can itself limit 1,000 sessions on several GPUs
 single, dp and tp run the worker phase's concurrency runs (sessions that send their next turn
 when the previous reply arrives) at the profile's multi_concurrency. OUT/multi.json and
 OUT/multi.md compare aggregate tokens/s and p50/p95 latency with the single worker; the burst
