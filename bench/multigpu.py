@@ -313,13 +313,13 @@ def burst_runs(
         # Other messages for each N (the warm-up's: seed 0): no burst finds its prompts in the
         # prefix cache from an earlier one.
         seed = sessions if label != "warm" else 0
-        name, first, then = f"burst-{phase}-{label}", seeded(workload, seed), seeded(followup, seed)
+        name, opening, then = f"burst-{phase}-{label}", seeded(workload, seed), seeded(followup, seed)
         if pool is not None:
-            results = pool.run_rounds(name, first, then, sessions)
+            results = pool.run_rounds(name, opening, then, sessions)
             bar.update(sum(len(result.records) for result in results))
             return results
         cpu = time.process_time()
-        records = driver.run_rounds(name, first, tokenizer.count_text, sessions=sessions, turns=2, stream=False,
+        records = driver.run_rounds(name, opening, tokenizer.count_text, sessions=sessions, turns=2, stream=False,
                                     followup=then, progress=bar.update)  # fmt: skip
         return [ClientResult(records, list(driver.round_spans), time.process_time() - cpu)]
 

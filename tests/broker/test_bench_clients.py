@@ -9,11 +9,15 @@ import json
 import threading
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
+
+import pytest
 
 from bench.clients import ClientPool, merged_walls
 from bench.common import Workload
-from bench.multigpu import summarise_burst
+from bench.mqtt_driver import MqttDriver
+from bench.multigpu import burst_runs, summarise_burst
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import connect
 
@@ -77,3 +81,22 @@ def test_clients_share_a_burst_start_each_round_together_and_merge(broker: Mosqu
     walls = merged_walls(results)
     assert all(walls[turn] >= result.spans[turn][1] - result.spans[turn][0] for result in results for turn in (0, 1))
     assert [len(result.spans) for result in results] == [2, 2] and not any(p.is_alive() for p in pool.processes)
+
+
+def test_one_client_is_this_process_as_before(broker: Mosquitto, tokenizer: Any) -> None:
+    """--clients 1: the burst runs in this process on the driver that also receives the
+    workers' stats, in the namespace ``bench``, its walls those the driver measured."""
+    worker = Answering(broker.port)
+    driver = MqttDriver("127.0.0.1", broker.port)
+    progress: list[int] = []
+    try:
+        workload = Workload("You are terse.", user_tokens=(8, 12), max_tokens=4)
+        bar = SimpleNamespace(update=progress.append)
+        burst = burst_runs("burst_single", driver, None, tokenizer, workload, workload, bar)
+        [result] = burst("run", 3)
+    finally:
+        driver.close()
+        worker.close()
+    assert sorted((r.session, r.turn) for r in result.records) == [(s, t) for s in range(3) for t in range(2)]
+    assert {user for user, *_ in worker.requests} == {"bench"} and sum(progress) == 6
+    assert merged_walls([result]) == pytest.approx(driver.round_walls)
