@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import json
+import os
 import re
 import time
 import uuid
@@ -141,6 +142,9 @@ def _merge(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
         **profile.engine_overrides.get("extra", {}),
         **profile.burst_engine.get("extra", {}),
         **overrides.get("extra", {}),
+        # BENCH_ENGINE_EXTRA (a JSON object): engine arguments for both sides of every burst,
+        # to compare one setting on one machine, e.g. '{"stream_interval": 8}'.
+        **json.loads(os.environ.get("BENCH_ENGINE_EXTRA") or "{}"),
     }
     return settings
 
