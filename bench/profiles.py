@@ -155,8 +155,8 @@ PROFILES: dict[str, Profile] = {
         vision_max_tokens=16,
     ),
     # CI: does every phase run end to end? No timing is asserted. A fixed 256 MiB KV cache (the
-    # test workers' size) instead of 0.3 of host memory: scripts/test.sh runs the smoke runs
-    # beside the tests, whose engines need that memory free.
+    # test workers' size) instead of 0.3 of host memory: 7 GiB each of a 24 GiB CI machine, and
+    # the several-GPU smoke run starts two.
     "smoke": Profile(
         {**_CPU_ENGINE, "extra": {"kv_cache_memory_bytes": 256 * 2**20}},
         concurrency=(1, 4),

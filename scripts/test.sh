@@ -11,7 +11,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
 minutes() { awk -v s="$1" 'BEGIN { printf "%d s (%.1f min)", s, s / 60 }'; }
-trap 'status=$?; [ -z "${smoke_pid:-}" ] || kill -- -"$smoke_pid" 2>/dev/null; echo "==> scripts/test.sh: $([ $status -eq 0 ] && echo passed || echo "failed (exit code $status)") after $(minutes $((SECONDS - started)))"' EXIT
+trap 'status=$?; echo "==> scripts/test.sh: $([ $status -eq 0 ] && echo passed || echo "failed (exit code $status)") after $(minutes $((SECONDS - started)))"' EXIT
 bash scripts/setup.sh
 echo "    setup: $(minutes $((SECONDS - started)))"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
@@ -41,11 +41,12 @@ run_step() {  # run_step NAME LOGFILE COMMAND...
   fi
   echo "    $name: $(minutes $((SECONDS - start)))"
 }
-# The three smoke runs, beside pytest (both mostly wait on engine starts of one busy core
-# each): 5.4 minutes on 2 idle cores one after the other, almost all of it engine starts (each
-# phase but the scale run starts one). Their output goes to a file, shown when pytest is done.
-smoke_runs() {
+if [ $# -eq 0 ]; then
+  # The three smoke runs: 5.4 minutes on 2 idle cores, almost all of it engine starts (each
+  # phase but the scale run starts one), 5.9 beside `stress --cpu 2`; each prints its phases
+  # as they end.
   echo "==> benchmark smoke run (every phase end to end on the tiny model; no timing is asserted)"
+  smoke=$(mktemp -d)
   run_step "benchmark smoke run" "$smoke/bench.out" \
     .venv/bin/python -m bench --profile smoke --out "$smoke" --phases worker,inprocess,structured --think-time 0.05
   grep -q "## Concurrency (3 turns per session; users think" "$smoke/results.md" && ls "$smoke"/*.png >/dev/null
@@ -68,29 +69,9 @@ assert all(s.get('tokens_per_s_vs_single') for p in ('dp',) for s in r[p]['runs'
   .venv/bin/python -c "import json, sys; s = json.load(open(sys.argv[1]))['steps'][0]
 assert s['replies'] == s['sent'] == 100 and s['error_replies'] == 0, s" "$smoke/scale/scale-w4.json"
   echo "scale load test smoke run: ok ($smoke/scale/scale.md)"
-}
-smoke_pid=
-if [ $# -eq 0 ]; then
-  smoke=$(mktemp -d)
-  smoke_started=$SECONDS
-  # In a process group of its own (set -m), so that a test.sh that stops early stops it too.
-  set -m
-  (smoke_runs) > "$smoke/smoke.log" 2>&1 &
-  smoke_pid=$!
-  set +m
-  echo "==> the smoke runs started beside pytest (output: $smoke/smoke.log, shown at the end)"
 fi
 echo "==> pytest"
 step=$SECONDS
 # --durations: the slowest tests and fixtures (an engine start is ~50 s of a fixture's setup).
-pytest_status=0
-.venv/bin/python -m pytest -ra --durations=15 "$@" || pytest_status=$?
+.venv/bin/python -m pytest -ra --durations=15 "$@"
 echo "    pytest: $(minutes $((SECONDS - step)))"
-if [ -n "$smoke_pid" ]; then
-  smoke_status=0
-  wait "$smoke_pid" || smoke_status=$?
-  cat "$smoke/smoke.log"
-  echo "    smoke runs (beside pytest): $(minutes $((SECONDS - smoke_started)))"
-  [ "$smoke_status" -eq 0 ] || { echo "the smoke runs failed (exit code $smoke_status)"; exit 1; }
-fi
-exit "$pytest_status"
