@@ -199,8 +199,10 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         time.sleep(1.5)
         for count in sizes:
             before = len(driver.stats)
-            # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the largest burst.
-            profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if count == max(sizes) else None
+            # BENCH_PYSPY (bench/harness.py profile_worker): the worker's threads during the
+            # largest burst, or the one of BENCH_PYSPY_SESSIONS sessions.
+            profiled = count == profiled_size(sizes)
+            profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if profiled else None
             records = driver.run_concurrent(
                 f"burst-{name}", seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
             )
@@ -239,7 +241,8 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         return result
     prompts = {n: rendered(n, n) for n in sizes}
     prompts[0] = rendered(0, first)  # the warm-up burst's
-    raw = asyncio.run(_raw_side(EngineConfig(model=str(model), **settings), tokenizer, prompts, sizes, profile, name))
+    config = EngineConfig(model=str(model), **settings)
+    raw = asyncio.run(_raw_side(config, tokenizer, prompts, sizes, profile, name, out))
     runs["raw"] = raw.pop("runs")
     first_runs["raw"] = raw.pop("first")
     result.update(raw)
@@ -252,10 +255,17 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
 
 
 async def _raw_side(
-    config: Any, tokenizer: Any, prompts: dict[int, list[list[int]]], sizes: list[int], profile: Profile, name: str
+    config: Any,
+    tokenizer: Any,
+    prompts: dict[int, list[list[int]]],
+    sizes: list[int],
+    profile: Profile,
+    name: str,
+    out: Path,
 ) -> dict[str, Any]:
     """The same bursts on an AsyncLLM of the same engine arguments, in one event loop (the
     engine's output handler lives on the loop of its first request)."""
+    from .harness import profile_process
     from .inprocess import InProcess
 
     engine = InProcess(config, tokenizer)
@@ -269,7 +279,15 @@ async def _raw_side(
         outcomes, wall = await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
         result["first"] = burst_summary(outcomes, wall)
         for count in sizes:
+            # BENCH_PYSPY: this process (raw AsyncLLM's event loop) during the profiled burst.
+            profiler = (
+                profile_process(os.getpid(), out / f"pyspy-burst-{name}-raw-{count}.txt")
+                if count == profiled_size(sizes)
+                else None
+            )
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
+            if profiler is not None:
+                await asyncio.to_thread(profiler.wait, 120)
             result["runs"][count] = {
                 **burst_summary(outcomes, wall),
                 "outcomes": [dataclasses.astuple(o) for o in outcomes],
@@ -278,6 +296,11 @@ async def _raw_side(
     finally:
         engine.shutdown()
     return result
+
+
+def profiled_size(sizes: list[int]) -> int:
+    """The burst that BENCH_PYSPY profiles, on both sides: BENCH_PYSPY_SESSIONS, or the largest."""
+    return int(os.environ.get("BENCH_PYSPY_SESSIONS") or max(sizes, default=0))
 
 
 async def raw_burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Outcome], float]:

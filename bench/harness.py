@@ -71,11 +71,16 @@ def profile_worker(worker: WorkerProcess, output: Path) -> subprocess.Popen[byte
     worker process's Python threads while the largest concurrency runs, as collapsed stacks
     (``--format raw``; ``--gil``: only the thread that holds the GIL, i.e. what the event
     loop and paho's thread spend it on)."""
+    return profile_process(worker.proc.pid, output)
+
+
+def profile_process(pid: int, output: Path) -> subprocess.Popen[bytes] | None:
+    """profile_worker for any process (this one: raw AsyncLLM's side of a burst)."""
     binary = os.environ.get("BENCH_PYSPY")
     if not binary:
         return None
     seconds = os.environ.get("BENCH_PYSPY_S", "5")
-    cmd = [binary, "record", "--pid", str(worker.proc.pid), "--duration", seconds, "--rate", "250"]
+    cmd = [binary, "record", "--pid", str(pid), "--duration", seconds, "--rate", "250"]
     cmd += ["--format", "raw", "--threads", "--nonblocking", "--output", str(output)]
     if os.environ.get("BENCH_PYSPY_GIL"):
         cmd.append("--gil")
