@@ -189,6 +189,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     )
     driver = MqttDriver("127.0.0.1", broker.port)
     runs: dict[str, Any] = {"worker": {}, "raw": {}}
+    windows: dict[str, dict[int, tuple[float, float]]] = {"worker": {}, "raw": {}}
     try:
         records = driver.run_concurrent(
             "burst-warm", seeded(workload, 0), tokenizer.count_text, sessions=first, turns=1, stream=False
@@ -203,9 +204,11 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
             # largest burst, or the one of BENCH_PYSPY_SESSIONS sessions.
             profiled = count == profiled_size(sizes)
             profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if profiled else None
+            started = time.time()
             records = driver.run_concurrent(
                 f"burst-{name}", seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
             )
+            windows["worker"][count] = (started, time.time())
             # From the first request sent to the last reply: run_concurrent renders every
             # message before it sends the first (seconds for 1,000), which is no part of it.
             wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
@@ -238,12 +241,15 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     first_runs = {"worker": runs["worker"].pop("first")}
     result["first_burst"] = first_runs
     if name in profile.burst_worker_only:
+        add_gc_pauses(runs, windows)
         return result
     prompts = {n: rendered(n, n) for n in sizes}
     prompts[0] = rendered(0, first)  # the warm-up burst's
     config = EngineConfig(model=str(model), **settings)
     raw = asyncio.run(_raw_side(config, tokenizer, prompts, sizes, profile, name, out))
     runs["raw"] = raw.pop("runs")
+    windows["raw"] = raw.pop("windows")
+    add_gc_pauses(runs, windows)
     first_runs["raw"] = raw.pop("first")
     result.update(raw)
     result["worker_over_raw"] = {
@@ -274,6 +280,7 @@ async def _raw_side(
         "raw_engine_start_s": engine.start_s,
         "raw_limits": [int(scheduler.max_num_seqs), int(scheduler.max_num_batched_tokens)],
         "runs": {},
+        "windows": {},
     }
     try:
         outcomes, wall = await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
@@ -285,7 +292,9 @@ async def _raw_side(
                 if count == profiled_size(sizes)
                 else None
             )
+            started = time.time()
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
+            result["windows"][count] = (started, time.time())
             if profiler is not None:
                 await asyncio.to_thread(profiler.wait, 120)
             result["runs"][count] = {
@@ -296,6 +305,19 @@ async def _raw_side(
     finally:
         engine.shutdown()
     return result
+
+
+def add_gc_pauses(runs: dict[str, Any], windows: dict[str, dict[int, tuple[float, float]]]) -> None:
+    """With BENCH_GC: each burst's garbage collections on its side (bench/gcpause.py)."""
+    from .gcpause import pauses, recording
+
+    out = recording()
+    if out is None:
+        return
+    for side, bursts in windows.items():
+        for count, window in bursts.items():
+            if count in runs[side]:
+                runs[side][count]["gc"] = pauses(out, window, worker=side == "worker")
 
 
 def profiled_size(sizes: list[int]) -> int:
@@ -345,7 +367,7 @@ async def raw_burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> tupl
 
 def _line(run: dict[str, Any]) -> str:
     keys = ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s", "completion_tokens", "wall_s")
-    extra = {k: run[k] for k in ("max_running", "max_waiting") if k in run}
+    extra = {k: run[k] for k in ("max_running", "max_waiting", "gc") if k in run}
     return ", ".join(f"{k}={run.get(k)}" for k in keys) + (f", {extra}" if extra else "")
 
 
@@ -373,6 +395,15 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
                     f"{ratio_cell} |"
                 )
     lines.append("")
+    pauses = [
+        f"  - {name}, {count} sessions, {side}: " + gc_cell(run["gc"])
+        for name, result in results.items()
+        for side, bursts in result["runs"].items()
+        for count, run in bursts.items()
+        if isinstance(run, dict) and "gc" in run
+    ]
+    if pauses:
+        lines += ["- Garbage collections during each burst (BENCH_GC; generation: count, total, longest):", *pauses]
     for name, result in results.items():
         skipped = result.get("sessions_skipped_kv_cache_too_small")
         lines += [
@@ -389,6 +420,14 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
                     f"{first['tok_per_s'] / later['tok_per_s']:.2f}x the later one's tok/s"
                 )
     return "\n".join(lines) + "\n"
+
+
+def gc_cell(pauses: dict[str, list[float]]) -> str:
+    if not pauses:
+        return "none"
+    return "; ".join(
+        f"gen {g}: {int(n)}, {total:,.0f} ms, {longest:,.0f} ms" for g, (n, total, longest) in sorted(pauses.items())
+    )
 
 
 def plot_bursts(results: dict[str, dict[str, Any]], path: Path) -> None:

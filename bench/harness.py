@@ -396,6 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     os.environ.setdefault("VLLM_CACHE_ROOT", str(REPO / ".cache" / "vllm"))
     os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
+    if os.environ.get("BENCH_GC"):
+        from .gcpause import enable
+
+        enable(out)
     model = args.model or prepare_model(args.geometry, out)
     meta_path = out / "meta.json"
     if not meta_path.exists():

@@ -66,6 +66,9 @@ class WordRenderer:
     async def prepare(self, messages: Sequence[ChatMessage], tools: Tools = None) -> None:
         pass
 
+    def remember_reply(self, text: str, ids: Sequence[int]) -> None:
+        pass
+
 
 def mentions(engine_request_id: str, text: str) -> bool:
     """Whether an engine request id names this request key (by its log_ref) or topic part."""
@@ -99,6 +102,7 @@ class FakeEngine:
         self.started: list[str] = []
         self.requests: list[GenerationRequest] = []
         self.script: dict[str, list[str]] = {}  # request id part -> the deltas to produce
+        self.script_ids: dict[str, list[int]] = {}  # request id part -> the ids its last delta carries
         # request id part -> the texts of its generations in turn (a tool loop generates again)
         self.rounds: dict[str, list[str]] = {}
         self.before_step: Callable[[str, int], None] | None = None  # called before a scripted delta
@@ -127,8 +131,9 @@ class FakeEngine:
                     if self.before_step:
                         self.before_step(text, i)
                     done = i + 1 == len(deltas)
+                    ids = tuple(self.script_ids.get(text, ())) if done else ()
                     yield GenerationUpdate(
-                        delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None
+                        delta, i + 1, len(request.prompt_token_ids), 0, done, "stop" if done else None, token_ids=ids
                     )
                 return
         self.running += 1

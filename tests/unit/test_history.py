@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import asyncio
 import json
 import shutil
 from pathlib import Path
@@ -396,3 +397,76 @@ def test_turns_in_flight_together_are_each_templated_once(tiny_model: Path, monk
     for messages in turns:
         tokenizer.render_text(messages, add_generation_prompt=False)
     assert tokenizer._render_chars <= one * 3 and len(tokenizer._renders) <= 4
+
+
+def _one_id_per_character(tokenizer: Any, text: str) -> list[int]:
+    """``text`` as a split the tokenizer never makes itself: one token per character."""
+    return [i for ch in text for i in tokenizer._backend.encode(ch, add_special_tokens=False).ids]
+
+
+def test_a_reply_is_encoded_in_the_next_prompt_as_the_ids_it_was_generated_as(tiny_model: Path) -> None:
+    """The prefix cache holds the first prompt and the ids the model generated: the next
+    turn's prompt must start with exactly those, however the tokenizer would split the text."""
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))  # its own: the segments it remembers stay here
+    question, reply = {"role": "user", "content": "How many apples?"}, "Forty-two apples, I think."
+    generated = _one_id_per_character(tokenizer, reply)
+    assert generated != tokenizer.encode(reply) and tokenizer.decode(generated) == reply
+    first = tokenizer.render([question], add_generation_prompt=True)
+    second: list[Any] = [question, {"role": "assistant", "content": reply}, {"role": "user", "content": "And pears?"}]
+    canonical = tokenizer.render(second, add_generation_prompt=True)
+    assert canonical[: len(first) + len(generated)] != first + generated  # the case this covers
+
+    tokenizer.remember_reply(reply, [*generated, *tokenizer.stop_token_ids[:1]])
+    rendered = tokenizer.render(second, add_generation_prompt=True)
+    assert rendered[: len(first) + len(generated)] == first + generated
+    assert tokenizer.decode(rendered) == tokenizer.decode(canonical)  # the same text
+    asyncio.run(tokenizer.prepare(second))  # prepare keeps the remembered ids
+    assert tokenizer.render(second, add_generation_prompt=True) == rendered
+
+
+@pytest.mark.parametrize(
+    ("kept", "generated_text"),
+    [
+        ("The answer.", "The answer, and more."),  # ids of another text
+        ("The answer.", "<think>hmm</think>The answer."),  # the reasoning cut from what is kept
+        ("", "anything"),
+    ],
+)
+def test_a_reply_whose_ids_are_not_its_text_is_encoded_from_its_text(
+    tiny_model: Path, kept: str, generated_text: str
+) -> None:
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    second: list[Any] = [
+        {"role": "user", "content": "q"},
+        {"role": "assistant", "content": kept},
+        {"role": "user", "content": "next"},
+    ]
+    canonical = tokenizer.render(second, add_generation_prompt=True)
+    tokenizer.remember_reply(kept, tokenizer.encode(generated_text))
+    assert tokenizer.render(second, add_generation_prompt=True) == canonical
+
+
+def test_a_template_that_rewrites_replies_remembers_none(tiny_model: Path, tmp_path: Path) -> None:
+    """A template that writes the history's replies otherwise than after the generation
+    prompt (trimmed here, as Llama 3's does) never renders the remembered segment: none is
+    kept, and prompts are encoded from their text."""
+    from worker.engine.tokenizer import ChatTokenizer
+
+    for name in ("tokenizer.json", "tokenizer_config.json", "config.json", "generation_config.json"):
+        shutil.copy(tiny_model / name, tmp_path / name)
+    config = json.loads((tmp_path / "tokenizer_config.json").read_text())
+    written = "'<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>' + '\\n'"
+    assert written in config["chat_template"]
+    rewritten = "'<|im_start|>' + message.role + '\\n' + ('[' + message.content + ']') + '<|im_end|>' + '\\n'"
+    config["chat_template"] = config["chat_template"].replace(written, rewritten)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = ChatTokenizer(str(tmp_path))
+    assert tokenizer._cache_segments and tokenizer._reply_prefix is None
+    assert ChatTokenizer(str(tiny_model))._reply_prefix == "assistant\n"
+    reply = "Forty-two apples."
+    tokenizer.remember_reply(reply, _one_id_per_character(tokenizer, reply))
+    assert not any(reply in segment for segment in tokenizer._segments)

@@ -8,6 +8,7 @@ import itertools
 import json
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -401,5 +402,56 @@ def test_stream_of_a_model_that_does_not_think_is_not_held_back() -> None:
         # "<this" cannot: released whole as soon as that is known.
         assert published_before["text"] == [[], [], ["<this is text"]]
         assert replies["text"]["reply"] == "<this is text." and "reasoning" not in replies["text"]
+
+    asyncio.run(scenario())
+
+
+def test_a_turns_reply_is_remembered_with_the_ids_it_was_generated_as() -> None:
+    """The renderer hears each kept reply with its generated ids (the next prompt may encode
+    the reply as them, which the prefix cache holds)."""
+
+    class Recording(WordRenderer):
+        def __init__(self) -> None:
+            self.replies: list[tuple[str, list[int]]] = []
+
+        def remember_reply(self, text: str, ids: Sequence[int]) -> None:
+            self.replies.append((text, list(ids)))
+
+    async def scenario() -> None:
+        h = Harness()
+        recording = Recording()
+        h.service.turns.renderer = recording
+        h.engine.tokens_per_update = 2  # updates that carry their ids
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "a", "maxTokens": 4})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        reply = h.transport.replies("s1")[0]
+        assert recording.replies == [(reply["reply"], [0, 1, 2, 3])], (recording.replies, reply)
+
+    asyncio.run(scenario())
+
+
+def test_the_next_turn_starts_with_the_first_prompt_and_the_ids_the_reply_was_generated_as(tiny_model: Path) -> None:
+    """What the engine's prefix cache holds after the first turn: its prompt, then the ids the
+    model generated. The second turn's prompt begins with exactly those, though the
+    tokenizer would split the reply's text otherwise."""
+    from worker.engine.tokenizer import ChatTokenizer
+
+    renderer = ChatTokenizer(str(tiny_model))
+    reply = "Forty-two apples, I think."
+    generated = [i for ch in reply for i in renderer.encode(ch)]  # one id per character
+    assert generated != renderer.encode(reply)
+
+    async def scenario() -> None:
+        h = Harness()
+        h.service.turns.renderer = renderer
+        h.engine.script["first"] = [reply[:10], reply[10:]]
+        h.engine.script_ids["first"] = [*generated, *renderer.stop_token_ids[:1]]
+        h.transport.deliver("chat/u/s1/request", {"message": "How many apples?", "requestId": "first"})
+        await h.run_until(lambda: h.transport.replies("s1"))
+        h.transport.deliver("chat/u/s1/request", {"message": "And pears?", "requestId": "second", "maxTokens": 2})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 2)
+        assert h.transport.replies("s1")[0].get("reply") == reply
+        one, two = (request.prompt_token_ids for request in h.engine.requests)
+        assert two[: len(one) + len(generated)] == [*one, *generated]
 
     asyncio.run(scenario())

@@ -54,6 +54,10 @@ class PromptRenderer(Protocol):
         """Get ready to render these messages (with a generation prompt) soon: e.g. encode
         their new text off the event loop. render() must give the same ids either way."""
 
+    def remember_reply(self, text: str, ids: Sequence[int]) -> None:
+        """This reply (the text a turn keeps) was generated as these ids: a later prompt that
+        writes it may encode it as them, which the engine's prefix cache holds."""
+
 
 @dataclass(frozen=True)
 class HistoryLimits:

@@ -456,6 +456,8 @@ class TurnRunner:
             self._take_calls(turn, plan.choice, generated, plan.specs, round_=rounds.turn.rounds)
         elif final and plan.specs and plan.parser is not None:
             self._drop_late_calls(turn, generated, plan.specs)
+        if not generated.tool_calls:
+            self.renderer.remember_reply(generated.text, generated.token_ids)
         return generated
 
     def _answer(self, plan: _Plan, generated: Generated, request: ChatRequest) -> str:

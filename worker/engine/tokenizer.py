@@ -81,6 +81,7 @@ class ChatTokenizer:
         specials = sorted(controls, key=len, reverse=True)
         self._special_in_text = re.compile("|".join(map(re.escape, specials))) if specials else None
         self._added_ids = added
+        self._added_id_set = frozenset(added.values())
         pattern = "|".join(re.escape(token) for token in sorted(added, key=len, reverse=True))
         self._splitter = re.compile(f"({pattern})") if pattern else None
         self._segments: OrderedDict[str, list[int]] = OrderedDict()
@@ -90,6 +91,7 @@ class ChatTokenizer:
         self._cache_segments = self._splitter is not None and self._segmented_matches_whole()
         if not self._cache_segments:
             logger.info("Tokenizer of {}: encoding whole prompts (segment cache does not match it)", model)
+        self._reply_prefix = self._find_reply_prefix() if self._cache_segments else None
 
     def _stop_token_ids(self, model: str) -> list[int]:
         """End-of-turn tokens: eos, the generation config's eos ids, and known end markers.
@@ -261,6 +263,46 @@ class ChatTokenizer:
         if len(self._segments) > SEGMENT_CACHE_SIZE:
             self._segments.popitem(last=False)
         return ids
+
+    def remember_reply(self, text: str, ids: Sequence[int]) -> None:
+        """This reply was generated as these ids: where the next turn's prompt writes it as
+        generated, it is encoded as them, not as the tokenizer would split its text.
+
+        The engine's prefix cache holds the ids the model chose, and a model need not choose
+        the tokenizer's split: on the Qwen3-VL-2B geometry (dummy weights) no second turn found
+        its first reply's blocks, which capped the second turn's hit at 0.895 with an image of
+        768 tokens and a 32-token reply. The reply is the text after the generation prompt's
+        last added token ("assistant\n" in ChatML) up to the end of the turn, one segment of
+        the segment cache: the segment is remembered with the generated ids. Only where they
+        decode to exactly this text (a reply whose reasoning was cut, or that a stop string
+        ended, does not) and hold no added token; a template that rewrites replies never
+        writes the segment, and the entry goes unused."""
+        prefix = self._reply_prefix
+        if prefix is None or not text:
+            return
+        generated = list(ids)
+        while generated and generated[-1] in self.stop_token_ids:
+            generated.pop()  # the end of the turn: the template writes its own
+        if not generated or not self._added_id_set.isdisjoint(generated) or self.decode(generated) != text:
+            return
+        self._remember(prefix + text, [*self._encode_segmented(prefix), *generated])
+
+    def _find_reply_prefix(self) -> str | None:
+        """The text of the generation prompt after its last added token, where the template
+        writes a reply of the history right after it ("assistant\n" + reply in ChatML); None
+        where it does not (QwQ's prompt opens <think>, which the history's replies lack)."""
+        assert self._splitter is not None
+        user: ChatMessage = {"role": "user", "content": "x"}
+        reply = "A reply written as given 42."
+        opened = self._splitter.split(self._template([user], add_generation_prompt=True))
+        written = self._splitter.split(
+            self._template(
+                [user, {"role": "assistant", "content": reply}, {"role": "user", "content": "y"}],
+                add_generation_prompt=True,
+            )
+        )
+        prefix = opened[-1]
+        return prefix if prefix + reply in written[::2] else None
 
     def _segmented_matches_whole(self) -> bool:
         for add_generation_prompt in (False, True):
