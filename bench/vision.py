@@ -120,9 +120,10 @@ def first_turn_covered(first: dict[str, Any], second: dict[str, Any]) -> dict[st
     """How much of each session's first prompt (its image included) the second turn found in
     the prefix cache: cached tokens of the second turn over prompt tokens of the first, over all
     sessions and the lowest of one. The second turn's own hit (cache_hit) also counts the
-    first reply and the new message, which cannot be cached; and with dummy weights the reply's
-    random tokens do not encode back to the same ids when the history is rendered again, so
-    its blocks are not found either (a real model's text mostly does)."""
+    first reply and the new message, which cannot be cached. The worker writes the first reply
+    into the second prompt as the ids it was generated as, so its blocks are found; the raw
+    side renders the history's text again, and with dummy weights the reply's random tokens do
+    not encode back to the same ids (a real model's text mostly does)."""
     pairs = list(zip(first["outcomes"], second["outcomes"], strict=True))
     prompt = sum(one[3] for one, _ in pairs)
     covered = [min(1.0, two[4] / one[3]) for one, two in pairs if one[3]]
