@@ -231,6 +231,11 @@ PROFILES["gpu-async"] = Profile(
 )
 
 
+# The several-GPU bursts at 1,000 sessions only (the goal's size: both phases fit one command of
+# the GPU machine, where 320 and 1,000 take two).
+PROFILES["gpu-1000"] = replace(PROFILES["gpu"], multi_burst_sessions=(1000,))
+
+
 # Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the
 # concurrency runs only, with vLLM's stream_interval (outputs every N tokens, the first and
 # the last at once) and without stream deltas (what streaming costs the worker).
