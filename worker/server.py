@@ -198,10 +198,10 @@ def freeze_startup_heap() -> None:
 
     Otherwise each full collection walks all of them, on whichever thread allocates at the
     time: on a busy 2-core machine full collections of this process took 450-860 ms each, two
-    of them (760 and 860 ms) as bursts of 1,000 requests came in, and on an H200 the thread that decodes the engine
-    core's outputs spent 118 of the worker's 434 samples (py-spy --gil, a 320-session burst)
-    at the first Python line after msgspec's allocations, where a collection it triggered runs,
-    against 3 in raw AsyncLLM's process: 0.47 s, one full collection. Frozen, the longest full
+    of them (760 and 860 ms) as bursts of 1,000 requests came in; on an H200 the thread that
+    decodes the engine core's outputs spent 118 of the worker's 434 samples (py-spy --gil, a
+    320-session burst) at the first Python line after msgspec's allocations, where a collection
+    they triggered runs, against 3 in raw AsyncLLM's process: 0.47 s, one full collection. Frozen, the longest full
     collection within a burst fell from 528 to 78 ms at 1,000 sessions and from 505 to 196 ms
     at 2,000 (an H200, bench BENCH_GC: docs/performance.md, "Admission"). Objects made later
     (sessions, requests) are collected as before; ``gc.unfreeze`` at the stop hands the frozen
