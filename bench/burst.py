@@ -136,7 +136,17 @@ def seeded(workload: Workload, count: int) -> Workload:
     return dataclasses.replace(workload, seed=workload.seed + 1 + count)
 
 
-def _merge(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
+def render_burst(tokenizer: Any, workload: Workload, seed: int, sessions: int) -> list[list[int]]:
+    """The prompts of a burst (seeded(workload, seed)) as raw AsyncLLM gets them: token ids,
+    rendered with the model's chat template as the worker renders them."""
+    burst = seeded(workload, seed)
+    messages = (burst.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
+    return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+
+
+def burst_settings(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
+    """The engine settings of a burst phase: the profile's, its burst_engine's, the overrides'
+    and BENCH_ENGINE_EXTRA's, the extra engine arguments merged."""
     settings = {**profile.engine_overrides, **profile.burst_engine, **overrides}
     settings["extra"] = {
         **profile.engine_overrides.get("extra", {}),
@@ -157,7 +167,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     from .mqtt_driver import MqttDriver
     from .runs import STOP_TIMEOUT, start_broker, start_worker
 
-    settings = _merge(profile, profile.burst_limits[name])
+    settings = burst_settings(profile, profile.burst_limits[name])
     tokenizer = ChatTokenizer(str(model))
     workload = model_burst_workload(profile, tokenizer)
     per_session = profile.burst_prompt_tokens + profile.burst_max_tokens
@@ -233,9 +243,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
 
     # Raw vLLM in this process, the same engine arguments (the worker's engine_arguments).
     def rendered(seed_count: int, sessions: int) -> list[list[int]]:
-        burst = seeded(workload, seed_count)
-        messages = (burst.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
-        return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+        return render_burst(tokenizer, workload, seed_count, sessions)
 
     result["runs"] = runs
     first_runs = {"worker": runs["worker"].pop("first")}

@@ -22,6 +22,8 @@ not fit one command continues where it stopped):
              AsyncLLM, at the limits the worker had before (128 seqs, 2048 tokens; bench/burst.py)
   burst_new  the same at the limits the worker chooses now, at 1 to 2,000 sessions
   burst_off  burst_new's limits with admission off (every request to vLLM at once): the worker only
+  burst_alt  burst_new's bursts (320, 1,000) with both sides up at once on one GPU, half of its
+             memory each, taking turns burst by burst (bench/alternating.py)
   vision     sessions that each send one 1024x768 JPEG and then a text turn (1, 16, 64 at once),
              through the worker and raw AsyncLLM: images/s, TTFT, the second turn's cache hit,
              the event loop's lag (bench/vision.py; a vision model: --geometry qwen3-vl-2b)
@@ -328,6 +330,12 @@ def _burst(run: PhaseRun, *, name: str) -> dict[str, Any]:
     return burst_phase(run.profile, run.model, run.out, run.mosquitto, name)
 
 
+def _alternating(run: PhaseRun) -> dict[str, Any]:
+    from .alternating import alternating_phase
+
+    return alternating_phase(run.profile, run.model, run.out, run.mosquitto)
+
+
 def _vision(run: PhaseRun) -> dict[str, Any]:
     from .vision import vision_phase
 
@@ -350,6 +358,7 @@ PHASES: dict[str, Callable[[PhaseRun], dict[str, Any] | None]] = {
     "burst_old": functools.partial(_burst, name="old"),
     "burst_new": functools.partial(_burst, name="new"),
     "burst_off": functools.partial(_burst, name="off"),
+    "burst_alt": _alternating,
     "vision": _vision,
 }
 # The phases whose results capacity.md reports (and that need no report of their own).
@@ -431,11 +440,15 @@ def main(argv: list[str] | None = None) -> int:
         from .burst import write_burst_report
 
         write_burst_report(out, [phase.removeprefix("burst_") for phase in BURST_PHASES])
+    if "burst_alt" in args.phases:
+        from .alternating import write_alternating_report
+
+        write_alternating_report(out)
     if "vision" in args.phases:
         from .vision import write_vision_report
 
         write_vision_report(out)
-    if set(args.phases) - set(CAPACITY_PHASES) - set(BURST_PHASES) - {"vision"}:
+    if set(args.phases) - set(CAPACITY_PHASES) - set(BURST_PHASES) - {"vision", "burst_alt"}:
         from .report import write_report
 
         write_report(out)

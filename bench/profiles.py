@@ -86,6 +86,14 @@ class Profile:
     )
     burst_worker_only: tuple[str, ...] = ("off",)  # limits settings run through the worker alone
     burst_first: int = 320  # the first burst after the start (its tok/s against the later one's)
+    # The burst_alt phase (bench/alternating.py): both sides up at once on one GPU, each burst
+    # size on one side right after the other, alternating_repeats times; each engine's settings
+    # over burst_new's (half of the GPU's memory each, no host tier).
+    alternating_sessions: tuple[int, ...] = (320, 1000)
+    alternating_repeats: int = 3
+    alternating_engine: dict[str, Any] = field(
+        default_factory=lambda: {"gpu_memory_utilization": 0.45, "kv_offload_gib": 0}
+    )
     # The vision phase (bench/vision.py): sessions at once, each with one 1024x768 image, after a
     # warm-up of vision_warmup sessions; the replies' tokens (short: the image's prefill and
     # encoding are what is measured).
@@ -189,6 +197,9 @@ PROFILES: dict[str, Profile] = {
         burst_sessions=(2, 4),
         burst_sessions_by_limits={"new": (1, 2, 4)},
         burst_first=4,
+        alternating_sessions=(2,),
+        alternating_repeats=2,
+        alternating_engine={"kv_offload_gib": 0},  # the fixed 256 MiB KV cache each
         burst_prompt_tokens=60,
         burst_max_tokens=8,
         vision_sessions=(1, 2),

@@ -1,0 +1,201 @@
+"""The burst_alt phase: the worker over MQTT and raw AsyncLLM side by side on one GPU, each
+engine with half of its memory, their bursts taking turns.
+
+The burst phases (bench/burst.py) run every burst of the worker, then every burst of raw
+AsyncLLM, minutes apart. On H200 machines the spread between such runs was larger than the
+differences they measure: raw AsyncLLM's single request ran at 443 tok/s in one run and at 250
+in the next on the same machine, and worker / raw at 320 sessions ranged from 0.42 to 1.30 over
+six runs (docs/performance.md, "Admission"). Here both engines are up at once and each burst
+size runs on one side right after the other, the order swapped every time (worker then raw,
+then raw then worker), ``alternating_repeats`` times: whatever drifts over minutes falls on
+both sides alike, and each size gives that many worker / raw ratios of bursts a few seconds
+apart. An engine waits without using the GPU or a CPU while the other side's burst runs.
+
+The price: each engine has half of the GPU's memory (``alternating_engine``: gpu_memory_utilization
+0.45, and no host-memory KV tier, which both would size from the same host memory), so the
+largest burst is what half the KV cache holds (1,000 sessions of 428 tokens on an H200, not
+2,000).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import statistics
+from pathlib import Path
+from typing import Any
+
+from .burst import (
+    KV_TOKENS,
+    burst_settings,
+    burst_summary,
+    fitting_sessions,
+    model_burst_workload,
+    raw_burst,
+    render_burst,
+    seeded,
+    worker_outcome,
+)
+from .profiles import Profile, engine_flags
+
+REPEAT_SEED_STEP = 100_003  # another burst's messages for each repeat (seeded() adds the size)
+PAUSE_S = 1.5  # between bursts: the stats message covering a burst's end, the engines idle
+
+
+def turns_order(sizes: list[int], repeats: int) -> list[tuple[int, int, tuple[str, str]]]:
+    """(repeat, sessions, the two sides in the order they run): every size in every repeat, the
+    side that goes first alternating from one burst pair to the next."""
+    order: list[tuple[int, int, tuple[str, str]]] = []
+    for repeat in range(repeats):
+        for count in sizes:
+            sides = ("worker", "raw") if len(order) % 2 == 0 else ("raw", "worker")
+            order.append((repeat, count, sides))
+    return order
+
+
+def burst_seed(count: int, repeat: int) -> int:
+    """The seed of a burst's messages (seeded()), the same on both sides: a repeat never finds
+    the one before it in the prefix cache; 0 is the warm-up's."""
+    return count + repeat * REPEAT_SEED_STEP
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [run[key] for run in runs if run.get(key) is not None]
+    return round(statistics.median(values), 1) if values else None
+
+
+def summarize_pairs(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[int, dict[str, Any]]:
+    """Per size: each repeat's worker / raw tok/s, their median, and the medians of both
+    sides' TTFT p50 and p95."""
+    summary: dict[int, dict[str, Any]] = {}
+    for count, worker_runs in runs["worker"].items():
+        raw_runs = runs["raw"].get(count, [])
+        ratios = [
+            round(w["tok_per_s"] / r["tok_per_s"], 3)
+            for w, r in zip(worker_runs, raw_runs, strict=False)
+            if w.get("tok_per_s") and r.get("tok_per_s")
+        ]
+        summary[count] = {
+            "worker_over_raw": ratios,
+            "median_worker_over_raw": round(statistics.median(ratios), 3) if ratios else None,
+            **{
+                f"{side}_{key}_median": _median(side_runs, key)
+                for side, side_runs in (("worker", worker_runs), ("raw", raw_runs))
+                for key in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms")
+            },
+        }
+    return summary
+
+
+def alternating_phase(profile: Profile, model: Path, out: Path, mosquitto: str) -> dict[str, Any]:
+    from worker.config.models import EngineConfig
+    from worker.engine.tokenizer import ChatTokenizer
+
+    from .mqtt_driver import MqttDriver
+    from .runs import STOP_TIMEOUT, start_broker, start_worker
+
+    settings = burst_settings(profile, {**profile.burst_limits["new"], **profile.alternating_engine})
+    tokenizer = ChatTokenizer(str(model))
+    workload = model_burst_workload(profile, tokenizer)
+    broker = start_broker(mosquitto, out)
+    log = out / "worker-burst-alt.log"
+    offset = log.stat().st_size if log.exists() else 0
+    worker = start_worker(["--model", str(model), "--stats-interval", "1", *engine_flags(settings)], broker.port, log)
+    kv = KV_TOKENS.search(log.read_text(errors="replace")[offset:])
+    kv_tokens = int(kv.group(1)) if kv else None
+    sizes, skipped = fitting_sessions(
+        profile.alternating_sessions, kv_tokens, profile.burst_prompt_tokens + profile.burst_max_tokens
+    )
+    driver = MqttDriver("127.0.0.1", broker.port)
+    result: dict[str, Any] = {
+        "engine_settings": settings,
+        "kv_cache_tokens_worker": kv_tokens,
+        "sessions_run": sizes,
+        "sessions_skipped_kv_cache_too_small": skipped,
+        "repeats": profile.alternating_repeats,
+    }
+    try:
+        config = EngineConfig(model=str(model), **settings)
+        result.update(asyncio.run(_alternate(profile, config, tokenizer, workload, driver, sizes)))
+    finally:
+        driver.close()
+        worker.stop(STOP_TIMEOUT)
+        broker.stop()
+    result["summary"] = summarize_pairs(result["runs"])
+    return result
+
+
+async def _alternate(
+    profile: Profile, config: Any, tokenizer: Any, workload: Any, driver: Any, sizes: list[int]
+) -> dict[str, Any]:
+    """Raw AsyncLLM started beside the worker, then the bursts in turns (one event loop: the
+    engine's output handler lives on the loop of its first request)."""
+    from .inprocess import InProcess
+
+    def worker_burst(seed: int, sessions: int) -> dict[str, Any]:
+        records = driver.run_concurrent(
+            f"burst-alt-{seed}", seeded(workload, seed), tokenizer.count_text, sessions=sessions, turns=1, stream=False
+        )
+        wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+        return burst_summary([worker_outcome(r) for r in records], wall)
+
+    async def raw(seed: int, sessions: int) -> dict[str, Any]:
+        outcomes, wall = await raw_burst(
+            engine.llm, render_burst(tokenizer, workload, seed, sessions), profile.burst_max_tokens
+        )
+        return burst_summary(outcomes, wall)
+
+    engine = InProcess(config, tokenizer)
+    scheduler = engine.llm.vllm_config.scheduler_config
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {"worker": {}, "raw": {}}
+    try:
+        first = sizes[0] if sizes else 1
+        await asyncio.to_thread(worker_burst, 0, first)  # warm-ups, not counted
+        await raw(0, first)
+        for repeat, count, sides in turns_order(sizes, profile.alternating_repeats):
+            seed = burst_seed(count, repeat)
+            for side in sides:
+                await asyncio.sleep(PAUSE_S)
+                run = await asyncio.to_thread(worker_burst, seed, count) if side == "worker" else await raw(seed, count)
+                runs[side].setdefault(count, []).append({**run, "repeat": repeat, "first": side == sides[0]})
+                line = ", ".join(f"{k}={run[k]}" for k in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s"))
+                print(f"burst alt {count} repeat {repeat} {side}: {line}", flush=True)
+    finally:
+        engine.shutdown()
+    return {
+        "raw_engine_start_s": engine.start_s,
+        "raw_limits": [int(scheduler.max_num_seqs), int(scheduler.max_num_batched_tokens)],
+        "runs": runs,
+    }
+
+
+def alternating_markdown(result: dict[str, Any]) -> str:
+    lines = [
+        "# Bursts, the worker and raw AsyncLLM side by side on one GPU, taking turns",
+        "",
+        f"Half of the GPU's memory each; {result['repeats']} repeats, the side that goes first "
+        "alternating. Each repeat's worker / raw tok/s, and the medians:",
+        "",
+        "| sessions | worker / raw, each repeat | median | tok/s worker / raw "
+        "| TTFT p50 worker / raw | TTFT p95 worker / raw |",
+        "|---|---|---|---|---|---|",
+    ]
+    for count, row in sorted(result["summary"].items(), key=lambda item: int(item[0])):
+        lines.append(
+            f"| {count} | {', '.join(str(r) for r in row['worker_over_raw'])} | {row['median_worker_over_raw']} | "
+            f"{row['worker_tok_per_s_median']} / {row['raw_tok_per_s_median']} | "
+            f"{row['worker_ttft_p50_ms_median']} / {row['raw_ttft_p50_ms_median']} ms | "
+            f"{row['worker_ttft_p95_ms_median']} / {row['raw_ttft_p95_ms_median']} ms |"
+        )
+    if result.get("sessions_skipped_kv_cache_too_small"):
+        lines += [
+            "",
+            f"Not run (half the KV cache does not hold them): {result['sessions_skipped_kv_cache_too_small']}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def write_alternating_report(out: Path) -> None:
+    path = out / "burst_alt.json"
+    if path.exists():
+        (out / "burst_alt.md").write_text(alternating_markdown(json.loads(path.read_text())))

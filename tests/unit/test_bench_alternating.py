@@ -1,0 +1,41 @@
+"""bench/alternating.py: the worker and raw AsyncLLM taking turns burst by burst."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from bench.alternating import alternating_markdown, burst_seed, summarize_pairs, turns_order
+
+
+def test_every_size_runs_on_both_sides_each_repeat_and_the_first_side_alternates() -> None:
+    order = turns_order([320, 1000], 3)
+    assert [(repeat, count) for repeat, count, _ in order] == [(r, n) for r in range(3) for n in (320, 1000)]
+    assert [sides[0] for _, _, sides in order] == ["worker", "raw"] * 3
+    assert all(sorted(sides) == ["raw", "worker"] for _, _, sides in order)
+    # One size: the first side still alternates from repeat to repeat.
+    assert [sides[0] for _, _, sides in turns_order([320], 4)] == ["worker", "raw", "worker", "raw"]
+
+
+def test_no_two_bursts_share_their_messages() -> None:
+    seeds = [burst_seed(count, repeat) for repeat in range(5) for count in (2, 320, 1000, 2000)]
+    assert len(set(seeds)) == len(seeds) and 0 not in seeds  # 0: the warm-up's
+
+
+def run(tok_per_s: float, p50: float, p95: float) -> dict[str, Any]:
+    return {"tok_per_s": tok_per_s, "ttft_p50_ms": p50, "ttft_p95_ms": p95}
+
+
+def test_each_repeat_gives_a_ratio_and_the_medians_summarize_them() -> None:
+    runs = {
+        "worker": {320: [run(900, 500, 700), run(1200, 400, 600), run(1000, 450, 650)]},
+        "raw": {320: [run(1000, 420, 800), run(1000, 410, 790), run(1000, 400, 780)]},
+    }
+    summary = summarize_pairs(runs)[320]
+    assert summary["worker_over_raw"] == [0.9, 1.2, 1.0] and summary["median_worker_over_raw"] == 1.0
+    assert summary["worker_tok_per_s_median"] == 1000 and summary["raw_ttft_p50_ms_median"] == 410
+    assert summary["worker_ttft_p95_ms_median"] == 650
+    text = alternating_markdown(
+        {"repeats": 3, "summary": {"320": summary}, "sessions_skipped_kv_cache_too_small": [2000]}
+    )
+    assert "| 320 | 0.9, 1.2, 1.0 | 1.0 | 1000 / 1000 | 450 / 410 ms | 650 / 790 ms |" in text
+    assert "[2000]" in text
