@@ -470,3 +470,93 @@ def test_a_template_that_rewrites_replies_remembers_none(tiny_model: Path, tmp_p
     reply = "Forty-two apples."
     tokenizer.remember_reply(reply, _one_id_per_character(tokenizer, reply))
     assert not any(reply in segment for segment in tokenizer._segments)
+
+
+class _RecordingBackend:
+    """The Rust tokenizer, its encode_batch calls recorded (the texts of each) and made to
+    raise ``fail`` while that is set."""
+
+    def __init__(self, backend: Any) -> None:
+        self.backend = backend
+        self.batches: list[list[str]] = []
+        self.fail: Exception | None = None
+
+    def encode_batch(self, texts: list[str], **kwargs: Any) -> Any:
+        self.batches.append(list(texts))
+        if self.fail is not None:
+            raise self.fail
+        return self.backend.encode_batch(texts, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.backend, name)
+
+
+def test_turns_that_prepare_together_share_batches_of_encoding(tiny_model: Path) -> None:
+    """A burst of first turns: their new segments go to the encoding thread in a few batches,
+    not a thread hop each, and every prompt renders as encoded whole."""
+    import asyncio
+
+    from worker.engine.tokenizer import ENCODE_BATCHES_IN_FLIGHT, ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    recording = _RecordingBackend(tokenizer._backend)
+    tokenizer._backend = recording
+    turns: list[Any] = [[{"role": "user", "content": f"question number {n}, Ünïcödé 🙂"}] for n in range(40)]
+
+    async def prepare_all() -> None:
+        await asyncio.gather(*(tokenizer.prepare(messages) for messages in turns))
+
+    asyncio.run(prepare_all())
+    assert len(recording.batches) <= ENCODE_BATCHES_IN_FLIGHT + 1, [len(b) for b in recording.batches]
+    encoded = [text for batch in recording.batches for text in batch]
+    assert len(encoded) == len(set(encoded))  # a segment two turns share is encoded once
+    calls = len(recording.batches)
+    for messages in turns:
+        text = tokenizer.render_text(messages, add_generation_prompt=True)
+        assert tokenizer.render(messages, add_generation_prompt=True) == list(
+            tokenizer._tokenizer.encode(text, add_special_tokens=False)
+        )
+    assert len(recording.batches) == calls  # all of it was cached
+
+
+def test_a_cancelled_prepare_leaves_the_turns_waiting_for_the_same_segment_their_ids(tiny_model: Path) -> None:
+    import asyncio
+
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    messages: list[Any] = [{"role": "user", "content": "the same new question for both"}]
+
+    async def scenario() -> None:
+        first = asyncio.ensure_future(tokenizer.prepare(messages))
+        second = asyncio.ensure_future(tokenizer.prepare(messages))
+        await asyncio.sleep(0)  # both wait for the batch now
+        first.cancel()
+        await second  # not cancelled with the first
+        assert first.cancelled()
+
+    asyncio.run(scenario())
+    assert "the same new question for both" in "".join(tokenizer._segments)
+    assert not tokenizer._encodings and not tokenizer._queued and tokenizer._batches_in_flight == 0
+
+
+def test_an_encoding_error_reaches_the_turns_that_wait_and_the_next_turns_encode_again(tiny_model: Path) -> None:
+    import asyncio
+
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    recording = _RecordingBackend(tokenizer._backend)
+    tokenizer._backend = recording
+    recording.fail = RuntimeError("tokenizer broke")
+    messages: list[Any] = [{"role": "user", "content": "a question the tokenizer fails on"}]
+
+    async def both() -> list[Any]:
+        return await asyncio.gather(tokenizer.prepare(messages), tokenizer.prepare(messages), return_exceptions=True)
+
+    outcomes = asyncio.run(both())
+    assert [str(o) for o in outcomes] == ["tokenizer broke", "tokenizer broke"]
+    assert tokenizer._batches_in_flight == 0 and not tokenizer._encodings
+    recording.fail = None
+    asyncio.run(tokenizer.prepare(messages))
+    assert "a question the tokenizer fails on" in "".join(tokenizer._segments)
