@@ -560,3 +560,29 @@ def test_an_encoding_error_reaches_the_turns_that_wait_and_the_next_turns_encode
     recording.fail = None
     asyncio.run(tokenizer.prepare(messages))
     assert "a question the tokenizer fails on" in "".join(tokenizer._segments)
+
+
+def test_a_prepare_left_behind_by_its_event_loop_does_not_hold_up_the_next_loops(tiny_model: Path) -> None:
+    """One tokenizer across event loops (tests, benchmarks): a loop that ends while a turn's
+    segments wait for their batch leaves nothing that the next loop's turns wait for."""
+    import asyncio
+
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    messages: list[Any] = [{"role": "user", "content": "a question its loop did not wait for"}]
+
+    left: list[asyncio.Future[None]] = []
+
+    async def abandon() -> None:
+        left.append(asyncio.ensure_future(tokenizer.prepare(messages)))
+        await asyncio.sleep(0)  # it has queued its segments; the loop ends now
+
+    asyncio.run(abandon())
+    assert tokenizer._encodings  # (else the test could not tell)
+
+    async def again() -> None:
+        await asyncio.wait_for(tokenizer.prepare(messages), 30)
+
+    asyncio.run(again())
+    assert "a question its loop did not wait for" in "".join(tokenizer._segments)

@@ -96,6 +96,7 @@ class ChatTokenizer:
         self._queued: list[str] = []
         self._batches_in_flight = 0
         self._batch_scheduled = False
+        self._batch_loop: asyncio.AbstractEventLoop | None = None  # the loop all of these belong to
         self._batch_tasks: set[asyncio.Future[None]] = set()
         self._tools_cache: OrderedDict[str, Any] = OrderedDict()
         self._renders: OrderedDict[bytes, str] = OrderedDict()  # digest of the messages' JSON: text
@@ -260,9 +261,12 @@ class ChatTokenizer:
         Rust tokenizer spreads a batch over the cores itself. At most ENCODE_BATCHES_IN_FLIGHT
         batches are in a thread at once; what comes meanwhile waits for the next, so batches
         grow with the load and one turn alone still takes a single hop."""
+        loop = asyncio.get_running_loop()
+        if loop is not self._batch_loop:  # (tests and benchmarks run one tokenizer in several loops)
+            self._batch_loop, self._encodings, self._queued = loop, {}, []
+            self._batches_in_flight, self._batch_scheduled = 0, False
         waiting = self._encodings.get(part)
         if waiting is None:
-            loop = asyncio.get_running_loop()
             waiting = self._encodings[part] = loop.create_future()
             self._queued.append(part)
             if not self._batch_scheduled:  # at the end of this loop pass: what else comes in it joins
@@ -292,8 +296,8 @@ class ChatTokenizer:
         else:
             for part, encoding in zip(parts, encodings, strict=True):
                 ids = self._remember(part, list(encoding.ids))
-                waiting = self._encodings.pop(part)
-                if not waiting.done():
+                waiting = self._encodings.pop(part, None)
+                if waiting is not None and not waiting.done():
                     waiting.set_result(ids)
         finally:
             self._batches_in_flight -= 1
@@ -371,8 +375,8 @@ class ChatTokenizer:
 
     def _fail(self, parts: list[str], exc: Exception) -> None:
         for part in parts:
-            waiting = self._encodings.pop(part)
-            if not waiting.done():
+            waiting = self._encodings.pop(part, None)
+            if waiting is not None and not waiting.done():
                 waiting.set_exception(exc)
 
     def _segmented_matches_whole(self) -> bool:
