@@ -3,9 +3,9 @@
 # the tests. Extra arguments go to pytest (and skip the smoke run): `bash scripts/test.sh -k config`.
 # It says how long each step took and, at the end, the whole run (also when a step fails).
 # Measured on 2 cores: the setup ~6 minutes on a fresh machine (seconds later; 7.5 beside
-# `stress --cpu 2`); ruff and mypy under 1 (mypy's first run 4.9 there); the smoke runs 5.4 idle
+# `stress --cpu 2`); ruff and mypy under 1 (mypy's first run 4.9 there); the smoke runs 3.5-5.4 idle
 # (then 7 engine starts of ~40 s, now 6), about 5 beside `stress --cpu 2`; pytest 26.8 idle,
-# about 31.5 beside it. The whole run 32.5 minutes on idle cores with the setup done; beside
+# about 31.5 beside it. The whole run 29.0-32.5 minutes on idle cores with the setup done; beside
 # `stress --cpu 2` on a fresh clone 37.1, 37.1 and 38.2 in three runs in a row after the first
 # (59.3 before the test engines ran one OpenMP thread each: tests/conftest.py).
 set -euo pipefail
