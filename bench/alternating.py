@@ -33,10 +33,11 @@ from .burst import (
     model_burst_workload,
     raw_burst,
     render_burst,
-    seeded,
+    start_burst_worker,
+    worker_burst,
     worker_outcome,
 )
-from .profiles import Profile, engine_flags
+from .profiles import Profile
 
 REPEAT_SEED_STEP = 100_003  # another burst's messages for each repeat (seeded() adds the size)
 PAUSE_S = 1.5  # between bursts: the stats message covering a burst's end, the engines idle
@@ -92,16 +93,13 @@ def alternating_phase(profile: Profile, model: Path, out: Path, mosquitto: str) 
     from worker.engine.tokenizer import ChatTokenizer
 
     from .mqtt_driver import MqttDriver
-    from .runs import STOP_TIMEOUT, start_broker, start_worker
+    from .runs import STOP_TIMEOUT
 
     settings = burst_settings(profile, {**profile.burst_limits["new"], **profile.alternating_engine})
     tokenizer = ChatTokenizer(str(model))
     workload = model_burst_workload(profile, tokenizer)
-    broker = start_broker(mosquitto, out)
-    log = out / "worker-burst-alt.log"
-    offset = log.stat().st_size if log.exists() else 0
-    worker = start_worker(["--model", str(model), "--stats-interval", "1", *engine_flags(settings)], broker.port, log)
-    kv = KV_TOKENS.search(log.read_text(errors="replace")[offset:])
+    broker, worker, text = start_burst_worker(model, out, mosquitto, settings, "worker-burst-alt.log")
+    kv = KV_TOKENS.search(text)
     kv_tokens = int(kv.group(1)) if kv else None
     sizes, skipped = fitting_sessions(
         profile.alternating_sessions, kv_tokens, profile.burst_prompt_tokens + profile.burst_max_tokens
@@ -132,11 +130,8 @@ async def _alternate(
     engine's output handler lives on the loop of its first request)."""
     from .inprocess import InProcess
 
-    def worker_burst(seed: int, sessions: int) -> dict[str, Any]:
-        records = driver.run_concurrent(
-            f"burst-alt-{seed}", seeded(workload, seed), tokenizer.count_text, sessions=sessions, turns=1, stream=False
-        )
-        wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+    def worker(seed: int, sessions: int) -> dict[str, Any]:
+        records, wall = worker_burst(driver, tokenizer, workload, f"burst-alt-{seed}", seed, sessions)
         return burst_summary([worker_outcome(r) for r in records], wall)
 
     async def raw(seed: int, sessions: int) -> dict[str, Any]:
@@ -150,13 +145,13 @@ async def _alternate(
     runs: dict[str, dict[int, list[dict[str, Any]]]] = {"worker": {}, "raw": {}}
     try:
         first = sizes[0] if sizes else 1
-        await asyncio.to_thread(worker_burst, 0, first)  # warm-ups, not counted
+        await asyncio.to_thread(worker, 0, first)  # warm-ups, not counted
         await raw(0, first)
         for repeat, count, sides in turns_order(sizes, profile.alternating_repeats):
             seed = burst_seed(count, repeat)
             for side in sides:
                 await asyncio.sleep(PAUSE_S)
-                run = await asyncio.to_thread(worker_burst, seed, count) if side == "worker" else await raw(seed, count)
+                run = await asyncio.to_thread(worker, seed, count) if side == "worker" else await raw(seed, count)
                 runs[side].setdefault(count, []).append({**run, "repeat": repeat, "first": side == sides[0]})
                 line = ", ".join(f"{k}={run[k]}" for k in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s"))
                 print(f"burst alt {count} repeat {repeat} {side}: {line}", flush=True)

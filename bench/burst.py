@@ -144,6 +144,33 @@ def render_burst(tokenizer: Any, workload: Workload, seed: int, sessions: int) -
     return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
 
 
+def start_burst_worker(
+    model: Path, out: Path, mosquitto: str, settings: dict[str, Any], log_name: str
+) -> tuple[Any, Any, str]:
+    """A broker and the worker on it with these engine settings, once online; and the
+    worker's log since its start (its engine and limits lines)."""
+    from .runs import start_broker, start_worker
+
+    broker = start_broker(mosquitto, out)
+    log = out / log_name
+    offset = log.stat().st_size if log.exists() else 0
+    worker = start_worker(["--model", str(model), "--stats-interval", "1", *engine_flags(settings)], broker.port, log)
+    return broker, worker, log.read_text(errors="replace")[offset:]
+
+
+def worker_burst(
+    driver: Any, tokenizer: Any, workload: Workload, label: str, seed: int, sessions: int
+) -> tuple[list[Record], float]:
+    """One burst of one-turn sessions through the worker (seeded(workload, seed)): the
+    records and the burst's wall time, from the first request sent to the last reply
+    (run_concurrent renders every message before it sends the first, seconds for 1,000,
+    which is no part of it)."""
+    records: list[Record] = driver.run_concurrent(
+        label, seeded(workload, seed), tokenizer.count_text, sessions=sessions, turns=1, stream=False
+    )
+    return records, driver.last_send_s + max(r.client_ms for r in records) / 1000
+
+
 def burst_settings(profile: Profile, overrides: dict[str, Any]) -> dict[str, Any]:
     """The engine settings of a burst phase: the profile's, its burst_engine's, the overrides'
     and BENCH_ENGINE_EXTRA's, the extra engine arguments merged."""
@@ -165,7 +192,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
 
     from .harness import profile_worker
     from .mqtt_driver import MqttDriver
-    from .runs import STOP_TIMEOUT, start_broker, start_worker
+    from .runs import STOP_TIMEOUT
 
     settings = burst_settings(profile, profile.burst_limits[name])
     tokenizer = ChatTokenizer(str(model))
@@ -173,12 +200,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     per_session = profile.burst_prompt_tokens + profile.burst_max_tokens
     result: dict[str, Any] = {"limits": profile.burst_limits[name], "engine_settings": settings}
     # The worker over MQTT.
-    broker = start_broker(mosquitto, out)
-    log = out / f"worker-burst-{name}.log"
-    offset = log.stat().st_size if log.exists() else 0
-    args = ["--model", str(model), "--stats-interval", "1", *engine_flags(settings)]
-    worker = start_worker(args, broker.port, log)
-    text = log.read_text(errors="replace")[offset:]
+    broker, worker, text = start_burst_worker(model, out, mosquitto, settings, f"worker-burst-{name}.log")
     kv = KV_TOKENS.search(text)
     limits_line, engine_line = LIMITS_LINE.search(text), ENGINE_LINE.search(text)
     kv_tokens = int(kv.group(1)) if kv else None
@@ -201,10 +223,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     runs: dict[str, Any] = {"worker": {}, "raw": {}}
     windows: dict[str, dict[int, tuple[float, float]]] = {"worker": {}, "raw": {}}
     try:
-        records = driver.run_concurrent(
-            "burst-warm", seeded(workload, 0), tokenizer.count_text, sessions=first, turns=1, stream=False
-        )
-        wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
+        records, wall = worker_burst(driver, tokenizer, workload, "burst-warm", 0, first)
         runs["worker"]["first"] = {**burst_summary([worker_outcome(r) for r in records], wall), "sessions": first}
         print(f"burst {name} worker first burst ({first}): {_line(runs['worker']['first'])}", flush=True)
         time.sleep(1.5)
@@ -215,13 +234,8 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
             profiled = count == profiled_size(sizes)
             profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if profiled else None
             started = time.time()
-            records = driver.run_concurrent(
-                f"burst-{name}", seeded(workload, count), tokenizer.count_text, sessions=count, turns=1, stream=False
-            )
+            records, wall = worker_burst(driver, tokenizer, workload, f"burst-{name}", count, count)
             windows["worker"][count] = (started, time.time())
-            # From the first request sent to the last reply: run_concurrent renders every
-            # message before it sends the first (seconds for 1,000), which is no part of it.
-            wall = driver.last_send_s + max(r.client_ms for r in records) / 1000
             if profiler is not None:
                 profiler.wait(120)
             time.sleep(1.5)  # the stats message covering the burst's end
@@ -242,17 +256,14 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         broker.stop()
 
     # Raw vLLM in this process, the same engine arguments (the worker's engine_arguments).
-    def rendered(seed_count: int, sessions: int) -> list[list[int]]:
-        return render_burst(tokenizer, workload, seed_count, sessions)
-
     result["runs"] = runs
     first_runs = {"worker": runs["worker"].pop("first")}
     result["first_burst"] = first_runs
     if name in profile.burst_worker_only:
         add_gc_pauses(runs, windows)
         return result
-    prompts = {n: rendered(n, n) for n in sizes}
-    prompts[0] = rendered(0, first)  # the warm-up burst's
+    prompts = {n: render_burst(tokenizer, workload, n, n) for n in sizes}
+    prompts[0] = render_burst(tokenizer, workload, 0, first)  # the warm-up burst's
     config = EngineConfig(model=str(model), **settings)
     raw = asyncio.run(_raw_side(config, tokenizer, prompts, sizes, profile, name, out))
     runs["raw"] = raw.pop("runs")
