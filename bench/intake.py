@@ -242,6 +242,7 @@ async def _to_engine_run(model: str, requests: int, store_kind: str, state: Path
     store.close()
     reached = sorted(t - started for t in engine.called)
     return {
+        "first_to_engine_s": round(reached[0], 3),
         "last_to_engine_s": round(reached[-1], 3),
         "median_to_engine_s": round(reached[len(reached) // 2], 3),
         "loop_cpu_ms_per_request": round(loop_cpu * 1000 / requests, 3),  # the event loop's thread, to the answers

@@ -519,6 +519,48 @@ def test_turns_that_prepare_together_share_batches_of_encoding(tiny_model: Path)
     assert len(recording.batches) == calls  # all of it was cached
 
 
+def test_a_burst_is_encoded_in_bounded_batches_and_its_first_turns_need_not_wait_for_the_last(
+    tiny_model: Path,
+) -> None:
+    """A batch is answered whole: one batch for a whole burst would hold its first turn until its
+    last turn's text was encoded. Batches stay within ENCODE_BATCH_CHARS (or hold one segment),
+    the first starts before every turn has rendered, and every prompt renders as encoded whole."""
+    import asyncio
+
+    from worker.engine.tokenizer import ENCODE_BATCH_CHARS, ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    recording = _RecordingBackend(tokenizer._backend)
+    tokenizer._backend = recording
+    words = " ".join(f"word{i}" for i in range(400))
+    turns: list[Any] = [[{"role": "user", "content": f"{n}: {words}"}] for n in range(200)]
+    whole = ENCODE_BATCH_CHARS * 3  # (else one batch would do, and the test could not tell)
+    assert sum(len(t[0]["content"]) for t in turns) > whole
+    batches_when_rendered: list[int] = []  # encode_batch calls made when each turn rendered
+    template = tokenizer._template
+
+    def counted(*args: Any, **kwargs: Any) -> str:
+        batches_when_rendered.append(len(recording.batches))
+        return template(*args, **kwargs)
+
+    tokenizer._template = counted  # type: ignore[method-assign]
+
+    async def prepare_all() -> None:
+        await asyncio.gather(*(tokenizer.prepare(messages) for messages in turns))
+
+    asyncio.run(prepare_all())
+    tokenizer._template = template  # type: ignore[method-assign]
+    assert len(batches_when_rendered) == len(turns) and batches_when_rendered[-1] > 0
+    sizes = [sum(map(len, batch)) for batch in recording.batches]
+    assert len(sizes) >= 3
+    assert all(size <= ENCODE_BATCH_CHARS or len(b) == 1 for size, b in zip(sizes, recording.batches, strict=True))
+    for messages in turns:
+        text = tokenizer.render_text(messages, add_generation_prompt=True)
+        assert tokenizer.render(messages, add_generation_prompt=True) == list(
+            tokenizer._tokenizer.encode(text, add_special_tokens=False)
+        )
+
+
 def test_a_cancelled_prepare_leaves_the_turns_waiting_for_the_same_segment_their_ids(tiny_model: Path) -> None:
     import asyncio
 
@@ -578,7 +620,10 @@ def test_a_prepare_left_behind_by_its_event_loop_does_not_hold_up_the_next_loops
         left.append(asyncio.ensure_future(tokenizer.prepare(messages)))
         await asyncio.sleep(0)  # it has queued its segments; the loop ends now
 
-    asyncio.run(abandon())
+    # Closed without running again: the batch's answer never comes back to this loop.
+    loop = asyncio.new_event_loop()
+    loop.run_until_complete(abandon())
+    loop.close()
     assert tokenizer._encodings  # (else the test could not tell)
 
     async def again() -> None:

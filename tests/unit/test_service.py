@@ -455,3 +455,36 @@ def test_the_next_turn_starts_with_the_first_prompt_and_the_ids_the_reply_was_ge
         assert two[: len(one) + len(generated)] == [*one, *generated]
 
     asyncio.run(scenario())
+
+
+def test_a_burst_reaches_the_engine_while_the_rest_of_it_is_still_dispatched() -> None:
+    """Messages taken from the inbox together are not all dispatched before the first turn goes
+    on: a burst's first turns reach the engine while later messages still wait for dispatch."""
+    from worker.core.service import DISPATCH_SLICE, PREFETCH
+
+    async def scenario() -> None:
+        h = Harness(max_requests_per_user_per_minute=0)
+        burst = PREFETCH
+        for n in range(burst):
+            h.transport.deliver(f"chat/u/s{n}/request", {"message": f"m{n}", "maxTokens": 1, "requestId": f"r{n}"})
+        dispatched: list[int] = []
+        dispatch = h.service.dispatch
+
+        async def counted(message: Any) -> None:
+            await dispatch(message)
+            dispatched.append(1)
+
+        h.service.dispatch = counted  # type: ignore[method-assign]
+        at_first_start: list[int] = []
+        generate = h.engine.generate
+
+        def recorded(request: Any) -> Any:
+            if not at_first_start:
+                at_first_start.append(len(dispatched))
+            return generate(request)
+
+        h.engine.generate = recorded  # type: ignore[method-assign]
+        await h.run_until(lambda: len(h.transport.acked) == burst)
+        assert at_first_start and at_first_start[0] <= 2 * DISPATCH_SLICE < burst
+
+    asyncio.run(scenario())

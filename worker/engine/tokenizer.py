@@ -20,6 +20,8 @@ encodes, so the loop goes on streaming meanwhile. The turns that prepare at the 
 share that thread hop: their segments go in batches (``_encoding``). 1,000 first turns at once
 (bench.intake --to-engine, SmolLM2's tokenizer, 2 cores) cost the event loop 0.96-1.08 ms each
 instead of 1.41-1.45, and the last reached the engine after 1.32-1.35 s instead of 1.64-1.83.
+A batch is bounded (ENCODE_BATCH_CHARS) and goes into the thread as soon as it is full: a burst
+in one batch held its first turn until its last was encoded.
 
 A reply goes back into the cache as the ids it was generated as (``remember_reply``).
 """
@@ -27,6 +29,7 @@ A reply goes back into the cache as the ids it was generated as (``remember_repl
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import re
@@ -50,6 +53,9 @@ TOOLS_CACHE_SIZE = 64
 # prompts of 2,000 tokens (about 8k characters each), 8-32 MiB.
 RENDER_CACHE_CHARS = 8_000_000
 ENCODE_BATCHES_IN_FLIGHT = 2  # prepare's batches of segments in threads at once (_encoding)
+# A batch holds at most this many characters of segments (about 16k tokens) and starts as soon
+# as it has them: the first turns of a burst reach the engine while later ones still render.
+ENCODE_BATCH_CHARS = 65536
 LONG_TEXT = 4096  # characters: count_text encodes a longer text without the GIL
 _SELF_CHECK = [
     {"role": "system", "content": "You are terse.  Ünïcödé, 数字 123, emoji 🙂\n\n  spaces "},
@@ -94,10 +100,11 @@ class ChatTokenizer:
         # prepare's segments waiting to be encoded or being encoded, in batches (_encoding)
         self._encodings: dict[str, asyncio.Future[list[int]]] = {}
         self._queued: list[str] = []
+        self._queued_chars = 0
         self._batches_in_flight = 0
         self._batch_scheduled = False
         self._batch_loop: asyncio.AbstractEventLoop | None = None  # the loop all of these belong to
-        self._batch_tasks: set[asyncio.Future[None]] = set()
+        self._batch_tasks: set[asyncio.Future[Any]] = set()  # the batches in a thread
         self._tools_cache: OrderedDict[str, Any] = OrderedDict()
         self._renders: OrderedDict[bytes, str] = OrderedDict()  # digest of the messages' JSON: text
         self._render_chars = 0
@@ -263,39 +270,61 @@ class ChatTokenizer:
         grow with the load and one turn alone still takes a single hop."""
         loop = asyncio.get_running_loop()
         if loop is not self._batch_loop:  # (tests and benchmarks run one tokenizer in several loops)
-            self._batch_loop, self._encodings, self._queued = loop, {}, []
+            self._batch_loop, self._encodings, self._queued, self._queued_chars = loop, {}, [], 0
             self._batches_in_flight, self._batch_scheduled = 0, False
         waiting = self._encodings.get(part)
         if waiting is None:
             waiting = self._encodings[part] = loop.create_future()
             self._queued.append(part)
-            if not self._batch_scheduled:  # at the end of this loop pass: what else comes in it joins
+            self._queued_chars += len(part)
+            if self._queued_chars >= ENCODE_BATCH_CHARS:
+                self._start_batch()  # a full batch goes now, not after the rest of this loop pass
+            if self._queued and not self._batch_scheduled:  # at the end of this pass: what else comes joins
                 self._batch_scheduled = True
-                loop.call_soon(self._start_batch)
+                loop.call_soon(self._scheduled_batch)
         return waiting
 
-    def _start_batch(self) -> None:
+    def _scheduled_batch(self) -> None:
         self._batch_scheduled = False
-        if not self._queued or self._batches_in_flight >= ENCODE_BATCHES_IN_FLIGHT:
-            return
-        parts, self._queued = self._queued, []
-        self._batches_in_flight += 1
-        task = asyncio.ensure_future(self._encode_batch(parts))
-        self._batch_tasks.add(task)
-        task.add_done_callback(self._batch_tasks.discard)
+        self._start_batch()
 
-    async def _encode_batch(self, parts: list[str]) -> None:
-        # The thread only encodes: the cache and the futures are touched on the loop alone.
+    def _start_batch(self) -> None:
+        """Start batches of what is queued, each of at most ENCODE_BATCH_CHARS characters (or
+        one segment), while fewer than ENCODE_BATCHES_IN_FLIGHT are in a thread.
+
+        Bounded because a batch is answered whole: 1,000 first turns at once made one batch of
+        1,000 segments, and the first turn reached the engine only when the last was encoded
+        (bench.intake --to-engine, 2 cores: the first at 1.04 s of 1.1)."""
+        while self._queued and self._batches_in_flight < ENCODE_BATCHES_IN_FLIGHT:
+            size = count = 0
+            for part in self._queued:
+                if count and size + len(part) > ENCODE_BATCH_CHARS:
+                    break
+                size += len(part)
+                count += 1
+            parts, self._queued = self._queued[:count], self._queued[count:]
+            self._queued_chars -= size
+            self._batches_in_flight += 1
+            # Into the thread now (run_in_executor submits at once; a task would start only
+            # after every turn ready on the loop ahead of it): the Rust tokenizer releases the
+            # GIL while it encodes, so the loop renders the next turns meanwhile.
+            assert self._batch_loop is not None
+            encoding = self._batch_loop.run_in_executor(
+                None, functools.partial(self._backend.encode_batch, parts, add_special_tokens=False)
+            )
+            self._batch_tasks.add(encoding)
+            encoding.add_done_callback(functools.partial(self._batch_done, parts))
+
+    def _batch_done(self, parts: list[str], encoding: asyncio.Future[Any]) -> None:
+        # On the loop: the thread only encodes; the cache and the futures are touched here alone.
+        self._batch_tasks.discard(encoding)
         try:
-            encodings = await asyncio.to_thread(self._backend.encode_batch, parts, add_special_tokens=False)
-        except Exception as exc:  # the waiters' to raise, not this task's
-            self._fail(parts, exc)
-        except asyncio.CancelledError:  # (the loop's end) its waiters must not wait forever
-            self._fail(parts, RuntimeError("the encoding was cancelled"))
-            raise
-        else:
-            for part, encoding in zip(parts, encodings, strict=True):
-                ids = self._remember(part, list(encoding.ids))
+            failure = RuntimeError("the encoding was cancelled") if encoding.cancelled() else encoding.exception()
+            if failure is not None:  # the waiters' to raise
+                self._fail(parts, failure if isinstance(failure, Exception) else RuntimeError(str(failure)))
+                return
+            for part, encoded in zip(parts, encoding.result(), strict=True):
+                ids = self._remember(part, list(encoded.ids))
                 waiting = self._encodings.pop(part, None)
                 if waiting is not None and not waiting.done():
                     waiting.set_result(ids)
