@@ -245,6 +245,11 @@ PROFILES["gpu-async"] = Profile(
 # The several-GPU bursts at 1,000 sessions only (the goal's size: both phases fit one command of
 # the GPU machine, where 320 and 1,000 take two).
 PROFILES["gpu-1000"] = replace(PROFILES["gpu"], multi_burst_sessions=(1000,))
+# One 320-session burst on each side with today's limits, for a profile of it (BENCH_PYSPY,
+# BENCH_PYSPY_SESSIONS=320) in one call: `bash scripts/gpu_burst.sh burst_new qwen3-1.7b gpu-320`.
+# (Its one run so far, with BENCH_PYSPY_GIL=1 and py-spy 0.4.3, profiled raw's side and left the
+# worker's file empty; py-spy slowed raw's burst to half of what it runs unprofiled.)
+PROFILES["gpu-320"] = replace(PROFILES["gpu"], burst_sessions=(320,), burst_sessions_by_limits={"new": (320,)})
 
 
 # Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the

@@ -1,10 +1,10 @@
 """The MQTT transport on paho-mqtt 2.x (MQTT v5): the broker port (port.py) of the worker.
 
-paho runs its own network thread. Its callbacks do no work: they hand what arrived to the
-event loop (``_hand_over``: in order, one wake-up of the loop for all that comes while it is
-busy) and return; anything they raise is logged and swallowed so the network loop never dies.
-The client reads its socket in chunks (``_ChunkReadingClient``). Requests are acknowledged manually, by the
-service, once they are answered (the broker redelivers what was never acknowledged).
+paho runs its own network thread, which reads the socket in chunks (``_ChunkReadingClient``).
+Its callbacks do no work: they hand what arrived to the event loop (``_hand_over``: in order,
+one wake-up of the loop for all that comes while it is busy) and return; anything they raise
+is logged and swallowed so the network loop never dies. Requests are acknowledged manually,
+by the service, once they are answered (the broker redelivers what was never acknowledged).
 """
 
 from __future__ import annotations
