@@ -104,7 +104,7 @@ class ChatTokenizer:
         self._batches_in_flight = 0
         self._batch_scheduled = False
         self._batch_loop: asyncio.AbstractEventLoop | None = None  # the loop all of these belong to
-        self._batch_tasks: set[asyncio.Future[Any]] = set()  # the batches in a thread
+        self._batches: set[asyncio.Future[Any]] = set()  # the batches in a thread
         self._tools_cache: OrderedDict[str, Any] = OrderedDict()
         self._renders: OrderedDict[bytes, str] = OrderedDict()  # digest of the messages' JSON: text
         self._render_chars = 0
@@ -312,12 +312,12 @@ class ChatTokenizer:
             encoding = self._batch_loop.run_in_executor(
                 None, functools.partial(self._backend.encode_batch, parts, add_special_tokens=False)
             )
-            self._batch_tasks.add(encoding)
+            self._batches.add(encoding)
             encoding.add_done_callback(functools.partial(self._batch_done, parts))
 
     def _batch_done(self, parts: list[str], encoding: asyncio.Future[Any]) -> None:
         # On the loop: the thread only encodes; the cache and the futures are touched here alone.
-        self._batch_tasks.discard(encoding)
+        self._batches.discard(encoding)
         try:
             failure = RuntimeError("the encoding was cancelled") if encoding.cancelled() else encoding.exception()
             if failure is not None:  # the waiters' to raise
