@@ -27,11 +27,13 @@ from typing import Any
 
 from .burst import (
     KV_TOKENS,
+    RAW_SIDES,
     burst_settings,
     burst_summary,
     fitting_sessions,
     model_burst_workload,
     raw_burst,
+    raw_output_kinds,
     render_burst,
     start_burst_worker,
     worker_burst,
@@ -43,14 +45,17 @@ REPEAT_SEED_STEP = 100_003  # another burst's messages for each repeat (seeded()
 PAUSE_S = 1.5  # between bursts: the stats message covering a burst's end, the engines idle
 
 
-def turns_order(sizes: list[int], repeats: int) -> list[tuple[int, int, tuple[str, str]]]:
-    """(repeat, sessions, the two sides in the order they run): every size in every repeat, the
-    side that goes first alternating from one burst pair to the next."""
-    order: list[tuple[int, int, tuple[str, str]]] = []
+def turns_order(
+    sizes: list[int], repeats: int, sides: tuple[str, ...] = ("worker", "raw")
+) -> list[tuple[int, int, tuple[str, ...]]]:
+    """(repeat, sessions, the sides in the order they run): every size in every repeat on every
+    side, the order rotated from one burst group to the next (each side goes first, second...
+    as often as the others over len(sides) groups)."""
+    order: list[tuple[int, int, tuple[str, ...]]] = []
     for repeat in range(repeats):
         for count in sizes:
-            sides = ("worker", "raw") if len(order) % 2 == 0 else ("raw", "worker")
-            order.append((repeat, count, sides))
+            shift = len(order) % len(sides)
+            order.append((repeat, count, sides[shift:] + sides[:shift]))
     return order
 
 
@@ -66,25 +71,24 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
 
 
 def summarize_pairs(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[int, dict[str, Any]]:
-    """Per size: each repeat's worker / raw tok/s, their median, and the medians of both
-    sides' TTFT p50 and p95."""
+    """Per size: each repeat's worker / raw tok/s, their median, and the medians of every
+    side's TTFT p50 and p95 (with a ``raw_final`` side too: worker / raw_final the same way)."""
     summary: dict[int, dict[str, Any]] = {}
+    raw_sides = [side for side in ("raw", "raw_final") if side in runs]
     for count, worker_runs in runs["worker"].items():
-        raw_runs = runs["raw"].get(count, [])
-        ratios = [
-            round(w["tok_per_s"] / r["tok_per_s"], 3)
-            for w, r in zip(worker_runs, raw_runs, strict=False)
-            if w.get("tok_per_s") and r.get("tok_per_s")
-        ]
-        summary[count] = {
-            "worker_over_raw": ratios,
-            "median_worker_over_raw": round(statistics.median(ratios), 3) if ratios else None,
-            **{
-                f"{side}_{key}_median": _median(side_runs, key)
-                for side, side_runs in (("worker", worker_runs), ("raw", raw_runs))
-                for key in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms")
-            },
-        }
+        row: dict[str, Any] = {}
+        for side in raw_sides:
+            ratios = [
+                round(w["tok_per_s"] / r["tok_per_s"], 3)
+                for w, r in zip(worker_runs, runs[side].get(count, []), strict=False)
+                if w.get("tok_per_s") and r.get("tok_per_s")
+            ]
+            row[f"worker_over_{side}"] = ratios
+            row[f"median_worker_over_{side}"] = round(statistics.median(ratios), 3) if ratios else None
+        for side in ("worker", *raw_sides):
+            for key in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms"):
+                row[f"{side}_{key}_median"] = _median(runs[side].get(count, []), key)
+        summary[count] = row
     return summary
 
 
@@ -111,6 +115,7 @@ def alternating_phase(profile: Profile, model: Path, out: Path, mosquitto: str) 
         "sessions_run": sizes,
         "sessions_skipped_kv_cache_too_small": skipped,
         "repeats": profile.alternating_repeats,
+        "raw_output": list(raw_output_kinds()),
     }
     try:
         config = EngineConfig(model=str(model), **settings)
@@ -134,24 +139,32 @@ async def _alternate(
         records, wall = worker_burst(driver, tokenizer, workload, f"burst-alt-{seed}", seed, sessions)
         return burst_summary([worker_outcome(r) for r in records], wall)
 
-    async def raw(seed: int, sessions: int) -> dict[str, Any]:
+    async def raw(seed: int, sessions: int, side: str) -> dict[str, Any]:
         outcomes, wall = await raw_burst(
-            engine.llm, render_burst(tokenizer, workload, seed, sessions), profile.burst_max_tokens
+            engine.llm,
+            render_burst(tokenizer, workload, seed, sessions),
+            profile.burst_max_tokens,
+            final=side == RAW_SIDES["final"],
         )
         return burst_summary(outcomes, wall)
 
     engine = InProcess(config, tokenizer)
     scheduler = engine.llm.vllm_config.scheduler_config
-    runs: dict[str, dict[int, list[dict[str, Any]]]] = {"worker": {}, "raw": {}}
+    raw_sides = tuple(RAW_SIDES[kind] for kind in raw_output_kinds())
+    runs: dict[str, dict[int, list[dict[str, Any]]]] = {side: {} for side in ("worker", *raw_sides)}
     try:
         first = sizes[0] if sizes else 1
         await asyncio.to_thread(worker, 0, first)  # warm-ups, not counted
-        await raw(0, first)
-        for repeat, count, sides in turns_order(sizes, profile.alternating_repeats):
+        for side in raw_sides:
+            await raw(0, first, side)
+        for repeat, count, sides in turns_order(sizes, profile.alternating_repeats, ("worker", *raw_sides)):
             seed = burst_seed(count, repeat)
             for side in sides:
                 await asyncio.sleep(PAUSE_S)
-                run = await asyncio.to_thread(worker, seed, count) if side == "worker" else await raw(seed, count)
+                if side == "worker":
+                    run = await asyncio.to_thread(worker, seed, count)
+                else:
+                    run = await raw(seed, count, side)
                 runs[side].setdefault(count, []).append({**run, "repeat": repeat, "first": side == sides[0]})
                 line = ", ".join(f"{k}={run[k]}" for k in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s"))
                 print(f"burst alt {count} repeat {repeat} {side}: {line}", flush=True)
@@ -164,24 +177,38 @@ async def _alternate(
     }
 
 
+RAW_WORDS = {
+    "raw": "raw AsyncLLM reading every token as it comes (DELTA)",
+    "raw_final": "raw AsyncLLM reading each reply at its end (FINAL_ONLY)",
+}
+
+
 def alternating_markdown(result: dict[str, Any]) -> str:
+    rows = sorted(result["summary"].items(), key=lambda item: int(item[0]))
+    sides = [side for side in RAW_WORDS if any(f"worker_over_{side}" in row for _, row in rows)]
     lines = [
         "# Bursts, the worker and raw AsyncLLM side by side on one GPU, taking turns",
         "",
         f"Half of the GPU's memory each; {result['repeats']} repeats, the side that goes first "
-        "alternating. Each repeat's worker / raw tok/s, and the medians:",
-        "",
-        "| sessions | worker / raw, each repeat | median | tok/s worker / raw "
-        "| TTFT p50 worker / raw | TTFT p95 worker / raw |",
-        "|---|---|---|---|---|---|",
+        "rotating. Each repeat's worker / raw tok/s, and the medians.",
     ]
-    for count, row in sorted(result["summary"].items(), key=lambda item: int(item[0])):
-        lines.append(
-            f"| {count} | {', '.join(str(r) for r in row['worker_over_raw'])} | {row['median_worker_over_raw']} | "
-            f"{row['worker_tok_per_s_median']} / {row['raw_tok_per_s_median']} | "
-            f"{row['worker_ttft_p50_ms_median']} / {row['raw_ttft_p50_ms_median']} ms | "
-            f"{row['worker_ttft_p95_ms_median']} / {row['raw_ttft_p95_ms_median']} ms |"
-        )
+    for side in sides:
+        lines += [
+            "",
+            f"Against {RAW_WORDS[side]}:",
+            "",
+            "| sessions | worker / raw, each repeat | median | tok/s worker / raw "
+            "| TTFT p50 worker / raw | TTFT p95 worker / raw |",
+            "|---|---|---|---|---|---|",
+        ]
+        for count, row in rows:
+            lines.append(
+                f"| {count} | {', '.join(str(r) for r in row[f'worker_over_{side}'])} "
+                f"| {row[f'median_worker_over_{side}']} | "
+                f"{row['worker_tok_per_s_median']} / {row[f'{side}_tok_per_s_median']} | "
+                f"{row['worker_ttft_p50_ms_median']} / {row[f'{side}_ttft_p50_ms_median']} ms | "
+                f"{row['worker_ttft_p95_ms_median']} / {row[f'{side}_ttft_p95_ms_median']} ms |"
+            )
     if result.get("sessions_skipped_kv_cache_too_small"):
         lines += [
             "",

@@ -198,7 +198,11 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
     tokenizer = ChatTokenizer(str(model))
     workload = model_burst_workload(profile, tokenizer)
     per_session = profile.burst_prompt_tokens + profile.burst_max_tokens
-    result: dict[str, Any] = {"limits": profile.burst_limits[name], "engine_settings": settings}
+    result: dict[str, Any] = {
+        "limits": profile.burst_limits[name],
+        "engine_settings": settings,
+        "raw_output": raw_output_kinds()[0],
+    }
     # The worker over MQTT.
     broker, worker, text = start_burst_worker(model, out, mosquitto, settings, f"worker-burst-{name}.log")
     kv = KV_TOKENS.search(text)
@@ -301,8 +305,9 @@ async def _raw_side(
         "runs": {},
         "windows": {},
     }
+    final = raw_output_kinds()[0] == "final"
     try:
-        outcomes, wall = await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens)  # the same warm-up burst
+        outcomes, wall = await raw_burst(engine.llm, prompts[0], profile.burst_max_tokens, final=final)  # warm-up
         result["first"] = burst_summary(outcomes, wall)
         for count in sizes:
             # BENCH_PYSPY: this process (raw AsyncLLM's event loop) during the profiled burst.
@@ -312,7 +317,7 @@ async def _raw_side(
                 else None
             )
             started = time.time()
-            outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens)
+            outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens, final=final)
             result["windows"][count] = (started, time.time())
             if profiler is not None:
                 await asyncio.to_thread(profiler.wait, 120)
@@ -344,17 +349,41 @@ def profiled_size(sizes: list[int]) -> int:
     return int(os.environ.get("BENCH_PYSPY_SESSIONS") or max(sizes, default=0))
 
 
-async def raw_burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> tuple[list[Outcome], float]:
+RAW_SIDES = {"delta": "raw", "final": "raw_final"}  # how raw AsyncLLM reads: its side's name
+
+
+def raw_output_kinds() -> tuple[str, ...]:
+    """How raw AsyncLLM reads its outputs (BENCH_RAW_OUTPUT, a comma-separated list): ``delta``,
+    every step's tokens as they come (the default: a client that streams; every run before the
+    worker read non-streamed replies at their end only was measured so), ``final``, the end
+    only (vLLM's FINAL_ONLY: how `vllm serve` reads a completion that is not streamed, and
+    the worker a reply that is not streamed). burst_alt runs a raw side for each; the burst
+    phases read as the first says."""
+    kinds = tuple(k.strip() for k in os.environ.get("BENCH_RAW_OUTPUT", "delta").split(",") if k.strip())
+    if not kinds or any(kind not in RAW_SIDES for kind in kinds) or len(set(kinds)) < len(kinds):
+        raise SystemExit(f"BENCH_RAW_OUTPUT: delta, final or both (delta,final), not {kinds!r}")
+    return kinds
+
+
+async def raw_burst(
+    llm: Any, prompts: list[list[int]], max_tokens: int, *, final: bool = False
+) -> tuple[list[Outcome], float]:
     """Every prompt at once into an AsyncLLM (ignore_eos: exactly max_tokens each); when each
-    reached the engine (its add_request returned), its first token and its end."""
+    reached the engine (its add_request returned), its first token and its end. ``final``:
+    read at the end only (raw_output_kinds), the first token's time then vLLM's own (its
+    request stats: arrival and first-token latency, wall-clock)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     params = SamplingParams(
-        max_tokens=max_tokens, temperature=0.7, top_p=0.95, ignore_eos=True, output_kind=RequestOutputKind.DELTA
+        max_tokens=max_tokens,
+        temperature=0.7,
+        top_p=0.95,
+        ignore_eos=True,
+        output_kind=RequestOutputKind.FINAL_ONLY if final else RequestOutputKind.DELTA,
     )
     admitted: dict[str, float] = {}
     original = getattr(llm, "add_request", None)
-    started = time.perf_counter()
+    started, started_wall = time.perf_counter(), time.time()
     if original is not None:
 
         async def add_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
@@ -372,6 +401,9 @@ async def raw_burst(llm: Any, prompts: list[list[int]], max_tokens: int) -> tupl
             piece = output.outputs[0]
             if first is None and piece.token_ids:
                 first = time.perf_counter() - started
+                metrics = getattr(output, "metrics", None)
+                if final and metrics is not None and metrics.first_token_latency > 0:
+                    first = metrics.arrival_time + metrics.first_token_latency - started_wall
             tokens += len(piece.token_ids)
         end = time.perf_counter() - started
         return Outcome(first, end, tokens, len(ids), admitted.get(request_id))

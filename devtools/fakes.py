@@ -12,6 +12,7 @@ worker, the broker and the store rather than the fake."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import threading
 import time
@@ -113,9 +114,31 @@ class FakeEngine:
         # the worker's loop): a test holds a request running until it has seen what it needs
         # happen meanwhile, instead of counting on the request taking long enough.
         self.holds: dict[str, asyncio.Event] = {}
+        # As vLLM with output_kind FINAL_ONLY: a request that is not incremental gets one update
+        # at its end (the whole text and ids, an abort's too) with the first token's time.
+        self.final_only = False
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        updates = self._updates(request)
+        if not self.final_only or request.incremental:
+            async for update in updates:
+                yield update
+            return
+        texts: list[str] = []
+        ids: list[int] = []
+        first_token_at: float | None = None
+        async for update in updates:
+            texts.append(update.delta)
+            ids.extend(update.token_ids)
+            if first_token_at is None and update.completion_tokens:
+                first_token_at = time.monotonic()
+            if update.finished:
+                yield dataclasses.replace(
+                    update, delta="".join(texts), token_ids=tuple(ids), first_token_at=first_token_at
+                )
+
+    async def _updates(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         self.started.append(request.request_id)
         self.requests.append(request)
         for text, exc in self.fail.items():

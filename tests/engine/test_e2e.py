@@ -135,6 +135,32 @@ def test_cancel_aborts_and_does_not_store_the_turn(shared_worker: WorkerProcess,
     assert again["usage"]["promptTokens"] == cancelled["usage"]["promptTokens"]
 
 
+def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with_its_text(
+    shared_worker: WorkerProcess, client: Client
+) -> None:
+    """A reply nobody streams is vLLM's final output only (FINAL_ONLY): its time to the first
+    token is still the engine's, not the end's; and a cancel while it runs still answers with
+    what was generated until then."""
+    session = new_session()
+    topic = f"chat/erin/{session}/request"
+    client.publish(topic, {"message": "count slowly", "maxTokens": 48, "requestId": "whole", "temperature": 0})
+    whole = reply_of(client, "erin", session)
+    assert "error" not in whole, whole
+    if whole["usage"]["completionTokens"] > 8:
+        assert whole["latency"]["ttftMs"] < whole["latency"]["totalMs"] - 1, whole["latency"]
+    sent = time.time()
+    client.publish(topic, {"message": "go on forever", "maxTokens": 1000, "requestId": "long"})
+    # Generating now: vLLM's scheduler reports it running (its tokens come only at the end).
+    client.wait_for(
+        lambda m: m.topic == "chat/_worker/shared/stats" and m.json()["timestamp"] > sent and m.json()["running"] > 0,
+        timeout=PATIENCE,
+    )
+    client.publish(f"chat/erin/{session}/control", {"action": "cancel", "requestId": "long"})
+    cancelled = reply_of(client, "erin", session)
+    assert cancelled["requestId"] == "long" and cancelled["finishReason"] == "cancelled", cancelled
+    assert 0 < cancelled["usage"]["completionTokens"] < 1000, cancelled["usage"]
+
+
 def test_reset_clears_history(shared_worker: WorkerProcess, client: Client) -> None:
     session = new_session()
     topic = f"chat/erin/{session}/request"

@@ -14,6 +14,10 @@ def test_every_size_runs_on_both_sides_each_repeat_and_the_first_side_alternates
     assert all(sorted(sides) == ["raw", "worker"] for _, _, sides in order)
     # One size: the first side still alternates from repeat to repeat.
     assert [sides[0] for _, _, sides in turns_order([320], 4)] == ["worker", "raw", "worker", "raw"]
+    # Three sides (raw read two ways): each goes first, second and last once in three groups.
+    three = [sides for _, _, sides in turns_order([320], 3, ("worker", "raw", "raw_final"))]
+    assert all(sorted(sides) == ["raw", "raw_final", "worker"] for sides in three)
+    assert all(sorted(group[i] for group in three) == ["raw", "raw_final", "worker"] for i in range(3))
 
 
 def test_no_two_bursts_share_their_messages() -> None:
@@ -39,3 +43,17 @@ def test_each_repeat_gives_a_ratio_and_the_medians_summarize_them() -> None:
     )
     assert "| 320 | 0.9, 1.2, 1.0 | 1.0 | 1000 / 1000 | 450 / 410 ms | 650 / 790 ms |" in text
     assert "[2000]" in text
+
+
+def test_a_raw_side_read_at_the_end_is_summarized_and_reported_beside_the_other() -> None:
+    runs = {
+        "worker": {320: [run(900, 500, 700), run(1100, 400, 600)]},
+        "raw": {320: [run(1000, 420, 800), run(1000, 410, 790)]},
+        "raw_final": {320: [run(1200, 400, 700), run(1100, 380, 690)]},
+    }
+    summary = summarize_pairs(runs)[320]
+    assert summary["worker_over_raw"] == [0.9, 1.1] and summary["worker_over_raw_final"] == [0.75, 1.0]
+    assert summary["raw_final_tok_per_s_median"] == 1150
+    text = alternating_markdown({"repeats": 2, "summary": {"320": summary}})
+    assert "every token as it comes" in text and "at its end" in text
+    assert "| 320 | 0.75, 1.0 | 0.875 | 1000.0 / 1150.0 | 450.0 / 390.0 ms | 650.0 / 695.0 ms |" in text

@@ -361,6 +361,48 @@ def test_the_reasoning_budget_is_exact_when_the_engine_hands_over_several_tokens
     asyncio.run(scenario())
 
 
+def test_a_reply_nothing_reads_as_it_comes_is_asked_of_the_engine_at_its_end_only() -> None:
+    """A reply that is not streamed and has no thinking budget is read only at its end (vLLM's
+    FINAL_ONLY: no output, and no pass of the worker's loop, per token); a stream or a budget
+    reads every update. The reply read at its end says the same: its think block ends at the
+    close's own token, and its time to the first token is the engine's, not the end's."""
+
+    class CloseRenderer(WordRenderer):
+        opens_reasoning = True
+
+        def encode(self, text: str) -> list[int]:
+            return [50] if text == "</think>" else super().encode(text)
+
+    async def scenario() -> None:
+        h = Harness(generation={"stream_interval_ms": 0})
+        h.service.turns.renderer = CloseRenderer()
+        h.engine.final_only = True
+        deltas = ["think", "ing</th", "ink>", "\n\nthe", " answer"]
+        for key in ("at-end", "streamed"):
+            h.engine.script[key] = deltas
+            h.engine.script_ids[key] = [11, 12, 50, 13, 14]  # the last delta's ids: read at the end, the reply's
+        send = h.transport.deliver
+        send("chat/u/s1/request", {"message": "a", "requestId": "at-end", "includeReasoning": True})
+        send("chat/u/s1/request", {"message": "b", "requestId": "streamed", "stream": True})
+        send("chat/u/s1/request", {"message": "c", "requestId": "budget", "maxTokens": 3, "maxReasoningTokens": 2})
+        send("chat/u/s1/request", {"message": "d", "requestId": "plain", "maxTokens": 30})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 4)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+        incremental = {key: r.incremental for r in h.engine.requests for key in replies if mentions(r.request_id, key)}
+        assert incremental == {"at-end": False, "streamed": True, "budget": True, "plain": False}
+
+        at_end, streamed = replies["at-end"], replies["streamed"]
+        assert at_end["reply"] == streamed["reply"] == "the answer" and at_end["reasoning"] == "thinking"
+        assert at_end["usage"]["reasoningTokens"] == streamed["usage"]["reasoningTokens"] == 3
+        assert replies["budget"]["finishReason"] == "reasoning_budget"
+        # 30 tokens at 10 ms each, read at the end: the first came ~290 ms before the reply.
+        latency = replies["plain"]["latency"]
+        assert latency["ttftMs"] < latency["totalMs"] / 2, latency
+        assert replies["plain"]["usage"]["completionTokens"] == 30
+
+    asyncio.run(scenario())
+
+
 def test_stream_of_a_model_that_does_not_think_is_not_held_back() -> None:
     """The reasoning split never delays an answer: each delta is published before the engine
     produces the next token, except a possible "<think>" at the start, held only while it

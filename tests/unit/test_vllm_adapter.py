@@ -96,6 +96,53 @@ def test_engine_refusals_of_a_schema_are_structured_output_rejected() -> None:
         generate(StandInLLM(finish_reason="error"), StructuredOutput())
 
 
+def test_a_request_read_only_at_its_end_asks_vllm_for_its_final_output_only() -> None:
+    """FINAL_ONLY where the caller reads only the end, the admission needs no first tokens and
+    vLLM keeps the request's times (the first token's time comes from them, on this
+    process's monotonic clock); DELTA otherwise."""
+    import time
+
+    from vllm.sampling_params import RequestOutputKind
+
+    from worker.engine.admission import Admission, admission_limits
+
+    class TimedLLM(StandInLLM):
+        log_stats = True
+
+        async def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[Any]:
+            self.params.append(params)
+            completion = SimpleNamespace(token_ids=[5, 6, 7], text="a b c", finish_reason="length")
+            # vLLM's request stats: wall-clock arrival, and the first token 0.25 s after it.
+            metrics = SimpleNamespace(arrival_time=time.time() - 1.0, first_token_latency=0.25)
+            yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, finished=True, metrics=metrics)
+
+    def run(llm: StandInLLM, incremental: bool, admission: Admission | None = None) -> tuple[Any, Any]:
+        engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7], EngineStats(), admission=admission)
+        request = GenerationRequest("u/s/1", [1, 2], SamplingOptions(8, 0.7, 0.95), incremental=incremental)
+
+        async def collect() -> list[Any]:
+            return [update async for update in engine.generate(request)]
+
+        before = time.monotonic()
+        updates = asyncio.run(collect())
+        return llm.params[-1].output_kind, (updates[-1], before)
+
+    kind, (update, before) = run(TimedLLM(), incremental=False)
+    assert kind == RequestOutputKind.FINAL_ONLY
+    assert update.delta == "a b c" and update.token_ids == (5, 6, 7) and update.completion_tokens == 3
+    assert update.first_token_at is not None and abs(update.first_token_at - (before - 0.75)) < 0.2
+    assert run(TimedLLM(), incremental=True)[0] == RequestOutputKind.DELTA
+    assert run(TimedLLM(), incremental=True)[1][0].first_token_at is None
+    # The admission's prompt-token bound lets the next request in at a request's first token.
+    waiting = Admission(admission_limits(8, waiting_tokens=100))
+    assert run(TimedLLM(), incremental=False, admission=waiting)[0] == RequestOutputKind.DELTA
+    assert run(TimedLLM(), incremental=False, admission=Admission(admission_limits(8)))[0] == (
+        RequestOutputKind.FINAL_ONLY
+    )
+    # Without vLLM's request stats the first token's time would be the end's.
+    assert run(StandInLLM(), incremental=False)[0] == RequestOutputKind.DELTA
+
+
 def test_weight_loading_bars_follow_vllm_level() -> None:
     """vLLM draws progress bars on stderr while it loads the weights: not when its log is quiet
     ([logging] vllm_level above INFO); engine.extra still decides when it names the key."""

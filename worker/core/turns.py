@@ -228,6 +228,7 @@ class TurnRunner:
         )
         self.call_scope = call_scope
         self.worker_calls.takes_images = engine.info.vision is not None
+        self._think_close: int | None = None  # the id of THINK_CLOSE as one token (-1: none), once known
 
     @property
     def toolbox(self) -> Toolbox | None:
@@ -435,12 +436,21 @@ class TurnRunner:
             return Generated(submitted=time.monotonic(), finish_reason="cancelled")
         if rounds.rounds == 0 and not rounds.generated:
             logger.debug("Request {} of {}: {!r}", turn.key, turn.address, request.message or request.tool_results)
+        budget = reasoning_budget(request, generation, structured=plan.structured is not None)
+        stream = None if plan.choice.forced else rounds.stream  # a forced reply is all call: no text to stream
         generated = await self._stream(
             turn,
-            # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
-            GenerationRequest(f"{turn.address}/{log_ref(turn.key)}/{next(self._ids)}", token_ids, sampling, images),
-            reasoning_budget(request, generation, structured=plan.structured is not None),
-            stream=None if plan.choice.forced else rounds.stream,  # a forced reply is all call: no text to stream
+            GenerationRequest(
+                # vLLM logs request ids (an abort at INFO): the escaped request id, as in the worker's log.
+                f"{turn.address}/{log_ref(turn.key)}/{next(self._ids)}",
+                token_ids,
+                sampling,
+                images,
+                # Nothing reads the text as it comes: no stream, no thinking budget to stop at.
+                incremental=stream is not None or budget > 0,
+            ),
+            budget,
+            stream=stream,
             hold=plan.hold(final),
         )
         rounds.previous = None
@@ -636,16 +646,31 @@ class TurnRunner:
             update, delta=text, token_ids=kept, completion_tokens=budget, finished=False, finish_reason=None
         )
 
-    @staticmethod
-    def _over_budget(generated: Generated, splitter: ReasoningSplitter, update: GenerationUpdate, budget: int) -> bool:
+    def _over_budget(
+        self, generated: Generated, splitter: ReasoningSplitter, update: GenerationUpdate, budget: int
+    ) -> bool:
         """Counts the reasoning tokens once the think block closes (or the generation ends in
         it); True when it is still open after ``budget`` tokens: the generation is aborted."""
         if generated.reasoning_tokens is None and not splitter.reasoning:  # the think block closed
-            generated.reasoning_tokens = update.completion_tokens
+            generated.reasoning_tokens = self._through_close(update)
         elif splitter.reasoning and (update.finished or (budget and update.completion_tokens >= budget)):
             generated.reasoning_tokens = update.completion_tokens
             return not update.finished
         return False
+
+    def _through_close(self, update: GenerationUpdate) -> int:
+        """The completion tokens up to the end of the think block, which closed within this
+        update: at the close's own token where the update's ids show it (an update of several
+        tokens: a reader behind the engine, or a reply read only at its end, where the update
+        is the whole reply); else at the update's end."""
+        ids = update.token_ids
+        if len(ids) > 1:
+            if self._think_close is None:
+                encoded = self.renderer.encode(THINK_CLOSE)
+                self._think_close = encoded[0] if len(encoded) == 1 else -1  # -1: no token of its own
+            if self._think_close in ids:
+                return update.completion_tokens - len(ids) + ids.index(self._think_close) + 1
+        return update.completion_tokens
 
     def reply(self, turn: PendingTurn, generated: Generated) -> bytes:
         now = time.monotonic()
@@ -692,7 +717,7 @@ class TurnRunner:
 def _count(generated: Generated, update: GenerationUpdate) -> None:
     """The engine's counts so far, and the end."""
     if generated.first_token is None and update.completion_tokens > 0:
-        generated.first_token = time.monotonic()
+        generated.first_token = update.first_token_at or time.monotonic()
     generated.completion_tokens = update.completion_tokens
     generated.prompt_tokens, generated.cached_tokens = update.prompt_tokens, update.cached_tokens
     generated.image_tokens = update.image_tokens

@@ -72,6 +72,11 @@ class GenerationRequest:
     # In prompt order: the ids carry one placeholder per image (VisionInfo.placeholder), as the
     # chat template renders an image part, not yet expanded to the image's tokens.
     images: tuple[EngineImage, ...] = ()
+    # False: the caller reads only the end (a reply that is not streamed, with no thinking
+    # budget to enforce as it goes): an engine may then give one update, at the end, with the
+    # whole text and ids and the first token's time in ``first_token_at``; an abort still
+    # ends it with what was generated. True: an update as tokens come.
+    incremental: bool = True
 
 
 @dataclass(frozen=True)
@@ -87,6 +92,10 @@ class GenerationUpdate:
     token_ids: tuple[int, ...] = ()  # the ids generated since the previous update (() where unknown)
     # Of prompt_tokens, those the images stand for (each image's placeholder expanded to them).
     image_tokens: int = 0
+    # When the first token came (time.monotonic()), where the engine knows it better than the
+    # reader's clock: an update that is not the first token's own (a request's one update at
+    # its end, GenerationRequest.incremental). None: when the reader got this update.
+    first_token_at: float | None = None
 
 
 @dataclass
