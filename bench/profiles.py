@@ -250,6 +250,12 @@ PROFILES["gpu-1000"] = replace(PROFILES["gpu"], multi_burst_sessions=(1000,))
 # (Its one run so far, with BENCH_PYSPY_GIL=1 and py-spy 0.4.3, profiled raw's side and left the
 # worker's file empty; py-spy slowed raw's burst to half of what it runs unprofiled.)
 PROFILES["gpu-320"] = replace(PROFILES["gpu"], burst_sessions=(320,), burst_sessions_by_limits={"new": (320,)})
+# The three sizes of the one-GPU goal only (320, 1,000 and 2,000 sessions, the whole GPU's
+# memory on each side in turn): `bash scripts/gpu_burst.sh burst_new qwen3-1.7b gpu-goal` fits
+# one call of the GPU machine, where the full sweep (1 to 2,000) takes two.
+PROFILES["gpu-goal"] = replace(
+    PROFILES["gpu"], burst_sessions=(320, 1000, 2000), burst_sessions_by_limits={"new": (320, 1000, 2000)}
+)
 
 
 # Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the
