@@ -1248,7 +1248,8 @@ class VllmEngine:
         generator, the turn's reader) on the loop that also takes requests in: on one H200
         (the 2B geometry, 320 one-turn sessions at once, replies not streamed) the worker
         decoded at 13-15 ms per token where raw AsyncLLM, reading the same outputs with an
-        empty loop body, ran at 10. A reply that is not streamed reads none of them."""
+        empty loop body, ran at 10; read at their end, at 11.0-11.5 ms beside raw's 10-14
+        (docs/performance.md, "Admission", runs J and M)."""
         if request.incremental:
             return False
         if self.admission is not None and self.admission.limits.waiting_tokens is not None:
