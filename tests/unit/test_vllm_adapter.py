@@ -111,14 +111,24 @@ def test_a_request_read_only_at_its_end_asks_vllm_for_its_final_output_only() ->
 
         async def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[Any]:
             self.params.append(params)
-            completion = SimpleNamespace(token_ids=[5, 6, 7], text="a b c", finish_reason="length")
+            text = "a b c" if params.detokenize else ""  # vLLM writes no text without its detokenizer
+            completion = SimpleNamespace(token_ids=[5, 6, 7], text=text, finish_reason="length")
             # vLLM's request stats: wall-clock arrival, and the first token 0.25 s after it.
             metrics = SimpleNamespace(arrival_time=time.time() - 1.0, first_token_latency=0.25)
             yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, finished=True, metrics=metrics)
 
-    def run(llm: StandInLLM, incremental: bool, admission: Admission | None = None) -> tuple[Any, Any]:
+    class DecodingLLM(TimedLLM):
+        """With vLLM's tokenizer: the worker decodes a reply read at its end itself."""
+
+        tokenizer = SimpleNamespace(
+            backend_tokenizer=SimpleNamespace(decode=lambda ids, skip_special_tokens: "|".join(map(str, ids)))
+        )
+
+    def run(
+        llm: StandInLLM, incremental: bool, admission: Admission | None = None, stop: tuple[str, ...] = ()
+    ) -> tuple[Any, Any]:
         engine = VllmEngine(llm, EngineInfo("vllm", "x", "m", 128, 16, True), [7], EngineStats(), admission=admission)
-        request = GenerationRequest("u/s/1", [1, 2], SamplingOptions(8, 0.7, 0.95), incremental=incremental)
+        request = GenerationRequest("u/s/1", [1, 2], SamplingOptions(8, 0.7, 0.95, stop), incremental=incremental)
 
         async def collect() -> list[Any]:
             return [update async for update in engine.generate(request)]
@@ -141,6 +151,13 @@ def test_a_request_read_only_at_its_end_asks_vllm_for_its_final_output_only() ->
     )
     # Without vLLM's request stats the first token's time would be the end's.
     assert run(StandInLLM(), incremental=False)[0] == RequestOutputKind.DELTA
+    # With vLLM's tokenizer, a reply read at its end is decoded once from its ids, not by
+    # vLLM's detokenizer token by token; stop strings need vLLM's, as does every output read.
+    llm = DecodingLLM()
+    assert run(llm, incremental=False)[1][0].delta == "5|6|7" and llm.params[-1].detokenize is False
+    assert run(llm, incremental=False, stop=("END",))[1][0].delta == "a b c" and llm.params[-1].detokenize
+    assert run(llm, incremental=True)[1][0].delta == "a b c" and llm.params[-1].detokenize
+    assert run(TimedLLM(), incremental=False)[1][0].delta == "a b c"
 
 
 def test_weight_loading_bars_follow_vllm_level() -> None:
@@ -413,3 +430,61 @@ def test_the_engine_argument_names_read_from_vllms_source_are_its_dataclass_fiel
     )
     assert field_names(source) == {"a", "g"}
     assert field_names("class Elsewhere:\n    a: int = 1\n") == set()
+
+
+@pytest.mark.parametrize("model", ["tiny_model", "real_model"])
+def test_a_reply_decoded_at_its_end_is_the_text_vllms_detokenizer_writes(
+    model: str, request: pytest.FixtureRequest
+) -> None:
+    """A reply read at its end without vLLM's incremental detokenizer (no stop strings) is
+    decoded from its ids at once: the same text as vLLM's detokenizer, token by token, for
+    random ids (special and added tokens, pieces of characters), a stop token at the end, and
+    a character cut off by the length limit (SmolLM2's tokenizer has tokens of a space and a
+    character's first byte: vLLM writes neither)."""
+    import random
+    import time
+
+    from vllm.sampling_params import RequestOutputKind
+    from vllm.tokenizers import get_tokenizer
+    from vllm.v1.engine import EngineCoreRequest
+    from vllm.v1.engine.detokenizer import IncrementalDetokenizer
+
+    from worker.engine.vllm import decoded_text, text_decoder
+
+    tokenizer = get_tokenizer(str(request.getfixturevalue(model)))
+    decode = text_decoder(SimpleNamespace(tokenizer=tokenizer))
+    assert decode is not None
+    vocab = len(tokenizer)
+    special = sorted(set(tokenizer.all_special_ids))
+    rng = random.Random(31)
+
+    def vllm_text(ids: list[int], reason: str) -> str:
+        params = SamplingParams(max_tokens=64, skip_special_tokens=True, output_kind=RequestOutputKind.FINAL_ONLY)
+        request = EngineCoreRequest(
+            request_id="r",
+            prompt_token_ids=[1, 2, 3],
+            mm_features=None,
+            sampling_params=params,
+            pooling_params=None,
+            arrival_time=time.time(),
+            lora_request=None,
+            cache_salt=None,
+            data_parallel_rank=None,
+        )
+        detokenizer = IncrementalDetokenizer.from_new_request(tokenizer, request)
+        for i, token in enumerate(ids):
+            detokenizer.update([token], reason == "stop" and i == len(ids) - 1)
+        return detokenizer.get_next_output_text(True, False)
+
+    texts = ["Hello, world! Ünïcödé 数字 🙂 emoji\n\n  spaces", "def f(x):\n    return x**2  # 🙂🙂 数字"]
+    checked = 0
+    for _ in range(200):
+        ids = [rng.randrange(vocab) if rng.random() > 0.1 else rng.choice(special) for _ in range(rng.randint(1, 40))]
+        # Or a real text cut anywhere: often inside a character, after a space in its token.
+        cut = tokenizer.encode(rng.choice(texts), add_special_tokens=False)
+        for case in (ids, cut[: rng.randint(1, len(cut))]):
+            for reason in ("length", "stop", "abort"):
+                assert decoded_text(decode, case, reason) == vllm_text(case, reason), (case, reason)
+                checked += 1
+    assert checked == 1200
+    assert text_decoder(SimpleNamespace()) is None  # no tokenizer: vLLM detokenizes

@@ -20,7 +20,7 @@ import inspect
 import logging
 import os
 import time
-from collections.abc import AsyncIterator, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -724,6 +724,36 @@ def _structured_sampling(structured: StructuredOutput | None) -> dict[str, Any]:
     return {_STRUCTURED_KWARG: _structured_params(json_object=True)}
 
 
+def text_decoder(llm: Any) -> Callable[[Sequence[int]], str] | None:
+    """Generated ids to text as vLLM's detokenizer writes them (its Rust tokenizer's decode,
+    special tokens skipped, no clean-up of spaces), where vLLM's tokenizer has one."""
+    backend = getattr(getattr(llm, "tokenizer", None), "backend_tokenizer", None)
+    if backend is None or not callable(getattr(backend, "decode", None)):
+        return None
+
+    def decode(ids: Sequence[int]) -> str:
+        return str(backend.decode(list(ids), skip_special_tokens=True))
+
+    return decode
+
+
+def decoded_text(decode: Callable[[Sequence[int]], str], ids: Sequence[int], reason: str | None) -> str:
+    """A whole reply's text from its ids, as vLLM's incremental detokenizer would have written
+    it: without the token that stopped it (finish reason stop: an end token, there being no
+    stop strings), and without the tokens at its end that leave a character incomplete
+    (vLLM holds each token's text back until it decodes to whole characters, and at the end
+    never writes it, a leading space in the same token included; a whole decode writes U+FFFD).
+    A character is at most 4 bytes: at most 4 tokens are held back."""
+    kept = list(ids[:-1] if reason == "stop" else ids)
+    text = decode(kept) if kept else ""
+    for _ in range(4):
+        if not text.endswith("\ufffd"):
+            break
+        kept.pop()
+        text = decode(kept) if kept else ""
+    return text
+
+
 def first_token_time(output: Any) -> float | None:
     """When the request's first token came, on this process's ``time.monotonic()``: from
     vLLM's request stats (its arrival and first-token latency, both wall-clock, stamped as the
@@ -1002,6 +1032,7 @@ class VllmEngine:
         self.image_threads = image_threads or ImageThreads(1, "one")
         self._image_pool: concurrent.futures.ThreadPoolExecutor | None = None
         self.admission = admission  # None: every request to the engine at once (engine.admission off)
+        self._decode = text_decoder(llm)
 
     @classmethod
     async def start(
@@ -1259,6 +1290,12 @@ class VllmEngine:
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
         sampling = request.sampling
         final_only = self._final_only(request)
+        # Read at its end, a reply's text is decoded here once, from its ids, unless vLLM must
+        # detokenize as it goes to find a stop string. vLLM's incremental detokenizer costs
+        # its output handler, on this loop, half of what it spends per token and request
+        # (vLLM 0.32's OutputProcessor, 320 requests, 2 cores: 12-14 us a token with it,
+        # 6-7 without; 22-23 reading every output), taken from the requests coming in.
+        decode = self._decode if final_only and not sampling.stop else None
         params = SamplingParams(
             **self._sampling,
             max_tokens=sampling.max_tokens,
@@ -1267,6 +1304,7 @@ class VllmEngine:
             stop=list(sampling.stop) or None,
             stop_token_ids=self._stop_token_ids,
             skip_special_tokens=True,
+            detokenize=decode is None,
             output_kind=RequestOutputKind.FINAL_ONLY if final_only else RequestOutputKind.DELTA,
             **_structured_sampling(sampling.structured),
         )
@@ -1306,11 +1344,12 @@ class VllmEngine:
                     image_tokens = sum(1 for token in output.prompt_token_ids if token == vision.image_token_id)
                 finished = bool(output.finished)
                 reason = completion.finish_reason if finished else None
+                text = completion.text if decode is None else decoded_text(decode, completion.token_ids, reason)
                 if reason == "error" and sampling.structured is not None and completion_tokens == 0:
                     # The engine core failed to compile the grammar (it fails only this request).
                     raise StructuredOutputRejected("the engine could not compile the schema into a grammar")
                 yield GenerationUpdate(
-                    delta=completion.text,
+                    delta=text,
                     completion_tokens=completion_tokens,
                     prompt_tokens=prompt_tokens,
                     cached_tokens=cached_tokens,
