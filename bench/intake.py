@@ -5,7 +5,7 @@ until it is queued as a turn or answered) and a flood through a real broker.
         [--repeat 5] [--flood 2000] [--flood-sessions 200] [--out FILE]
     python -m bench.intake --to-engine MODEL_DIR --requests 1000 [--store ...] [--repeat 5]
 
-- **to the engine** (``--to-engine``): ``--requests`` one-turn requests of about 300 tokens,
+- **to the engine** (``--to-engine``): ``--requests`` one-turn requests of about 300 words,
   each its own session, all in the inbox at once, through the real Service and the model's
   tokenizer (chat template, encoding) to an engine that records when each reached it: the
   time until the last and the median reached it, and the event loop's CPU per request.
@@ -228,7 +228,9 @@ async def _to_engine_run(model: str, requests: int, store_kind: str, state: Path
         store = SqliteStore(state)
     transport, engine = MemoryTransport(), HoldingEngine(requests)
     service = Service(config, engine, ChatTokenizer(model), transport, lambda code: None, store)  # type: ignore[arg-type]
-    text = " ".join(f"word{i % 97}" for i in range(280))  # about 300 tokens with the chat markup
+    # About 300 words: 300-1,100 tokens with the chat markup, by the tokenizer (SmolLM2's about
+    # 300; the qwen3-1.7b test tokenizer's 1,091, "word12" being several of its tokens).
+    text = " ".join(f"word{i % 97}" for i in range(280))
     for n in range(requests):
         transport.deliver(f"chat/bench/s{n}/request", {"message": f"{n} {text}", "requestId": f"r{n}"})
     started, loop_cpu = time.perf_counter(), time.thread_time()
@@ -250,7 +252,7 @@ async def _to_engine_run(model: str, requests: int, store_kind: str, state: Path
 
 
 def to_engine(model: str, requests: int, store_kind: str, repeat: int) -> dict[str, Any]:
-    """``requests`` one-turn requests of about 300 tokens, all in the inbox at once, through the
+    """``requests`` one-turn requests of about 300 words, all in the inbox at once, through the
     real Service and the model's real tokenizer (chat template, encoding) to an engine that
     records when each reached it (HoldingEngine): the worker's own cost per request at intake."""
     runs = []

@@ -13,6 +13,10 @@ cd "$(dirname "$0")/.."
 started=$SECONDS
 minutes() { awk -v s="$1" 'BEGIN { printf "%d s (%.1f min)", s, s / 60 }'; }
 trap 'status=$?; echo "==> scripts/test.sh: $([ $status -eq 0 ] && echo passed || echo "failed (exit code $status)") after $(minutes $((SECONDS - started)))"' EXIT
+# Stopped by a signal: the EXIT trap above would read the last command's status (a run killed
+# with SIGTERM said "passed"); exit with the signal's code (128 + its number) instead.
+trap 'exit 143' TERM
+trap 'exit 130' INT
 bash scripts/setup.sh
 echo "    setup: $(minutes $((SECONDS - started)))"
 export VLLM_CACHE_ROOT="${VLLM_CACHE_ROOT:-$PWD/.cache/vllm}" HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1
