@@ -228,8 +228,8 @@ async def _to_engine_run(model: str, requests: int, store_kind: str, state: Path
         store = SqliteStore(state)
     transport, engine = MemoryTransport(), HoldingEngine(requests)
     service = Service(config, engine, ChatTokenizer(model), transport, lambda code: None, store)  # type: ignore[arg-type]
-    # About 300 words: 300-1,100 tokens with the chat markup, by the tokenizer (SmolLM2's about
-    # 300; the qwen3-1.7b test tokenizer's 1,091, "word12" being several of its tokens).
+    # About 300 words, each several tokens ("word12"): 811 tokens with SmolLM2's tokenizer,
+    # 1,091 with the qwen3-1.7b test tokenizer's.
     text = " ".join(f"word{i % 97}" for i in range(280))
     for n in range(requests):
         transport.deliver(f"chat/bench/s{n}/request", {"message": f"{n} {text}", "requestId": f"r{n}"})
