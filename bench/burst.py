@@ -359,7 +359,7 @@ def raw_output_kinds() -> tuple[str, ...]:
     only (vLLM's FINAL_ONLY: how `vllm serve` reads a completion that is not streamed, and
     the worker a reply that is not streamed). burst_alt runs a raw side for each; the burst
     phases read as the first says."""
-    kinds = tuple(k.strip() for k in os.environ.get("BENCH_RAW_OUTPUT", "delta").split(",") if k.strip())
+    kinds = tuple(k.strip() for k in (os.environ.get("BENCH_RAW_OUTPUT") or "delta").split(",") if k.strip())
     if not kinds or any(kind not in RAW_SIDES for kind in kinds) or len(set(kinds)) < len(kinds):
         raise SystemExit(f"BENCH_RAW_OUTPUT: delta, final or both (delta,final), not {kinds!r}")
     return kinds

@@ -57,3 +57,20 @@ def test_a_raw_side_read_at_the_end_is_summarized_and_reported_beside_the_other(
     text = alternating_markdown({"repeats": 2, "summary": {"320": summary}})
     assert "every token as it comes" in text and "at its end" in text
     assert "| 320 | 0.75, 1.0 | 0.875 | 1000.0 / 1150.0 | 450.0 / 390.0 ms | 650.0 / 695.0 ms |" in text
+
+
+def test_how_raw_reads_its_outputs_is_chosen_by_bench_raw_output(monkeypatch: Any) -> None:
+    import pytest
+
+    from bench.burst import raw_output_kinds
+
+    monkeypatch.delenv("BENCH_RAW_OUTPUT", raising=False)
+    assert raw_output_kinds() == ("delta",)  # every output, as every run before
+    monkeypatch.setenv("BENCH_RAW_OUTPUT", "delta, final")
+    assert raw_output_kinds() == ("delta", "final")
+    monkeypatch.setenv("BENCH_RAW_OUTPUT", "")  # set empty: the default
+    assert raw_output_kinds() == ("delta",)
+    for bad in (",", "stream", "final,final"):
+        monkeypatch.setenv("BENCH_RAW_OUTPUT", bad)
+        with pytest.raises(SystemExit, match="BENCH_RAW_OUTPUT"):
+            raw_output_kinds()
