@@ -8,6 +8,7 @@ import itertools
 import json
 import re
 import time
+import urllib.request
 import uuid
 from typing import Any
 
@@ -136,7 +137,7 @@ def test_cancel_aborts_and_does_not_store_the_turn(shared_worker: WorkerProcess,
 
 
 def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with_its_text(
-    shared_worker: WorkerProcess, client: Client
+    shared_worker: WorkerProcess, client: Client, shared_metrics_port: int
 ) -> None:
     """A reply nobody streams is vLLM's final output only (FINAL_ONLY): its time to the first
     token is still the engine's, not the end's; and a cancel while it runs still answers with
@@ -148,17 +149,34 @@ def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with
     assert "error" not in whole, whole
     if whole["usage"]["completionTokens"] > 8:
         assert whole["latency"]["ttftMs"] < whole["latency"]["totalMs"] - 1, whole["latency"]
-    sent = time.time()
-    client.publish(topic, {"message": "go on forever", "maxTokens": 1000, "requestId": "long"})
-    # Generating now: vLLM's scheduler reports it running (its tokens come only at the end).
-    client.wait_for(
-        lambda m: m.topic == "chat/_worker/shared/stats" and m.json()["timestamp"] > sent and m.json()["running"] > 0,
-        timeout=PATIENCE,
-    )
+    # As long as a request may ask (max_tokens_limit): far longer than the time between
+    # seeing it run and the cancel's arrival.
+    client.publish(topic, {"message": "go on forever", "maxTokens": 1024, "requestId": "long"})
+    reply_topic = f"chat/erin/{session}/reply"
+
+    def running() -> bool:
+        # Generating now: vLLM's scheduler counts it running (its tokens come only at the end),
+        # read from the worker's metrics at every engine step, not its once-a-second stats.
+        early = client.received(lambda m: m.topic == reply_topic)
+        assert not early, f"answered before the cancel: {early[0].json()}"
+        return running_requests(shared_metrics_port) > 0
+
+    eventually(running, "the long request running in the engine")
     client.publish(f"chat/erin/{session}/control", {"action": "cancel", "requestId": "long"})
     cancelled = reply_of(client, "erin", session)
     assert cancelled["requestId"] == "long" and cancelled["finishReason"] == "cancelled", cancelled
-    assert 0 < cancelled["usage"]["completionTokens"] < 1000, cancelled["usage"]
+    assert 0 < cancelled["usage"]["completionTokens"] < 1024, cancelled["usage"]
+
+
+def running_requests(metrics_port: int) -> float:
+    """The worker's engine_running_requests gauge (vLLM's scheduler, every engine step)."""
+    from worker.system.metrics import PREFIX
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=PATIENCE) as response:
+        text = response.read().decode()
+    found = re.search(rf"^{PREFIX}_engine_running_requests (\S+)$", text, re.M)
+    assert found, "no engine_running_requests gauge"
+    return float(found.group(1))
 
 
 def test_reset_clears_history(shared_worker: WorkerProcess, client: Client) -> None:
