@@ -374,6 +374,8 @@ async def raw_burst(
     request stats: arrival and first-token latency, wall-clock)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
+    from worker.engine.vllm import first_token_time
+
     params = SamplingParams(
         max_tokens=max_tokens,
         temperature=0.7,
@@ -383,12 +385,12 @@ async def raw_burst(
     )
     admitted: dict[str, float] = {}
     original = getattr(llm, "add_request", None)
-    started, started_wall = time.perf_counter(), time.time()
+    started = time.monotonic()
     if original is not None:
 
         async def add_request(request_id: str, *args: Any, **kwargs: Any) -> Any:
             queue = await original(request_id, *args, **kwargs)
-            admitted[request_id] = time.perf_counter() - started
+            admitted[request_id] = time.monotonic() - started
             return queue
 
         llm.add_request = add_request
@@ -400,12 +402,10 @@ async def raw_burst(
         async for output in llm.generate({"prompt_token_ids": ids}, params, request_id):
             piece = output.outputs[0]
             if first is None and piece.token_ids:
-                first = time.perf_counter() - started
-                metrics = getattr(output, "metrics", None)
-                if final and metrics is not None and metrics.first_token_latency > 0:
-                    first = metrics.arrival_time + metrics.first_token_latency - started_wall
+                at = first_token_time(output) if final else None  # read at the end: vLLM's time
+                first = (at or time.monotonic()) - started
             tokens += len(piece.token_ids)
-        end = time.perf_counter() - started
+        end = time.monotonic() - started
         return Outcome(first, end, tokens, len(ids), admitted.get(request_id))
 
     try:
@@ -413,7 +413,7 @@ async def raw_burst(
     finally:
         if original is not None:
             del llm.add_request
-    return list(outcomes), time.perf_counter() - started
+    return list(outcomes), time.monotonic() - started
 
 
 def _line(run: dict[str, Any]) -> str:

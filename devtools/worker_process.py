@@ -194,13 +194,17 @@ class WorkerProcess:
         return code
 
 
-def pending_requests(metrics_port: int) -> float:
-    """A worker's ``mqtt_vllm_worker_pending_requests`` (its Prometheus endpoint on this port):
-    the requests it has taken and not answered yet."""
+def gauge(metrics_port: int, name: str) -> float:
+    """A worker's unlabelled ``mqtt_vllm_worker_<name>`` (its Prometheus endpoint on this port)."""
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=PATIENCE) as response:
         text = response.read().decode()
-    (line,) = [line for line in text.splitlines() if line.startswith("mqtt_vllm_worker_pending_requests ")]
+    (line,) = [line for line in text.splitlines() if line.startswith(f"mqtt_vllm_worker_{name} ")]
     return float(line.split()[1])
+
+
+def pending_requests(metrics_port: int) -> float:
+    """The requests the worker has taken and not answered yet."""
+    return gauge(metrics_port, "pending_requests")
 
 
 @contextlib.contextmanager

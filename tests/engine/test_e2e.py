@@ -8,7 +8,6 @@ import itertools
 import json
 import re
 import time
-import urllib.request
 import uuid
 from typing import Any
 
@@ -20,7 +19,7 @@ from paho.mqtt.properties import Properties
 from devtools.mosquitto import Mosquitto
 from devtools.mqtt_client import Client, Received
 from devtools.waiting import PATIENCE, eventually
-from devtools.worker_process import BLOCK_SIZE, WorkerProcess
+from devtools.worker_process import BLOCK_SIZE, WorkerProcess, gauge
 
 pytestmark = pytest.mark.e2e
 
@@ -159,24 +158,13 @@ def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with
         # read from the worker's metrics at every engine step, not its once-a-second stats.
         early = client.received(lambda m: m.topic == reply_topic)
         assert not early, f"answered before the cancel: {early[0].json()}"
-        return running_requests(shared_metrics_port) > 0
+        return gauge(shared_metrics_port, "engine_running_requests") > 0
 
     eventually(running, "the long request running in the engine")
     client.publish(f"chat/erin/{session}/control", {"action": "cancel", "requestId": "long"})
     cancelled = reply_of(client, "erin", session)
     assert cancelled["requestId"] == "long" and cancelled["finishReason"] == "cancelled", cancelled
     assert 0 < cancelled["usage"]["completionTokens"] < 1024, cancelled["usage"]
-
-
-def running_requests(metrics_port: int) -> float:
-    """The worker's engine_running_requests gauge (vLLM's scheduler, every engine step)."""
-    from worker.system.metrics import PREFIX
-
-    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=PATIENCE) as response:
-        text = response.read().decode()
-    found = re.search(rf"^{PREFIX}_engine_running_requests (\S+)$", text, re.M)
-    assert found, "no engine_running_requests gauge"
-    return float(found.group(1))
 
 
 def test_reset_clears_history(shared_worker: WorkerProcess, client: Client) -> None:
