@@ -69,8 +69,9 @@ SCHEMA = {
 
 
 def profile_worker(worker: WorkerProcess, output: Path) -> subprocess.Popen[bytes] | None:
-    """With BENCH_PYSPY=path/to/py-spy (and BENCH_PYSPY_S seconds, default 5): sample the
-    worker process's Python threads while the largest concurrency runs, as collapsed stacks
+    """With BENCH_PYSPY=path/to/py-spy (and BENCH_PYSPY_S seconds, default 5, BENCH_PYSPY_RATE
+    samples a second, default 250): sample the worker process's Python threads while the
+    largest concurrency runs, as collapsed stacks
     (``--format raw``; ``--gil``: only the thread that holds the GIL, i.e. what the event
     loop and paho's thread spend it on)."""
     return profile_process(worker.proc.pid, output)
@@ -82,7 +83,16 @@ def profile_process(pid: int, output: Path) -> subprocess.Popen[bytes] | None:
     if not binary:
         return None
     seconds = os.environ.get("BENCH_PYSPY_S", "5")
-    cmd = [binary, "record", "--pid", str(pid), "--duration", seconds, "--rate", "250"]
+    cmd = [
+        binary,
+        "record",
+        "--pid",
+        str(pid),
+        "--duration",
+        seconds,
+        "--rate",
+        os.environ.get("BENCH_PYSPY_RATE", "250"),
+    ]
     cmd += ["--format", "raw", "--threads", "--nonblocking", "--output", str(output)]
     if os.environ.get("BENCH_PYSPY_GIL"):
         cmd.append("--gil")

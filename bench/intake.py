@@ -4,11 +4,19 @@ until it is queued as a turn or answered) and a flood through a real broker.
     python -m bench.intake [--requests 650] [--sessions 650] [--store memory|sqlite|both]
         [--repeat 5] [--flood 2000] [--flood-sessions 200] [--out FILE]
     python -m bench.intake --to-engine MODEL_DIR --requests 1000 [--store ...] [--repeat 5]
+    python -m bench.intake --to-engine MODEL_DIR --over-mqtt [--mosquitto PATH] --requests 320
 
 - **to the engine** (``--to-engine``): ``--requests`` one-turn requests of about 300 words,
   each its own session, all in the inbox at once, through the real Service and the model's
   tokenizer (chat template, encoding) to an engine that records when each reached it: the
   time until the last and the median reached it, and the event loop's CPU per request.
+
+- **to the engine over MQTT** (``--to-engine MODEL --over-mqtt``): the same requests through a
+  private mosquitto and the in-process worker (devtools/inproc.py: the real transport and
+  Service, the memory store), published at once by another process (paho, QoS 1): when each
+  reached the engine after the first was sent (quantiles), round after round (``--repeat``),
+  each round's messages new to the tokenizer's caches. What a burst's requests meet before
+  vLLM, with paho's thread and the broker in, and nothing of vLLM's.
 
 - **dispatch**: one user's ``--requests`` requests over ``--sessions`` sessions, all in the
   inbox at once, through the real Service on a MemoryTransport and an engine that answers at
@@ -267,6 +275,94 @@ def to_engine(model: str, requests: int, store_kind: str, repeat: int) -> dict[s
     }
 
 
+# Run by to_engine_mqtt in a process of its own (the burst's sender must not share the worker's
+# GIL): connects, publishes every request at QoS 1 without waiting, prints when it began.
+_PUBLISHER = r"""
+import json, sys, time
+import paho.mqtt.client as mqtt
+from paho.mqtt.enums import CallbackAPIVersion
+port, prefix, count, label = int(sys.argv[1]), sys.argv[2], int(sys.argv[3]), sys.argv[4]
+client = mqtt.Client(CallbackAPIVersion.VERSION2, protocol=mqtt.MQTTv5)
+client.max_inflight_messages_set(0)
+client.max_queued_messages_set(0)
+client.connect("127.0.0.1", port)
+client.loop_start()
+text = " ".join(f"word{i % 97}" for i in range(280))
+payloads = [json.dumps({"message": f"{label}-{n} {text}", "requestId": f"r{n}"}).encode() for n in range(count)]
+time.sleep(0.3)
+started = time.time()
+for n, payload in enumerate(payloads):
+    client.publish(f"{prefix}/{label}/s{n}/request", payload, qos=1)
+print(json.dumps({"started": started, "sent_s": time.time() - started}), flush=True)
+time.sleep(1.0)
+client.loop_stop()
+"""
+
+
+class _WallClockEngine(HoldingEngine):
+    """HoldingEngine on the wall clock: compared with the sender's (another process) time."""
+
+    async def generate(self, request: Any) -> Any:
+        from worker.engine.port import GenerationUpdate
+
+        self.called.append(time.time())
+        if len(self.called) >= self.requests:
+            self.release.set()
+        await self.release.wait()
+        yield GenerationUpdate("w " * 4, 4, len(request.prompt_token_ids), 0, True, "length")
+
+
+def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None) -> dict[str, Any]:
+    """``requests`` one-turn requests published at once by another process through a private
+    mosquitto to the in-process worker (the memory store, the model's tokenizer) and an engine
+    that records when each reached it; ``repeat`` rounds, each a new user's sessions and texts
+    (nothing of them in the tokenizer's caches)."""
+    import subprocess
+    import sys
+
+    from devtools.inproc import LiveWorker
+    from devtools.mosquitto import Mosquitto
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(model)
+    rounds = []
+    with tempfile.TemporaryDirectory() as tmp:
+        broker = Mosquitto(Path(tmp), binary=mosquitto, persistence=False, log=False)
+        broker.start()
+        try:
+            for round_ in range(repeat):
+                engine = _WallClockEngine(requests)
+                live = LiveWorker(
+                    broker.port, engine=engine, renderer=tokenizer, limits={"max_requests_per_user_per_minute": 0}
+                )
+                try:
+                    prefix = live.topic("u", "s").removesuffix("/u/s/request")
+                    sent = subprocess.run(
+                        [sys.executable, "-c", _PUBLISHER, str(broker.port), prefix, str(requests), f"round{round_}"],
+                        capture_output=True,
+                        text=True,
+                        check=True,
+                        timeout=120,
+                    )
+                    sender = json.loads(sent.stdout.strip().splitlines()[-1])
+                    live.wait_idle(120)
+                finally:
+                    live.close()
+                reached = sorted(at - sender["started"] for at in engine.called)
+                rounds.append(
+                    {
+                        "sent_s": round(sender["sent_s"], 3),
+                        "reached_engine_s": {
+                            f"q{int(q * 100)}": round(reached[min(len(reached) - 1, int(len(reached) * q))], 3)
+                            for q in (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1)
+                        },
+                    }
+                )
+        finally:
+            broker.stop()
+    return {"requests": requests, "rounds": rounds}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=650)
@@ -279,6 +375,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--to-engine", metavar="MODEL", default=None, help="only the time to the engine, with this model's tokenizer"
     )
+    parser.add_argument("--over-mqtt", action="store_true", help="--to-engine through a broker and the transport")
+    parser.add_argument("--mosquitto", default=None, help="the broker's binary (default: Debian's)")
     args = parser.parse_args(argv)
     import sys
 
@@ -286,6 +384,13 @@ def main(argv: list[str] | None = None) -> int:
 
     logger.remove()  # the worker's DEBUG lines would cost more than what is measured
     logger.add(sys.stderr, level="WARNING")
+    if args.to_engine and args.over_mqtt:
+        result = to_engine_mqtt(args.to_engine, args.requests, args.repeat, args.mosquitto)
+        for round_ in result["rounds"]:
+            print(f"to the engine over MQTT, {args.requests} requests: {json.dumps(round_)}", flush=True)
+        if args.out is not None:
+            args.out.write_text(json.dumps(result, indent=1) + "\n")
+        return 0
     if args.to_engine:
         kinds = ["memory", "sqlite"] if args.store == "both" else [args.store]
         report = {kind: to_engine(args.to_engine, args.requests, kind, args.repeat) for kind in kinds}

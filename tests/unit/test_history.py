@@ -399,6 +399,49 @@ def test_turns_in_flight_together_are_each_templated_once(tiny_model: Path, monk
     assert tokenizer._render_chars <= one * 3 and len(tokenizer._renders) <= 4
 
 
+def test_a_render_is_remembered_by_exactly_its_input() -> None:
+    """The render cache's key: chat messages of strings are keyed by their strings (no JSON
+    text to build); any difference in a role, a text, the order or the generation prompt is
+    another key; messages with other values (tool calls) or tools are keyed by their JSON."""
+    from worker.engine.tokenizer import _render_key
+
+    user: Any = {"role": "user", "content": "hello"}
+    key = _render_key([user], None, True)
+    assert key == _render_key([{"role": "user", "content": "hel" + "lo"}], [], True)
+    others = [
+        _render_key([user], None, False),
+        _render_key([{"role": "system", "content": "hello"}], None, True),
+        _render_key([{"role": "user", "content": "hello "}], None, True),
+        _render_key([user, user], None, True),
+        _render_key([{"content": "hello", "role": "user"}], None, True),
+    ]
+    assert key not in others and len(set(others)) == len(others)
+    call: Any = {"role": "assistant", "content": "", "tool_calls": [{"function": {"name": "f", "arguments": {}}}]}
+    tool = {"type": "function", "function": {"name": "f"}}
+    assert isinstance(_render_key([user, call], None, True), bytes)
+    assert isinstance(_render_key([user], [tool], True), bytes)
+    assert _render_key([user], [tool], True) != _render_key([user], [tool, tool], True)
+
+
+def test_the_remembered_renders_count_the_texts_their_keys_hold(
+    tiny_model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key holds its messages' texts, which the rendered text may leave out (a template can
+    drop a past turn's reasoning): the bound counts both, so long inputs cannot pile up."""
+    from worker.engine import tokenizer as module
+    from worker.engine.tokenizer import ChatTokenizer
+
+    tokenizer = ChatTokenizer(str(tiny_model))
+    long = "x" * 5000
+    messages: list[Any] = [{"role": "user", "content": "hi", "extra": long}]
+    text = tokenizer.render_text(messages, add_generation_prompt=True)
+    assert long not in text and tokenizer._render_chars >= len(text) + len(long)
+    monkeypatch.setattr(module, "RENDER_CACHE_CHARS", len(text) + len(long) + 100)
+    for n in range(5):
+        tokenizer.render_text([{"role": "user", "content": f"hi {n}", "extra": long}], add_generation_prompt=True)
+    assert len(tokenizer._renders) == 1 and tokenizer._render_chars <= module.RENDER_CACHE_CHARS
+
+
 def _one_id_per_character(tokenizer: Any, text: str) -> list[int]:
     """``text`` as a split the tokenizer never makes itself: one token per character."""
     return [i for ch in text for i in tokenizer._backend.encode(ch, add_special_tokens=False).ids]
