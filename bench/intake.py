@@ -302,11 +302,14 @@ client.loop_stop()
 class _WallClockEngine(HoldingEngine):
     """HoldingEngine on the wall clock: compared with the sender's (another process) time."""
 
+    loop_cpu_at_last = 0.0
+
     async def generate(self, request: Any) -> Any:
         from worker.engine.port import GenerationUpdate
 
         self.called.append(time.time())
         if len(self.called) >= self.requests:
+            self.loop_cpu_at_last = time.thread_time()  # on the worker's loop: its CPU so far
             self.release.set()
         await self.release.wait()
         yield GenerationUpdate("w " * 4, 4, len(request.prompt_token_ids), 0, True, "length")
@@ -337,6 +340,7 @@ def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None
                 )
                 try:
                     prefix = live.topic("u", "s").removesuffix("/u/s/request")
+                    loop_cpu = live.call(time.thread_time)
                     sent = subprocess.run(
                         [sys.executable, "-c", _PUBLISHER, str(broker.port), prefix, str(requests), f"round{round_}"],
                         capture_output=True,
@@ -352,6 +356,8 @@ def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None
                 rounds.append(
                     {
                         "sent_s": round(sender["sent_s"], 3),
+                        # the worker's event loop, from before the first was sent until the last reached the engine
+                        "loop_cpu_ms_per_request": round((engine.loop_cpu_at_last - loop_cpu) * 1000 / requests, 3),
                         "reached_engine_s": {
                             f"q{int(q * 100)}": round(reached[min(len(reached) - 1, int(len(reached) * q))], 3)
                             for q in (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1)
