@@ -340,16 +340,16 @@ def test_every_added_token_of_a_real_models_tokenizer_written_in_text_is_encoded
 
 def count_renders(tokenizer: Any) -> tuple[list[int], Any]:
     """The tokenizer's chat template wrapped to count its renders: (the list that grows by one
-    per render, transformers' apply_chat_template, which renders the same text)."""
+    per render, the template itself)."""
     calls: list[int] = []
-    render = tokenizer._apply_template
+    template = tokenizer._tokenizer.apply_chat_template
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(1)
-        return render(*args, **kwargs)
+        return template(*args, **kwargs)
 
-    tokenizer._apply_template = counted
-    return calls, tokenizer._tokenizer.apply_chat_template
+    tokenizer._tokenizer.apply_chat_template = counted
+    return calls, template
 
 
 def test_a_prompt_prepared_then_rendered_is_templated_once_and_the_same(tiny_model: Path) -> None:
@@ -440,55 +440,6 @@ def test_the_remembered_renders_count_the_texts_their_keys_hold(
     for n in range(5):
         tokenizer.render_text([{"role": "user", "content": f"hi {n}", "extra": long}], add_generation_prompt=True)
     assert len(tokenizer._renders) == 1 and tokenizer._render_chars <= module.RENDER_CACHE_CHARS
-
-
-@pytest.mark.parametrize("which", ["tiny_model", "real_model"])
-def test_the_chat_template_is_rendered_as_transformers_renders_it(which: str, request: pytest.FixtureRequest) -> None:
-    """The worker renders transformers' compiled chat template itself (its globals copied
-    once, not per render): the text is apply_chat_template's, byte for byte, for plain chats,
-    tools, a tool round and reasoning, with and without the generation prompt; a tokenizer
-    with a template for tools renders it where tools are given; a template's own error is
-    raised as transformers raises it."""
-    import jinja2
-
-    from worker.engine.tokenizer import ChatTokenizer
-
-    tokenizer = ChatTokenizer(str(request.getfixturevalue(which)))
-    hf = tokenizer._tokenizer
-    tool = {"type": "function", "function": {"name": "get_time", "description": "now", "parameters": {}}}
-    call = {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": {"tz": "UTC"}}}
-    chats: list[Any] = [
-        [{"role": "user", "content": "hello"}],
-        [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Ünïcödé 🙂\n"}],
-        [
-            {"role": "user", "content": "a"},
-            {"role": "assistant", "content": "<think>hm</think>b"},
-            {"role": "user", "content": "c"},
-        ],
-        [
-            {"role": "user", "content": "time?"},
-            {"role": "assistant", "content": "", "tool_calls": [call]},
-            {"role": "tool", "tool_call_id": "c1", "name": "get_time", "content": "14:35"},
-        ],
-    ]
-    for generation in (False, True):
-        for chat in chats:
-            for tools in (None, [tool]):
-                ours = tokenizer._apply_template(chat, tools, generation)
-                assert ours == hf.apply_chat_template(
-                    chat, tools=tools, add_generation_prompt=generation, tokenize=False
-                )
-
-    hf.chat_template = {"default": "plain {{ messages[0].content }}", "tool_use": "tools {{ tools | length }}"}
-    tokenizer._compiled.clear()
-    assert tokenizer._apply_template(chats[0], None, True) == "plain hello"
-    assert tokenizer._apply_template(chats[0], [tool], True) == "tools 1"
-    hf.chat_template = "{{ raise_exception('no system message here') }}"
-    tokenizer._compiled.clear()
-    with pytest.raises(jinja2.TemplateError, match="no system message here"):
-        tokenizer._apply_template(chats[0], None, True)
-    with pytest.raises(jinja2.TemplateError, match="no system message here"):
-        hf.apply_chat_template(chats[0], tokenize=False)
 
 
 def _one_id_per_character(tokenizer: Any, text: str) -> list[int]:

@@ -106,8 +106,6 @@ class ChatTokenizer:
         self._batch_loop: asyncio.AbstractEventLoop | None = None  # the loop all of these belong to
         self._batches: set[asyncio.Future[Any]] = set()  # the batches in a thread
         self._tools_cache: OrderedDict[str, Any] = OrderedDict()
-        self._compiled: dict[bool, tuple[Any, dict[str, Any]] | None] = {}  # tools or not: _compiled_template
-        self._template_kwargs: dict[str, Any] = dict(self._tokenizer.special_tokens_map)
         self._renders: OrderedDict[Hashable, tuple[str, int]] = OrderedDict()  # _render_key: text, chars held
         self._render_chars = 0
         self._cache_segments = self._splitter is not None and self._segmented_matches_whole()
@@ -146,8 +144,13 @@ class ChatTokenizer:
             if cached is not None:
                 self._renders.move_to_end(key)
                 return cached[0]
-        text = self._apply_template(
-            self.defuse(messages), self._defused_tools(tools) if tools else None, add_generation_prompt
+        text = str(
+            self._tokenizer.apply_chat_template(
+                self.defuse(messages),
+                tools=self._defused_tools(tools) if tools else None,
+                add_generation_prompt=add_generation_prompt,
+                tokenize=False,
+            )
         )
         # Bounded by the characters held: the text, and the key's own strings (a key holds its
         # messages' texts, which a template may leave out: a past turn's reasoning).
@@ -159,52 +162,6 @@ class ChatTokenizer:
                 _, (_, dropped) = self._renders.popitem(last=False)
                 self._render_chars -= dropped
         return text
-
-    def _apply_template(self, messages: list[ChatMessage], tools: Any, add_generation_prompt: bool) -> str:
-        """transformers' apply_chat_template(tokenize=False), rendering its compiled template
-        ourselves: the same template, environment and variables (the special tokens, messages,
-        tools, documents, add_generation_prompt), with the template's globals in one plain dict
-        made once. jinja's render copies them out of a ChainMap on every call: 4% of the event
-        loop's time at intake (py-spy, 1,000 requests over MQTT, 2 cores); a render took 17 us
-        here against 38 through transformers (the qwen3 test tokenizer, one 1,700-character
-        message). Where transformers does not offer its compiled template, its own call."""
-        compiled = self._compiled_template(tools is not None)
-        if compiled is None:
-            rendered = self._tokenizer.apply_chat_template(
-                messages, tools=tools, add_generation_prompt=add_generation_prompt, tokenize=False
-            )
-            return str(rendered)
-        template, template_globals = compiled
-        variables = {
-            **template_globals,
-            **self._template_kwargs,
-            "messages": messages,
-            "tools": tools,
-            "documents": None,
-            "add_generation_prompt": add_generation_prompt,
-        }
-        try:  # as jinja's Template.render, without its copy of the globals (shared=True)
-            return str(
-                template.environment.concat(template.root_render_func(template.new_context(variables, shared=True)))
-            )
-        except Exception:
-            template.environment.handle_exception()  # raises the error, its traceback in the template's terms
-            raise  # (handle_exception always raises)
-
-    def _compiled_template(self, with_tools: bool) -> tuple[Any, dict[str, Any]] | None:
-        """The compiled chat template that transformers renders (a tokenizer may keep one for
-        tools) and its globals as one dict; None where transformers lacks the compiling
-        function it caches (private: it may move)."""
-        if with_tools not in self._compiled:
-            try:
-                from transformers.utils.chat_template_utils import _compile_jinja_template
-            except ImportError:
-                self._compiled[with_tools] = None
-            else:
-                source = self._tokenizer.get_chat_template(None, [{}] if with_tools else None)
-                template = _compile_jinja_template(source)
-                self._compiled[with_tools] = (template, dict(template.globals))
-        return self._compiled[with_tools]
 
     def _defused_tools(self, tools: Sequence[dict[str, Any]]) -> Any:
         """The tools, defused, from a small cache keyed by their JSON text: a session's tools
