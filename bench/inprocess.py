@@ -5,6 +5,7 @@ and the engine-settings ablation. Same engine arguments and prompts as the worke
 from __future__ import annotations
 
 import asyncio
+import gc
 import time
 import uuid
 from typing import Any
@@ -26,6 +27,12 @@ class InProcess:
         started = time.perf_counter()
         self.llm: Any = AsyncLLM.from_engine_args(make_engine_args(engine_arguments(engine_config)))
         self.start_s = round(time.perf_counter() - started, 1)
+        # What is alive once the engine is up, out of the collector's reach, as `vllm serve`
+        # does after its start (and the worker after its own): raw AsyncLLM as vLLM serves it.
+        # Unfrozen, this process spent 955 ms in collections during a 1,000-session burst
+        # against the worker's 115 (an H200, BENCH_GC; bench/results/gpu/qwen3-1.7b-burst-h200-goal-O).
+        gc.collect()
+        gc.freeze()
         self.block_size = int(self.llm.vllm_config.cache_config.block_size)
 
     def shutdown(self) -> None:
