@@ -186,7 +186,7 @@ class ChatRequest(InboundModel):
         # BaseModel.__getattr__, 5.7 us a read against 0.2 for a field (pydantic 2, 2 cores),
         # and every request reads it.
         private = self.__pydantic_private__
-        return private["_image_inputs"] if private else ()
+        return private.get("_image_inputs", ()) if private else ()
 
     @property
     def image_count(self) -> int:
