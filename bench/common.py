@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import functools
+import hashlib
 import json
 import math
 import os
@@ -176,6 +177,7 @@ def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]
         "vllm": vllm_version,
         "python": platform.python_version(),
         "git_commit": commit,
+        "code_sha256": code_digest(),
         "model": str(model_dir),
         "geometry": {k: geometry.get(k) for k in keys},
         "engine_args": engine_args,
@@ -184,6 +186,20 @@ def run_metadata(model_dir: Path, engine_args: dict[str, Any]) -> dict[str, Any]
 
 def current_commit() -> str:
     return os.environ.get("BENCH_GIT_COMMIT") or _git_commit()  # the GPU machine gets no .git
+
+
+def code_digest(root: Path = REPO) -> str:
+    """SHA-256 of the code that ran: every .py file under worker/, bench/ and devtools/, by
+    path and content, read from the files themselves. The commit is what the run was told
+    (BENCH_GIT_COMMIT) or what git says, and the GPU machine's copy of the tree may carry an
+    old .git or none; this says which code it was. The same call at a checkout gives the same
+    digest where the code is the same."""
+    digest = hashlib.sha256()
+    for path in sorted(p for part in ("worker", "bench", "devtools") for p in (root / part).rglob("*.py")):
+        if "__pycache__" in path.parts:
+            continue
+        digest.update(path.relative_to(root).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def _git_commit() -> str:

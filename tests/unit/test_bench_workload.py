@@ -6,6 +6,7 @@ import json
 import queue
 import threading
 import time
+from pathlib import Path
 
 import pytest
 
@@ -68,3 +69,33 @@ def test_waiting_for_a_reply_gives_control_back_while_deltas_keep_arriving() -> 
     finally:
         stop.set()
         feeder.join()
+
+
+def test_the_code_digest_names_the_code_not_the_checkout(tmp_path: Path) -> None:
+    """A run's meta names its code by content (the GPU machine's tree may carry an old .git):
+    the same files give the same digest wherever they lie; a changed line, a renamed file or a
+    new module changes it; compiled files and other folders do not."""
+    from bench.common import code_digest
+
+    def tree(root: Path) -> Path:
+        for name, text in {"worker/a.py": "x = 1\n", "bench/b.py": "y = 2\n", "devtools/c.py": ""}.items():
+            (root / name).parent.mkdir(parents=True, exist_ok=True)
+            (root / name).write_text(text)
+        return root
+
+    first, second = tree(tmp_path / "one"), tree(tmp_path / "two")
+    digest = code_digest(first)
+    assert digest == code_digest(second)
+    (second / "worker" / "__pycache__").mkdir()
+    (second / "worker" / "__pycache__" / "a.py").write_text("cached")
+    (second / "docs").mkdir()
+    (second / "docs" / "d.py").write_text("z = 3\n")
+    assert code_digest(second) == digest
+    (second / "worker" / "a.py").write_text("x = 2\n")
+    assert code_digest(second) != digest
+    (second / "worker" / "a.py").write_text("x = 1\n")
+    (second / "worker" / "a.py").rename(second / "worker" / "e.py")
+    assert code_digest(second) != digest
+    (second / "worker" / "e.py").rename(second / "worker" / "a.py")
+    (second / "bench" / "f.py").write_text("")
+    assert code_digest(second) != digest
