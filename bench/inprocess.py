@@ -37,6 +37,7 @@ class InProcess:
 
     def shutdown(self) -> None:
         self.llm.shutdown()
+        gc.unfreeze()  # handed back, as the worker does at its stop (the next phase, a test's process)
 
     async def _generate(
         self,
