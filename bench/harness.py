@@ -96,7 +96,10 @@ def profile_process(pid: int, output: Path) -> subprocess.Popen[bytes] | None:
     cmd += ["--format", "raw", "--threads", "--nonblocking", "--output", str(output)]
     if os.environ.get("BENCH_PYSPY_GIL"):
         cmd.append("--gil")
-    return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    # py-spy's own words (an attach it could not make, a rate it could not keep) beside its
+    # output: twice its file for the worker came back empty on the GPU with nothing to say why.
+    with open(output.with_name(output.name + ".log"), "wb") as log:
+        return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
 
 
 def worker_phase(profile: Profile, model: Path, out: Path, mosquitto: str, think_s: float = 0.0) -> dict[str, Any]:
