@@ -14,7 +14,8 @@ until it is queued as a turn or answered) and a flood through a real broker.
 - **to the engine over MQTT** (``--to-engine MODEL --over-mqtt``): the same requests through a
   private mosquitto and the in-process worker (devtools/inproc.py: the real transport and
   Service, the memory store), published at once by another process (paho, QoS 1): when each
-  reached the engine after the first was sent (quantiles), round after round (``--repeat``),
+  reached the engine after the first was sent (quantiles) and the event loop's CPU per request
+  until the last did, round after round (``--repeat``),
   each round's messages new to the tokenizer's caches. What a burst's requests meet before
   vLLM, with paho's thread and the broker in, and nothing of vLLM's.
 
@@ -384,6 +385,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--over-mqtt", action="store_true", help="--to-engine through a broker and the transport")
     parser.add_argument("--mosquitto", default=None, help="the broker's binary (default: Debian's)")
     args = parser.parse_args(argv)
+    if args.over_mqtt and not args.to_engine:
+        parser.error("--over-mqtt measures --to-engine MODEL's requests: give the model too")
     import sys
 
     from loguru import logger
