@@ -15,9 +15,9 @@ until it is queued as a turn or answered) and a flood through a real broker.
   private mosquitto and the in-process worker (devtools/inproc.py: the real transport and
   Service, the memory store), published at once by another process (paho, QoS 1): when each
   reached the engine after the first was sent (quantiles) and the event loop's CPU per request
-  until the last did, round after round (``--repeat``),
-  each round's messages new to the tokenizer's caches. What a burst's requests meet before
-  vLLM, with paho's thread and the broker in, and nothing of vLLM's.
+  until the last did, round after round (``--repeat``), each round's messages new to the
+  tokenizer's caches. What a burst's requests meet before vLLM, with paho's thread and the
+  broker in, and nothing of vLLM's.
 
 - **dispatch**: one user's ``--requests`` requests over ``--sessions`` sessions, all in the
   inbox at once, through the real Service on a MemoryTransport and an engine that answers at
