@@ -148,6 +148,9 @@ def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with
     assert "error" not in whole, whole
     if whole["usage"]["completionTokens"] > 8:
         assert whole["latency"]["ttftMs"] < whole["latency"]["totalMs"] - 1, whole["latency"]
+    # The shared worker's engine idle first (an earlier test's request may still be ending),
+    # so that a running request below is this one.
+    eventually(lambda: gauge(shared_metrics_port, "engine_running_requests") == 0, "the shared engine idle")
     # As long as a request may ask (max_tokens_limit): far longer than the time between
     # seeing it run and the cancel's arrival.
     client.publish(topic, {"message": "go on forever", "maxTokens": 1024, "requestId": "long"})
@@ -156,7 +159,7 @@ def test_a_reply_not_streamed_is_read_at_its_end_and_a_cancel_still_answers_with
     def running() -> bool:
         # Generating now: vLLM's scheduler counts it running (its tokens come only at the end),
         # read from the worker's metrics at every engine step, not its once-a-second stats.
-        early = client.received(lambda m: m.topic == reply_topic)
+        early = client.received(lambda m: m.topic == reply_topic and m.json().get("requestId") == "long")
         assert not early, f"answered before the cancel: {early[0].json()}"
         return gauge(shared_metrics_port, "engine_running_requests") > 0
 
