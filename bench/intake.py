@@ -48,6 +48,7 @@ import statistics
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -190,21 +191,25 @@ def flood(per_round: int, sessions: int) -> dict[str, Any]:
 
 
 class HoldingEngine:
-    """Records when each request reached ``generate``; answers them all (a few tokens) once
-    the last has come: the time to the engine, with nothing else on the loop."""
+    """Records when each request reached ``generate`` (on ``clock``: the wall clock where the
+    sender is another process), and the event loop's CPU time when the last did; answers them
+    all (a few tokens) once the last has come: the time to the engine, with nothing else on
+    the loop."""
 
-    def __init__(self, requests: int) -> None:
+    def __init__(self, requests: int, clock: Callable[[], float] = time.perf_counter) -> None:
         from worker.engine.port import EngineInfo
 
         self.info = EngineInfo("hold", "0", "hold", max_model_len=16384, block_size=16, prefix_caching=True)
-        self.requests, self.called = requests, list[float]()
+        self.requests, self.called, self.clock = requests, list[float](), clock
+        self.loop_cpu_at_last = 0.0
         self.release = asyncio.Event()
 
     async def generate(self, request: Any) -> Any:
         from worker.engine.port import GenerationUpdate
 
-        self.called.append(time.perf_counter())
+        self.called.append(self.clock())
         if len(self.called) >= self.requests:
+            self.loop_cpu_at_last = time.thread_time()  # on the worker's loop: its CPU so far
             self.release.set()
         await self.release.wait()
         yield GenerationUpdate("w " * 4, 4, len(request.prompt_token_ids), 0, True, "length")
@@ -300,22 +305,6 @@ client.loop_stop()
 """
 
 
-class _WallClockEngine(HoldingEngine):
-    """HoldingEngine on the wall clock: compared with the sender's (another process) time."""
-
-    loop_cpu_at_last = 0.0
-
-    async def generate(self, request: Any) -> Any:
-        from worker.engine.port import GenerationUpdate
-
-        self.called.append(time.time())
-        if len(self.called) >= self.requests:
-            self.loop_cpu_at_last = time.thread_time()  # on the worker's loop: its CPU so far
-            self.release.set()
-        await self.release.wait()
-        yield GenerationUpdate("w " * 4, 4, len(request.prompt_token_ids), 0, True, "length")
-
-
 def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None) -> dict[str, Any]:
     """``requests`` one-turn requests published at once by another process through a private
     mosquitto to the in-process worker (the memory store, the model's tokenizer) and an engine
@@ -335,7 +324,7 @@ def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None
         broker.start()
         try:
             for round_ in range(repeat):
-                engine = _WallClockEngine(requests)
+                engine = HoldingEngine(requests, clock=time.time)
                 live = LiveWorker(
                     broker.port, engine=engine, renderer=tokenizer, limits={"max_requests_per_user_per_minute": 0}
                 )
