@@ -211,6 +211,59 @@ class FakeEngine:
         pass
 
 
+class FakeServedEngine(FakeEngine):
+    """A FakeEngine with the server's part of the port (warm-up, live stats), for the engine's
+    own process (engine/remote.py's tests: ``start_fake_engine``). Its stats' ``extra`` count
+    the aborts and warm-ups it took, which a test reads from the worker's side."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.final_only = True
+        self.warm_ups = 0
+        self.stopped = False
+
+    async def warm_up(self, plan: Any) -> object:
+        self.warm_ups += 1
+        return {"plan": plan.mode, "warm_ups": self.warm_ups}
+
+    def take_stats(self) -> EngineStats:
+        stats = self.peek_stats()
+        self.most_running = self.running
+        return stats
+
+    def peek_stats(self) -> EngineStats:
+        extra = {"aborted": float(len(self.aborted)), "warm_ups": float(self.warm_ups)}
+        return EngineStats(running=self.running, max_running=self.most_running, extra=extra)
+
+    async def shutdown(self) -> None:
+        self.stopped = True
+
+
+async def start_fake_engine(fail_start: str | None = None, fail: Sequence[str] = ()) -> FakeServedEngine:
+    """An ``EngineStarter`` for engine/remote.py's child (``devtools.fakes:start_fake_engine``):
+    ``fail_start`` raises that text as the start's error; a request whose id names one of
+    ``fail`` fails with EngineError; one whose id names "die" ends the process at once
+    (``os._exit``, as a crashed engine's would)."""
+    from worker.engine.port import EngineError
+
+    if fail_start is not None:
+        raise RuntimeError(fail_start)
+    engine = FakeServedEngine()
+    engine.fail = {text: EngineError(f"failed on purpose: {text}") for text in fail}
+    generate = engine.generate
+
+    async def generate_or_die(request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+        if "die" in request.request_id:
+            import os
+
+            os._exit(3)
+        async for update in generate(request):
+            yield update
+
+    engine.generate = generate_or_die  # type: ignore[method-assign]
+    return engine
+
+
 class MemoryTransport:
     """The transport without a broker: every publish is taken at once and recorded; messages
     are handed in with ``deliver``."""

@@ -51,7 +51,14 @@ from loguru import logger
 
 from . import __version__
 from .config.loader import render_toml
-from .config.models import MODEL_DEFAULTS_FILE, SAMPLING_OFF, WorkerConfig, read_model_defaults, resolve_sampling
+from .config.models import (
+    MODEL_DEFAULTS_FILE,
+    SAMPLING_OFF,
+    WorkerConfig,
+    nvidia_gpu_present,
+    read_model_defaults,
+    resolve_sampling,
+)
 from .engine.limits import pending_limit_short
 from .engine.port import ServedEngine, ToolSupport, VisionSettings, WarmupPlan
 from .protocol.topics import Topics
@@ -85,7 +92,31 @@ EngineStarter = Callable[[WorkerConfig, list[int]], Awaitable[ServedEngine]]
 
 
 async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedEngine:
-    """The worker's engine: vLLM in this process (imported by the start's import phase)."""
+    """The worker's engine: vLLM, its frontend in a process of its own (engine/remote.py) or in
+    this one (``frontend_apart``)."""
+    if frontend_apart(config, gpu=nvidia_gpu_present()):
+        from .engine.remote import RemoteEngine
+
+        return await RemoteEngine.start(
+            "worker.server:start_vllm_here",
+            config,
+            stop_token_ids,
+            log_level=config.logging.level,
+            json_logs=config.logging.json_logs,
+        )
+    return await start_vllm_here(config, stop_token_ids)
+
+
+def frontend_apart(config: WorkerConfig, *, gpu: bool) -> bool:
+    """Whether vLLM's frontend runs in a process of its own (engine.frontend_process; auto: on
+    with a GPU)."""
+    choice = config.engine.frontend_process
+    return choice == "on" or (choice == "auto" and gpu)
+
+
+async def start_vllm_here(config: WorkerConfig, stop_token_ids: list[int]) -> ServedEngine:
+    """vLLM in this process (imported by the start's import phase, or by the engine's own
+    process: engine/remote_host.py)."""
     from .engine.vllm import VllmEngine
 
     vision = VisionSettings(

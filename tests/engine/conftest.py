@@ -50,6 +50,11 @@ def shared_worker(
             "on",
             "--warmup-max-batch",
             "4",
+            # vLLM's frontend in a process of its own (auto is off on the CPU backend): every
+            # test on this worker runs through engine/remote.py; the other workers run it in
+            # their own process, the CPU default.
+            "--frontend-process",
+            "on",
         ],
         log,
         status=(broker.port, "chat/_worker/shared/status"),

@@ -225,6 +225,15 @@ class EngineConfig(Section):
         flag="--admission-waiting-tokens",
         ge=1,
     )
+    frontend_process: Literal["auto", "on", "off"] = opt(
+        "auto",
+        "Run vLLM's frontend (its AsyncLLM: each request's input processing, the output handler, the "
+        "detokenizer) in a process of its own beside the worker, so that the worker's intake (MQTT, sessions, "
+        "chat template, tokenizer) and vLLM's frontend run at once instead of taking turns on one interpreter. "
+        "auto: on with an NVIDIA GPU, off on the CPU backend. "
+        'docs/performance.md, "The frontend in a process of its own".',
+        flag="--frontend-process",
+    )
     allow_idle_gpus: bool = opt(
         False,
         "Start with several visible GPUs, no tensor parallel and a model that fits one GPU, using one of them. "
