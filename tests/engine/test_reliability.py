@@ -360,11 +360,19 @@ def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered
 
     # Busy, with no race: the engine core is frozen before the request is sent, so its
     # generation cannot finish; the worker has taken the request (its pending gauge says so)
-    # when the frozen core is killed.
+    # when the frozen core is killed. This worker runs vLLM's frontend in a process of its own
+    # (the default on a GPU): the death comes to it through that process, which ends too.
     metrics = free_port()
-    busy = start_worker(tiny_model, broker, logs / "engine-death.log", extra=("--metrics-port", str(metrics)))
+    busy = start_worker(
+        tiny_model,
+        broker,
+        logs / "engine-death.log",
+        extra=("--metrics-port", str(metrics), "--frontend-process", "on"),
+    )
     workers.append(busy)
     busy.wait_log("Serving ")
+    below = psutil.Process(busy.proc.pid).children(recursive=True)
+    assert "EngineFrontend" in [p.name() for p in below], [p.name() for p in below]
     core = busy.engine_cores()[0]
     core.suspend()
     sender = Client(broker.port, [])
@@ -372,6 +380,8 @@ def test_a_dead_engine_stops_the_worker_idle_or_busy_and_its_request_is_answered
     eventually(lambda: pending_requests(metrics) >= 1, lambda: busy.log()[-3000:], interval=0.1)
     core.kill()
     assert busy.proc.wait(PATIENCE) == 1, busy.log()[-3000:]
+    _, left = psutil.wait_procs(below, timeout=PATIENCE)
+    assert not left, f"outlived the worker: {[(p.pid, p.name()) for p in left]}"
     wait_status(watcher, b"offline")
     # Nothing answered (the offline came after whatever the worker published): the request is
     # left for the restart.

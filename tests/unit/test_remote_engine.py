@@ -10,6 +10,7 @@ import signal
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import psutil
 import pytest
 
 from devtools.waiting import PATIENCE
@@ -143,6 +144,7 @@ def test_a_killed_engine_process_is_noticed() -> None:
         await wait_until(lambda: engine.peek_stats().running == 1)
         pid = engine._process.pid
         assert pid is not None
+        assert psutil.Process(pid).name() == "EngineFrontend"  # what ps shows
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDead, match="killed by SIGKILL"):
             await running

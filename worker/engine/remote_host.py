@@ -24,6 +24,8 @@ from ..system.logs import configure_logging
 from .port import EngineError, GenerationRequest, GenerationUpdate, ServedEngine
 from .remote import STATS_INTERVAL, frame, read_frame
 
+PROCESS_TITLE = "EngineFrontend"
+
 
 def describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
@@ -39,6 +41,8 @@ def run(sock: socket.socket, starter: str, args: tuple[Any, ...], log_level: str
     """The process's target (multiprocessing, spawned): ``starter`` is ``module:function``."""
     die_with_parent()
     configure_logging(log_level, json_logs=json_logs)
+    with contextlib.suppress(ImportError):  # vLLM's dependency: ps then says what this process is
+        importlib.import_module("setproctitle").setproctitle(PROCESS_TITLE)
     asyncio.run(_serve(sock, starter, args))
 
 
