@@ -70,6 +70,11 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
+# Where the worker's TTFT goes (burst.legs): outside the worker (MQTT both ways), its queue,
+# its own TTFT from receipt.
+WORKER_LEGS = ("transit_p50_ms", "transit_max_ms", "queue_p50_ms", "worker_ttft_p50_ms", "worker_ttft_p95_ms")
+
+
 def summarize_pairs(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[int, dict[str, Any]]:
     """Per size: each repeat's worker / raw tok/s, their median, and the medians of every
     side's TTFT p50 and p95 (with a ``raw_final`` side too: worker / raw_final the same way)."""
@@ -88,6 +93,8 @@ def summarize_pairs(runs: dict[str, dict[int, list[dict[str, Any]]]]) -> dict[in
         for side in ("worker", *raw_sides):
             for key in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms"):
                 row[f"{side}_{key}_median"] = _median(runs[side].get(count, []), key)
+        for key in WORKER_LEGS:
+            row[f"worker_{key}_median"] = _median(worker_runs, key)
         summary[count] = row
     return summary
 
@@ -170,7 +177,8 @@ async def _alternate(
                 else:
                     run = await raw(seed, count, side)
                 runs[side].setdefault(count, []).append({**run, "repeat": repeat, "first": side == sides[0]})
-                line = ", ".join(f"{k}={run[k]}" for k in ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s"))
+                keys = ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s", "transit_p50_ms", "queue_p50_ms")
+                line = ", ".join(f"{k}={run[k]}" for k in keys if k in run)
                 print(f"burst alt {count} repeat {repeat} {side}: {line}", flush=True)
     finally:
         engine.shutdown()
@@ -212,6 +220,22 @@ def alternating_markdown(result: dict[str, Any]) -> str:
                 f"{row['worker_tok_per_s_median']} / {row[f'{side}_tok_per_s_median']} | "
                 f"{row['worker_ttft_p50_ms_median']} / {row[f'{side}_ttft_p50_ms_median']} ms | "
                 f"{row['worker_ttft_p95_ms_median']} / {row[f'{side}_ttft_p95_ms_median']} ms |"
+            )
+    if any(row.get("worker_transit_p50_ms_median") is not None for _, row in rows):
+        lines += [
+            "",
+            "The worker's replies, medians over the repeats: the time outside the worker (the request's way to it "
+            "and the reply's back, over MQTT: the client's time less the worker's total), the worker's queue "
+            "(received to handed to the engine), and its TTFT from receipt:",
+            "",
+            "| sessions | outside the worker p50 / most | queue p50 | TTFT from receipt p50 / p95 |",
+            "|---|---|---|---|",
+        ]
+        for count, row in rows:
+            lines.append(
+                f"| {count} | {row['worker_transit_p50_ms_median']} / {row['worker_transit_max_ms_median']} ms "
+                f"| {row['worker_queue_p50_ms_median']} ms "
+                f"| {row['worker_worker_ttft_p50_ms_median']} / {row['worker_worker_ttft_p95_ms_median']} ms |"
             )
     if result.get("sessions_skipped_kv_cache_too_small"):
         lines += [

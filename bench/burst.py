@@ -34,6 +34,7 @@ import os
 import re
 import time
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +55,13 @@ class Outcome:
     completion_tokens: int
     prompt_tokens: int
     admitted_s: float | None = None  # reached the engine
+    # The worker's side only, from its reply's latency fields: the time outside the worker
+    # (the request's way to it and the reply's back: the client's time less the worker's
+    # total), the worker's queue (received -> handed to the engine) and its own TTFT (from
+    # receipt). Where a worker's TTFT goes that raw AsyncLLM's has no part of.
+    transit_s: float | None = None
+    queue_s: float | None = None
+    worker_ttft_s: float | None = None
 
 
 def burst_summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
@@ -77,7 +85,21 @@ def burst_summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
         "latency_p95_ms": ms(totals, 95),
         "admission_s": round(max(admitted), 3) if admitted else None,
         "wall_s": round(wall_s, 2),
+        **legs(outcomes, ms),
     }
+
+
+def legs(outcomes: list[Outcome], ms: Callable[[list[float], float], float | None]) -> dict[str, Any]:
+    """The worker's legs of its replies' time (Outcome), p50 and p95 (and the transit's most):
+    none for raw AsyncLLM's outcomes."""
+    out: dict[str, Any] = {}
+    for name in ("transit", "queue", "worker_ttft"):
+        values = [v * 1000 for o in outcomes if (v := getattr(o, f"{name}_s")) is not None]
+        if values:
+            out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = ms(values, 50), ms(values, 95)
+            if name == "transit":
+                out["transit_max_ms"] = round(max(values), 1)
+    return out
 
 
 def worker_outcome(record: Record) -> Outcome:
@@ -94,12 +116,16 @@ def worker_outcome(record: Record) -> Outcome:
         # Without stream deltas: the client's time to the reply less the worker's from the
         # first token on (the hops there and back stay in, as in a streamed TTFT).
         ttft = max(0.0, record.client_ms - (record.worker_total_ms - record.worker_ttft_ms)) / 1000
+    total, queue, worker_ttft = record.worker_total_ms, record.worker_queue_ms, record.worker_ttft_ms
     return Outcome(
         ttft_s=ttft,
         total_s=record.client_ms / 1000,
         completion_tokens=record.completion_tokens,
         prompt_tokens=record.prompt_tokens,
         admitted_s=admitted,
+        transit_s=max(0.0, record.client_ms - total) / 1000 if total is not None else None,
+        queue_s=queue / 1000 if queue is not None else None,
+        worker_ttft_s=worker_ttft / 1000 if worker_ttft is not None else None,
     )
 
 
