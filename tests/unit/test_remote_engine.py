@@ -4,6 +4,7 @@ process, with a fake engine in it (devtools.fakes:start_fake_engine)."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import multiprocessing
 import os
 import signal
@@ -12,15 +13,19 @@ from typing import Any
 
 import psutil
 import pytest
+from PIL import Image
 
+from devtools.fakes import IMAGE_TOKENS
 from devtools.waiting import PATIENCE
 from worker.config.models import WorkerConfig
 from worker.engine.port import (
     EngineDead,
     EngineError,
+    EngineImage,
     GenerationRequest,
     GenerationUpdate,
     SamplingOptions,
+    StructuredOutput,
     WarmupPlan,
 )
 from worker.engine.remote import EngineProcessFailed, RemoteEngine
@@ -89,6 +94,31 @@ def test_abort_ends_the_stream_cancelled_and_a_dropped_reader_aborts() -> None:
         await stream.aclose()  # the service stopped reading: the child's engine is told
         await wait_until(lambda: engine.peek_stats().extra.get("aborted") == 2.0)
         assert (await collect(engine, request("after", 2)))[-1].finish_reason == "length"
+
+    with_engine(check)
+
+
+def test_a_request_with_images_and_a_schema_crosses_whole() -> None:
+    async def check(engine: RemoteEngine) -> None:
+        pixels = Image.new("RGB", (48, 32), (200, 10, 10))
+        sampling = SamplingOptions(
+            max_tokens=3, temperature=0.5, top_p=0.9, stop=("END",), structured=StructuredOutput({"type": "object"})
+        )
+        req = GenerationRequest("pic", [1, 7, 2], sampling, images=(EngineImage(pixels, "sha"),))
+        (final,) = [u async for u in engine.generate(dataclasses.replace(req, incremental=False))]
+        assert final.image_tokens == IMAGE_TOKENS and final.prompt_tokens == 3 + IMAGE_TOKENS
+        assert final.completion_tokens == 3
+
+    with_engine(check)
+
+
+def test_a_request_that_cannot_cross_fails_alone() -> None:
+    async def check(engine: RemoteEngine) -> None:
+        sampling = SamplingOptions(max_tokens=3, temperature=0.5, top_p=0.9)
+        req = GenerationRequest("odd", [1, 7, 2], sampling, images=(EngineImage(lambda: None, "sha"),))
+        with pytest.raises(EngineError, match="cannot be handed to the engine's process"):
+            await collect(engine, req)
+        assert (await collect(engine, request("odd", 2)))[-1].finished  # the same id, free again
 
     with_engine(check)
 

@@ -148,9 +148,13 @@ class RemoteEngine:
         rid = request.request_id
         if rid in self._streams:
             raise EngineError(f"request {rid} is running already")
+        try:
+            message = frame(("generate", request))
+        except Exception as exc:  # something in it that cannot cross (pickle): this request only
+            raise EngineError(f"the request cannot be handed to the engine's process: {exc}") from exc
         queue: asyncio.Queue[GenerationUpdate | BaseException | None] = asyncio.Queue()
         self._streams[rid] = queue
-        self._send(("generate", request))
+        self._writer.write(message)
         ended = False
         try:
             while True:
