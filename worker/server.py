@@ -97,14 +97,33 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
     if frontend_apart(config, gpu=nvidia_gpu_present()):
         from .engine.remote import RemoteEngine
 
+        starter = f"{__name__}:{start_vllm_here.__name__}"
+        logging = config.logging
         return await RemoteEngine.start(
-            "worker.server:start_vllm_here",
-            config,
-            stop_token_ids,
-            log_level=config.logging.level,
-            json_logs=config.logging.json_logs,
+            engine_process, starter, (config, stop_token_ids), logging.level, logging.json_logs
         )
     return await start_vllm_here(config, stop_token_ids)
+
+
+ENGINE_PROCESS_TITLE = "EngineFrontend"
+
+
+def engine_process(sock: Any, starter: str, args: tuple[Any, ...], log_level: str, json_logs: bool) -> None:
+    """The engine's own process (engine/remote.py; multiprocessing spawns it with this target):
+    its life tied to the worker's and out of the terminal's reach, as vLLM's processes
+    (system/children.py), logging as the worker does, named in ps, then the engine started by
+    ``starter`` (``module:function``) and served to the worker over ``sock``."""
+    import importlib
+
+    from .engine.remote_host import serve
+    from .system.children import die_with_parent
+    from .system.logs import configure_logging
+
+    die_with_parent()
+    configure_logging(log_level, json_logs=json_logs)
+    with contextlib.suppress(ImportError):  # vLLM's dependency
+        importlib.import_module("setproctitle").setproctitle(ENGINE_PROCESS_TITLE)
+    asyncio.run(serve(sock, starter, args))
 
 
 def frontend_apart(config: WorkerConfig, *, gpu: bool) -> bool:

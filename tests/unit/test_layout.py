@@ -50,6 +50,7 @@ ADAPTERS: dict[str, set[str]] = {
         "worker/system/notify.py",
         "worker/web/__init__.py",
         "worker/config/models.py",
+        "worker/engine/remote.py",  # the socket pair between the worker and its engine's process
     },
     "http": {"worker/web/__init__.py"},
     "urllib": {"worker/web/__init__.py"},

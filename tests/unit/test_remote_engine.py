@@ -29,9 +29,14 @@ from worker.engine.port import (
     WarmupPlan,
 )
 from worker.engine.remote import EngineProcessFailed, RemoteEngine
-from worker.server import frontend_apart
+from worker.server import ENGINE_PROCESS_TITLE, engine_process, frontend_apart
 
 STARTER = "devtools.fakes:start_fake_engine"
+
+
+async def start(*args: Any) -> RemoteEngine:
+    """The child as the server starts it (server.engine_process), with a fake engine in it."""
+    return await RemoteEngine.start(engine_process, STARTER, args, "INFO", False)
 
 
 async def wait_until(condition: Callable[[], bool]) -> None:
@@ -53,7 +58,7 @@ async def collect(engine: RemoteEngine, req: GenerationRequest) -> list[Generati
 
 def with_engine(test: Callable[[RemoteEngine], Awaitable[None]], *args: Any) -> None:
     async def main() -> None:
-        engine = await RemoteEngine.start(STARTER, *args)
+        engine = await start(*args)
         try:
             await test(engine)
         finally:
@@ -145,14 +150,14 @@ def test_calls_run_in_the_child() -> None:
 def test_a_start_that_fails_says_why() -> None:
     async def main() -> None:
         with pytest.raises(EngineProcessFailed, match="no model here"):
-            await RemoteEngine.start(STARTER, "no model here")
+            await start("no model here")
 
     asyncio.run(main())
 
 
 def test_a_dead_engine_process_fails_every_stream_and_the_next() -> None:
     async def main() -> None:
-        engine = await RemoteEngine.start(STARTER)
+        engine = await start()
         running = asyncio.ensure_future(collect(engine, request("still-running", 10_000)))
         await wait_until(lambda: engine.peek_stats().running == 1)
         with pytest.raises(EngineDead):
@@ -169,12 +174,12 @@ def test_a_dead_engine_process_fails_every_stream_and_the_next() -> None:
 
 def test_a_killed_engine_process_is_noticed() -> None:
     async def main() -> None:
-        engine = await RemoteEngine.start(STARTER)
+        engine = await start()
         running = asyncio.ensure_future(collect(engine, request("running", 10_000)))
         await wait_until(lambda: engine.peek_stats().running == 1)
         pid = engine._process.pid
         assert pid is not None
-        assert psutil.Process(pid).name() == "EngineFrontend"  # what ps shows
+        assert psutil.Process(pid).name() == ENGINE_PROCESS_TITLE  # what ps shows
         os.kill(pid, signal.SIGKILL)
         with pytest.raises(EngineDead, match="killed by SIGKILL"):
             await running
@@ -186,7 +191,7 @@ def test_a_killed_engine_process_is_noticed() -> None:
 
 def test_a_cancelled_start_leaves_no_process() -> None:
     async def main() -> None:
-        started = asyncio.ensure_future(RemoteEngine.start(STARTER))
+        started = asyncio.ensure_future(start())
         await asyncio.sleep(0.05)  # the child spawned, not ready yet
         started.cancel()
         with pytest.raises(asyncio.CancelledError):

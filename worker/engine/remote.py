@@ -32,7 +32,7 @@ import signal
 import socket
 import struct
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from loguru import logger
@@ -104,17 +104,16 @@ class RemoteEngine:
         self._reading = asyncio.create_task(self._read_forever(), name="engine process reader")
 
     @classmethod
-    async def start(cls, starter: str, *args: Any, log_level: str = "INFO", json_logs: bool = False) -> RemoteEngine:
-        """Start the child, which logs as the worker does and runs ``starter`` (``module:function``,
-        an ``EngineStarter`` taking ``args``), and wait for its engine. Cancelled (a signal during
-        the start), the child is killed; a child whose start failed raises ``EngineProcessFailed``."""
-        from .remote_host import run
-
+    async def start(cls, target: Callable[..., None], *args: Any) -> RemoteEngine:
+        """Spawn the child, which runs ``target(sock, *args)`` (a function of a module, which
+        serves the port on ``sock``: remote_host.serve, as server.engine_process runs it), and
+        wait for its engine. Cancelled (a signal during the start), the child is killed; a child
+        whose start failed raises ``EngineProcessFailed`` with its reason."""
         ours, theirs = socket.socketpair()
         # From the event loop's thread, never another: the child's death signal comes when the
         # thread that started it exits (system/children.py).
         process = multiprocessing.get_context("spawn").Process(
-            target=run, args=(theirs, starter, args, log_level, json_logs), name="EngineFrontend", daemon=False
+            target=target, args=(theirs, *args), name="EngineFrontend", daemon=False
         )
         try:
             process.start()

@@ -4,8 +4,8 @@ and serves the port over the socket it was handed (the protocol is described the
 One event loop, as in the worker: vLLM's output handler, a task per request reading the
 adapter's ``generate``, and the socket. Items of every request go out together, one write per
 pass of the loop (``_flush``), so that a step of 1,000 running requests costs one message, not
-1,000. The process dies with the worker (``die_with_parent``), and the engine core it starts
-dies with it in turn.
+1,000. The process's entry (server.engine_process) ties its life to the worker's first
+(``die_with_parent``): the engine core it starts dies with it in turn.
 """
 
 from __future__ import annotations
@@ -14,17 +14,12 @@ import asyncio
 import contextlib
 import gc
 import importlib
-import socket
 from typing import Any
 
 from loguru import logger
 
-from ..system.children import die_with_parent
-from ..system.logs import configure_logging
 from .port import EngineError, GenerationRequest, GenerationUpdate, ServedEngine
 from .remote import STATS_INTERVAL, frame, read_frame
-
-PROCESS_TITLE = "EngineFrontend"
 
 
 def describe(exc: BaseException) -> str:
@@ -37,16 +32,11 @@ def portable(exc: BaseException) -> EngineError:
     return exc if isinstance(exc, EngineError) else EngineError(describe(exc))
 
 
-def run(sock: socket.socket, starter: str, args: tuple[Any, ...], log_level: str, json_logs: bool) -> None:
-    """The process's target (multiprocessing, spawned): ``starter`` is ``module:function``."""
-    die_with_parent()
-    configure_logging(log_level, json_logs=json_logs)
-    with contextlib.suppress(ImportError):  # vLLM's dependency: ps then says what this process is
-        importlib.import_module("setproctitle").setproctitle(PROCESS_TITLE)
-    asyncio.run(_serve(sock, starter, args))
-
-
-async def _serve(sock: socket.socket, starter: str, args: tuple[Any, ...]) -> None:
+async def serve(sock: Any, starter: str, args: tuple[Any, ...]) -> None:
+    """On ``sock`` (the child's end of engine/remote.py's socket pair): start the engine
+    (``starter``: ``module:function``, an EngineStarter called with
+    ``args``), say so to the worker (``ready``, or ``failed`` with the reason), then serve it
+    until the worker closes its end."""
     reader, writer = await asyncio.open_unix_connection(sock=sock)
     try:
         module, _, name = starter.partition(":")
