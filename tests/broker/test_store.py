@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import sqlite3
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -240,3 +241,93 @@ def test_a_corrupt_database_is_moved_aside(tmp_path: Path) -> None:
     assert store.load("u/s") is not None
     aside = [p.name for p in tmp_path.iterdir() if ".corrupt-" in p.name]
     assert aside and aside[0].startswith(f"{DATABASE_NAME}.corrupt-")
+
+
+# -- several calls in one transaction (SqliteStore.run_batch) ----------------------------
+
+
+def test_a_batch_commits_every_call_and_undoes_a_failed_one_alone(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+
+    def half_written() -> None:  # writes, then fails: its write must not stay
+        store.count_delivery("u/broken", "k")
+        raise RuntimeError("a call that fails after writing")
+
+    history = SessionHistory(None, [Turn.plain("k1", "hi", "hello")])
+    outcomes = store.run_batch(
+        [
+            lambda: store.count_delivery("u/a", "k1"),
+            lambda: store.save("u/a", history, "k1", b'{"reply": "hello"}'),
+            half_written,
+            lambda: store.count_delivery("u/b", "k2"),
+            lambda: store.load("u/a"),  # sees what the batch wrote before it
+        ]
+    )
+    assert [error is None for _, error in outcomes] == [True, True, False, True, True]
+    assert isinstance(outcomes[2][1], RuntimeError)
+    assert outcomes[0][0] == 1 and outcomes[3][0] == 1
+    loaded = outcomes[4][0]
+    assert loaded is not None and loaded.turns == history.turns
+    store.close()
+    again = SqliteStore(tmp_path)  # what is on disk
+    assert again.count_delivery("u/broken", "k") == 1  # the failed call's count was undone
+    assert again.count_delivery("u/a", "k1") == 1  # the save deleted its delivery count
+    assert again.count_delivery("u/b", "k2") == 2
+    stored = again.load("u/a")
+    assert stored is not None and stored.turns == history.turns
+    again.close()
+
+
+def test_a_batch_that_the_disk_refuses_fails_its_calls_and_writes_nothing_half(tmp_path: Path) -> None:
+    """Whatever SQLite does on a full database (the statement or the whole transaction rolled
+    back), every call either succeeded and is on disk, or failed with StoreUnavailable and
+    left nothing."""
+    store = SqliteStore(tmp_path)
+    store.count_delivery("u/x", "warm-up")
+    pages = store._db.execute("PRAGMA page_count").fetchone()[0]
+    store._db.execute(f"PRAGMA max_page_count = {pages}")
+    big = SessionHistory(None, [Turn.plain("k", "x" * 200_000, "y")])
+    names = ["u/a", "u/b", "u/c"]
+    outcomes = store.run_batch(
+        [
+            lambda: store.count_delivery("u/a", "k"),
+            lambda: store.save("u/b", big, "k", b"{}"),  # does not fit
+            lambda: store.count_delivery("u/c", "k"),
+        ]
+    )
+    assert isinstance(outcomes[1][1], StoreUnavailable)
+    store._db.execute("PRAGMA max_page_count = 1073741823")
+    for name, (_, error) in zip(names, outcomes, strict=True):
+        if error is None:
+            assert store.count_delivery(name, "k") == 2, name  # counted once by the batch
+        else:
+            assert isinstance(error, StoreUnavailable)
+            assert store.count_delivery(name, "k") == 1, name  # nothing of the failed call
+    assert store.load("u/b") is None
+    store.close()
+
+
+def test_a_reset_in_a_batch_still_empties_the_wal(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    cache = SessionCache(store, capacity=10)
+    cache.save("u/s", SessionHistory("system-marker", [Turn.plain("k1", "user-marker", "a")]), "k1", b"{}")
+    outcomes = store.run_batch([lambda: store.reset("u/s"), lambda: store.count_delivery("u/t", "k")])
+    assert [error for _, error in outcomes] == [None, None]
+    data = file_bytes(tmp_path)
+    assert b"user-marker" not in data and b"system-marker" not in data
+    store.close()
+
+
+def test_a_batch_waits_for_another_connections_lock(tmp_path: Path) -> None:
+    store = SqliteStore(tmp_path)
+    other = sqlite3.connect(tmp_path / DATABASE_NAME, isolation_level=None, check_same_thread=False)
+    other.execute("BEGIN IMMEDIATE")  # holds the write lock, as a backup or a shell might
+    released = threading.Timer(1.3, lambda: other.execute("COMMIT"))
+    released.start()
+    try:
+        outcomes = store.run_batch([lambda: store.count_delivery("u/a", "k"), lambda: store.count_delivery("u/a", "k")])
+    finally:
+        released.join()
+        other.close()
+    assert outcomes == [(1, None), (2, None)]
+    store.close()

@@ -8,7 +8,8 @@ requests that need it, not every session's stream. One thread, one store: its ca
 at a time in the order they were made (SQLite's connection is used from that thread only,
 and a session's writes are committed in the order its turns made them), while the event loop
 goes on streaming. The calls made while the thread is busy run as one batch on its next turn,
-and their results come back to the loop together: one hop between the threads for many calls.
+and their results come back to the loop together: one hop between the threads for many calls;
+SQLite commits such a batch as one transaction (SqliteStore.run_batch).
 The intake makes as few as it can: the sessions of the requests waiting in the inbox are read
 together (``aprefetch``), and a delivery is counted by its turn, not by its dispatch."""
 
@@ -116,15 +117,26 @@ class SessionCache:
                     self._draining = False
                     return
             results: dict[asyncio.AbstractEventLoop, list[tuple[asyncio.Future[Any], Any, BaseException | None]]] = {}
-            for call, done in batch:
-                try:
-                    result: tuple[asyncio.Future[Any], Any, BaseException | None] = (done, call(), None)
-                except BaseException as exc:  # the caller's to handle, as from run_in_executor
-                    result = (done, None, exc)
-                results.setdefault(done.get_loop(), []).append(result)
+            for (_, done), (value, error) in zip(batch, self._outcomes([call for call, _ in batch]), strict=True):
+                results.setdefault(done.get_loop(), []).append((done, value, error))
             for loop, settled in results.items():
                 with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits for these
                     loop.call_soon_threadsafe(_settle, settled)
+
+    def _outcomes(self, calls: list[Callable[[], Any]]) -> list[tuple[Any, BaseException | None]]:
+        """On the store's thread: each call's (result, error), in order; a store that can
+        commit several calls at once (SqliteStore.run_batch) does, where there are several."""
+        run_batch = getattr(self.store, "run_batch", None)
+        if run_batch is not None and len(calls) > 1:
+            outcomes: list[tuple[Any, BaseException | None]] = run_batch(calls)
+            return outcomes
+        out: list[tuple[Any, BaseException | None]] = []
+        for call in calls:
+            try:
+                out.append((call(), None))
+            except BaseException as exc:  # the caller's to handle, as from run_in_executor
+                out.append((None, exc))
+        return out
 
     def _cached(self, name: str) -> SessionHistory | None:
         """The session in memory, or None when it must be read from the store (not in memory,
