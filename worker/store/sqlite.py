@@ -2,7 +2,8 @@
 
 The contract, and what is stored: port.py.
 
-SQLite runs in WAL mode with ``synchronous=NORMAL``: a turn is one transaction, and a
+SQLite runs in WAL mode with ``synchronous=NORMAL``: a turn is one transaction (a savepoint
+of one, when the store's thread commits several calls at once: ``run_batch``), and a
 committed transaction survives the worker's crash or SIGKILL (it is in the OS's page cache
 and the WAL); only a power loss can take the last transactions since a checkpoint.
 
