@@ -387,14 +387,23 @@ class Server:
         self._signal = signal.Signals(sig)
         self.request_stop()
 
+    def _start_holds_the_loop(self) -> bool:
+        """Whether the engine start holds the event loop: vLLM started in this process does
+        (system/children.py); vLLM started in the engine's own process (engine/remote.py) only
+        waits for it, and the loop's signal handlers stop the start as any await."""
+        return self._engine_starter is not start_vllm or not frontend_apart(self.config, gpu=nvidia_gpu_present())
+
     @contextlib.contextmanager
-    def _signals_cancel_the_start(self) -> Iterator[None]:
-        """For the engine start, which holds the event loop (and must: system/children.py), so
+    def _signals_cancel_the_start(self, *, holding: bool = True) -> Iterator[None]:
+        """For an engine start that holds the event loop (and must: system/children.py), so
         that the loop's own signal handlers run only once it is over, minutes for a large
         model: a stop signal meanwhile raises CancelledError where the start is, which unwinds
         it as a cancelled start. The loop still sees the signal once it runs again (signals
-        also reach its wakeup fd) and requests the stop then."""
-        if threading.current_thread() is not threading.main_thread():
+        also reach its wakeup fd) and requests the stop then. Not for a start that only waits
+        (``holding`` False): raised while the loop waits in its selector, the CancelledError
+        would end the loop itself instead of the start (seen: a traceback, exit 1, and the
+        engine's process left to start on its own)."""
+        if not holding or threading.current_thread() is not threading.main_thread():
             yield
             return
 
@@ -583,7 +592,7 @@ class Server:
     async def _start_engine(self, renderer: ChatTokenizer) -> ServedEngine:
         model = self.config.engine.model
         starting = start_phase(self.notifier, "Starting the engine", "Engine ready", detail=f"vLLM is loading {model}")
-        with starting, self._signals_cancel_the_start():
+        with starting, self._signals_cancel_the_start(holding=self._start_holds_the_loop()):
             engine = self.engine = await self._engine_starter(self.config, renderer.stop_token_ids)
         self._resources.push_async_callback(engine.shutdown)
         short = pending_limit_short(self.config.limits.max_pending_requests, engine.info.max_requests)

@@ -186,12 +186,15 @@ def test_a_second_ctrl_c_stops_at_once_and_the_request_is_answered_after_a_resta
     watch.close()
 
 
+@pytest.mark.parametrize("frontend", ["off", "on"])
 def test_ctrl_c_during_the_engine_start_stops_the_start(
-    tiny_model: Path, broker: Mosquitto, state: Path, terminal_workers: list[TerminalWorker]
+    tiny_model: Path, broker: Mosquitto, state: Path, terminal_workers: list[TerminalWorker], frontend: str
 ) -> None:
     """The engine start holds the event loop for as long as the model load takes (minutes for a
-    large model): a Ctrl-C meanwhile stops it then, not once the model is loaded."""
-    worker = TerminalWorker(tiny_model, broker, state)
+    large model): a Ctrl-C meanwhile stops it then, not once the model is loaded. With vLLM's
+    frontend in a process of its own (on a GPU by default) the start only waits for that
+    process: the loop's own handler stops it, and the process goes too."""
+    worker = TerminalWorker(tiny_model, broker, state, "--frontend-process", frontend)
     terminal_workers.append(worker)
     worker.expect("Starting the engine")
     # From its first moment, each process multiprocessing spawns (the engine core, before it is
