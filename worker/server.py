@@ -98,10 +98,8 @@ async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedE
         from .engine.remote import RemoteEngine
 
         starter = f"{__name__}:{start_vllm_here.__name__}"
-        logging = config.logging
-        return await RemoteEngine.start(
-            engine_process, starter, (config, stop_token_ids), logging.level, logging.json_logs
-        )
+        logs = config.logging
+        return await RemoteEngine.start(engine_process, starter, (config, stop_token_ids), logs.level, logs.json_logs)
     return await start_vllm_here(config, stop_token_ids)
 
 
