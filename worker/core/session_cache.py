@@ -25,7 +25,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, TypeVar
 
 from ..session import Progress, SessionHistory
-from ..store.port import HistoryStore, StoreError, decode_progress, encode_progress
+from ..store.port import HistoryStore, StoreError, decode_progress, encode_progress, outcome
 
 T = TypeVar("T")
 
@@ -130,13 +130,7 @@ class SessionCache:
         if run_batch is not None and len(calls) > 1:
             outcomes: list[tuple[Any, BaseException | None]] = run_batch(calls)
             return outcomes
-        out: list[tuple[Any, BaseException | None]] = []
-        for call in calls:
-            try:
-                out.append((call(), None))
-            except BaseException as exc:  # the caller's to handle, as from run_in_executor
-                out.append((None, exc))
-        return out
+        return [outcome(call) for call in calls]
 
     def _cached(self, name: str) -> SessionHistory | None:
         """The session in memory, or None when it must be read from the store (not in memory,

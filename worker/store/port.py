@@ -20,7 +20,8 @@ import base64
 import binascii
 import json
 from collections import OrderedDict
-from typing import Any, Protocol
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from ..session import Progress, SessionHistory, StoredImage, ToolSpec, Turn, WorkerCallRecord
 
@@ -40,6 +41,19 @@ class SessionUnreadable(StoreError):
     def __init__(self, session: str, detail: str) -> None:
         super().__init__(f"the stored state of session {session} cannot be read: {detail}")
         self.session = session
+
+
+T = TypeVar("T")
+
+
+def outcome(call: Callable[[], T]) -> tuple[T | None, BaseException | None]:
+    """A store call's (result, error), for the thread that runs store calls for others
+    (core/session_cache.py, SqliteStore.run_batch): the error is its caller's to handle, as
+    from run_in_executor."""
+    try:
+        return call(), None
+    except BaseException as exc:
+        return None, exc
 
 
 class HistoryStore(Protocol):
@@ -78,6 +92,9 @@ class HistoryStore(Protocol):
         """The request's stored progress, if any."""
 
     def close(self) -> None: ...
+
+    # Optional (getattr): run_batch(calls) -> each call's (result, error), in order, the calls
+    # committed together (SqliteStore.run_batch); the store's thread uses it where it is.
 
 
 def encode_state(history: SessionHistory) -> str:

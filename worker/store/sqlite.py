@@ -38,7 +38,7 @@ from typing import Any, TypeVar
 from loguru import logger
 
 from ..session import ANSWERED_KEYS_PER_SESSION, SessionHistory, StoredImage
-from .port import StoreUnavailable, decode_history, encode_state, missing_images, stored_images
+from .port import StoreUnavailable, decode_history, encode_state, missing_images, outcome, stored_images
 
 DATABASE_NAME = "sessions.sqlite3"
 # How long one statement waits for another connection's lock, and how often it is tried. The
@@ -380,16 +380,16 @@ class SqliteStore:
         the calls run one by one, each with its own tries."""
         with self._in_use:
             if not self._begin_batch():
-                return [_outcome(call) for call in calls]
+                return [outcome(call) for call in calls]
             outcomes: list[tuple[Any, BaseException | None]] = []
             try:
                 for call in calls:
                     self._db.execute("SAVEPOINT call")
-                    outcome = _outcome(call)
-                    if outcome[1] is not None:
+                    result = outcome(call)
+                    if result[1] is not None:
                         self._db.execute("ROLLBACK TO call")
                     self._db.execute("RELEASE call")
-                    outcomes.append(outcome)
+                    outcomes.append(result)
                 self._db.execute("COMMIT")
             except sqlite3.Error as exc:
                 with contextlib.suppress(sqlite3.Error):
@@ -423,13 +423,6 @@ class SqliteStore:
     def close(self) -> None:
         with self._in_use:
             self._db.close()
-
-
-def _outcome(call: Callable[[], Any]) -> tuple[Any, BaseException | None]:
-    try:
-        return call(), None
-    except BaseException as exc:  # the caller's to handle, as from run_in_executor
-        return None, exc
 
 
 class _Transaction:
