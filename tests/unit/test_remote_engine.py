@@ -155,11 +155,17 @@ def test_a_start_that_fails_says_why() -> None:
     asyncio.run(main())
 
 
+async def start_with_a_long_request() -> tuple[RemoteEngine, asyncio.Future[list[GenerationUpdate]]]:
+    """A child whose engine runs one long request (the child's own count says so)."""
+    engine = await start()
+    running = asyncio.ensure_future(collect(engine, request("running", 10_000)))
+    await wait_until(lambda: engine.peek_stats().running == 1)
+    return engine, running
+
+
 def test_a_dead_engine_process_fails_every_stream_and_the_next() -> None:
     async def main() -> None:
-        engine = await start()
-        running = asyncio.ensure_future(collect(engine, request("still-running", 10_000)))
-        await wait_until(lambda: engine.peek_stats().running == 1)
+        engine, running = await start_with_a_long_request()
         with pytest.raises(EngineDead):
             await collect(engine, request("die-now"))
         with pytest.raises(EngineDead):
@@ -174,9 +180,7 @@ def test_a_dead_engine_process_fails_every_stream_and_the_next() -> None:
 
 def test_a_killed_engine_process_is_noticed() -> None:
     async def main() -> None:
-        engine = await start()
-        running = asyncio.ensure_future(collect(engine, request("running", 10_000)))
-        await wait_until(lambda: engine.peek_stats().running == 1)
+        engine, running = await start_with_a_long_request()
         pid = engine._process.pid
         assert pid is not None
         assert psutil.Process(pid).name() == ENGINE_PROCESS_TITLE  # what ps shows

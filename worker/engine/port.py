@@ -13,6 +13,16 @@ from typing import Any, Protocol
 from ..session import ToolSpec
 
 
+def describe(exc: BaseException) -> str:
+    """An exception and its causes, one line: vLLM's wrappers carry no message themselves."""
+    parts: list[str] = []
+    current: BaseException | None = exc
+    while current is not None and len(parts) < 4:
+        parts.append(f"{type(current).__name__}: {current}".rstrip(": "))
+        current = current.__cause__ or current.__context__
+    return " <- ".join(parts)
+
+
 class EngineError(Exception):
     """The engine failed one request; others may still be served."""
 

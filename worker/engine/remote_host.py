@@ -18,12 +18,8 @@ from typing import Any
 
 from loguru import logger
 
-from .port import EngineError, GenerationRequest, GenerationUpdate, ServedEngine
+from .port import EngineError, GenerationRequest, GenerationUpdate, ServedEngine, describe
 from .remote import STATS_INTERVAL, frame, read_frame
-
-
-def describe(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
 
 
 def portable(exc: BaseException) -> EngineError:

@@ -74,6 +74,7 @@ from .port import (
     VisionInfo,
     VisionSettings,
     WarmupPlan,
+    describe,
 )
 from .vllm_args import unknown_names
 
@@ -765,16 +766,6 @@ def first_token_time(output: Any) -> float | None:
     if arrival <= 0 or latency <= 0:
         return None
     return time.monotonic() - max(0.0, time.time() - (arrival + latency))
-
-
-def describe(exc: BaseException) -> str:
-    """An exception and its causes, one line: vLLM's wrappers carry no message themselves."""
-    parts: list[str] = []
-    current: BaseException | None = exc
-    while current is not None and len(parts) < 4:
-        parts.append(f"{type(current).__name__}: {current}".rstrip(": "))
-        current = current.__cause__ or current.__context__
-    return " <- ".join(parts)
 
 
 class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
