@@ -13,10 +13,11 @@ each leg timed on CLOCK_MONOTONIC, one clock for every process of the host:
     python -m bench.legs MODEL_DIR [--requests 320] [--rounds 3] [--switch-ms 5 1]
         [--store sqlite|memory] [--gen-s 1.0] [--mosquitto PATH]
 
-Each ``--switch-ms`` value runs in a worker process of its own (sys.setswitchinterval, as the
-worker's ``limits.switch_interval_ms``; each on a topic prefix of its own, idle while another's
-round runs), the values taking turns round by round. A benchmark,
-not a test: the numbers depend on the machine and what else runs on it.
+Each ``--switch-ms`` value (Python's thread switch interval, sys.setswitchinterval: how long
+paho's and the store's threads may wait for the interpreter while the event loop is busy) runs
+in a worker process of its own, on a topic prefix of its own, idle while another's round
+runs; the variants take turns round by round. A benchmark, not a test: the numbers depend on
+the machine and what else runs on it.
 """
 
 from __future__ import annotations
@@ -116,7 +117,7 @@ def main() -> None:
     parser.add_argument("model", help="the model's directory (its tokenizer and chat template)")
     parser.add_argument("--requests", type=int, default=320)
     parser.add_argument("--rounds", type=int, default=3)
-    parser.add_argument("--switch-ms", type=float, nargs="+", default=[5.0])
+    parser.add_argument("--switch-ms", type=float, nargs="+", default=[5.0], help="sys.setswitchinterval")
     parser.add_argument("--store", choices=["sqlite", "memory"], default="sqlite")
     parser.add_argument("--gen-s", type=float, default=1.0, help="each request's time in the engine")
     parser.add_argument("--mosquitto", default=None, help="the broker's binary (default: Debian's)")
@@ -148,7 +149,7 @@ def main() -> None:
             process.start()
             if not mine.poll(300) or mine.recv() != "ready":
                 raise RuntimeError("the worker did not start")
-            workers.append((switch_ms, mine, process))
+            workers.append((f"switch interval {switch_ms:g} ms", mine, process))
         replies: dict[str, tuple[float, dict[str, Any]]] = {}
         done = threading.Event()
         expected = [0]
@@ -160,9 +161,9 @@ def main() -> None:
 
         client = connect(broker.port, [("+/bench/+/reply", 1)], on_message=on_message, keepalive=60, max_inflight=0)
         for number in range(args.rounds):
-            for index, (switch_ms, conn, _) in enumerate(workers):
+            for index, (variant, conn, _) in enumerate(workers):
                 # Each round's own messages and sessions: nothing from the tokenizer's caches.
-                tag = f"r{number}w{switch_ms:g}".replace(".", "_")
+                tag = f"r{number}w{index}"
                 payloads = {
                     f"{tag}-{i}": json.dumps(
                         {
@@ -179,7 +180,7 @@ def main() -> None:
                 sent = _round(client, replies, done, payloads, f"w{index}")  # that worker's prefix
                 conn.send("times")
                 received, published = conn.recv()
-                print(f"round {number}, switch interval {switch_ms:g} ms, {args.requests} requests")
+                print(f"round {number}, {variant}, {args.requests} requests")
                 for name, values in legs(sent, received, published, replies).items():
                     print(f"  {name:14} {_quantiles(values)}")
                 time.sleep(1)

@@ -42,7 +42,6 @@ import contextlib
 import gc
 import os
 import signal
-import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Collection, Coroutine, Iterator
@@ -448,9 +447,6 @@ class Server:
         onto the exit stack as it is opened. False when the start cannot go on (``exit_code``
         2), or was stopped while it waited for the broker."""
         self._log_start()
-        # Before any thread of ours starts: the pace at which paho's and the store's threads
-        # get the interpreter back from the busy event loop (limits.switch_interval_ms).
-        sys.setswitchinterval(self.config.limits.switch_interval_ms / 1000)
         self.config = with_sampling_defaults(self.config)  # once, for the engine, the warm-up and requests
         try:
             if not await self._check_broker():

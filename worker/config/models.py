@@ -619,15 +619,6 @@ class LimitsConfig(Section):
         flag="--max-requests-per-user-per-minute",
         ge=0,
     )
-    switch_interval_ms: float = opt(
-        5.0,
-        "Python's thread switch interval in the worker's process (sys.setswitchinterval), in ms: "
-        "how long paho's network thread and the store's thread may wait for the interpreter while "
-        "the event loop is busy (a burst coming in). Python's default is 5.",
-        flag="--switch-interval-ms",
-        gt=0,
-        le=100,
-    )
 
 
 NAME_OF_TOOL = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
