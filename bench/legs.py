@@ -1,6 +1,8 @@
 """Where a burst's request spends its time outside the engine: N one-turn requests published at
 once to a worker process (the real transport, Service and store, the model's tokenizer; an
-engine that answers every request ``--gen-s`` after it came, devtools.fakes.ZeroCostEngine),
+engine that answers every request ``--gen-s`` after it came, devtools.fakes.ZeroCostEngine; with
+``--together`` every reply of the burst at one moment, ``--gen-s`` after the first request
+reached it, as replies of one length end in one decode step),
 each leg timed on CLOCK_MONOTONIC, one clock for every process of the host:
 
 - way in: sent by the client -> paho's callback in the worker;
@@ -11,7 +13,7 @@ each leg timed on CLOCK_MONOTONIC, one clock for every process of the host:
 - way back: handed to paho in the worker -> the client's callback.
 
     python -m bench.legs MODEL_DIR [--requests 320] [--rounds 3] [--switch-ms 5 1]
-        [--store sqlite|memory] [--gen-s 1.0] [--mosquitto PATH]
+        [--store sqlite|memory] [--gen-s 1.0] [--together] [--mosquitto PATH]
 
 Each ``--switch-ms`` value (Python's thread switch interval, sys.setswitchinterval: how long
 paho's and the store's threads may wait for the interpreter while the event loop is busy) runs
@@ -37,7 +39,38 @@ from .common import Workload, percentile
 REPLY_TOKENS = 128
 
 
-def _worker(port: int, prefix: str, model: str, switch_ms: float, store: str, gen_s: float, conn: Any) -> None:
+def _together(gen_s: float) -> Any:
+    """An engine that answers every request of a burst at one moment, ``gen_s`` after the
+    burst's first request reached it: as replies of one length end in one decode step."""
+    import asyncio
+    from collections.abc import AsyncIterator
+
+    from devtools.fakes import ZeroCostEngine
+    from worker.engine.port import GenerationRequest, GenerationUpdate
+
+    class Together(ZeroCostEngine):
+        def __init__(self) -> None:
+            super().__init__(REPLY_TOKENS, 1, gen_s)
+            self.deadline, self.running = 0.0, 0
+
+        async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
+            now = time.monotonic()
+            if not self.running and now > self.deadline:  # a new burst
+                self.deadline = now + gen_s
+            self.running += 1
+            try:
+                await asyncio.sleep(self.deadline - now)
+                tokens = min(REPLY_TOKENS, request.sampling.max_tokens)
+                yield GenerationUpdate("w " * tokens, tokens, len(request.prompt_token_ids), 0, True, "length")
+            finally:
+                self.running -= 1
+
+    return Together()
+
+
+def _worker(
+    port: int, prefix: str, model: str, switch_ms: float, store: str, gen_s: float, together: bool, conn: Any
+) -> None:
     """The worker's process: LiveWorker on the broker, the times of its receipts and replies
     sent to the parent whenever it asks."""
     sys.setswitchinterval(switch_ms / 1000)
@@ -63,7 +96,7 @@ def _worker(port: int, prefix: str, model: str, switch_ms: float, store: str, ge
     transport.MqttTransport._publish = timed_publish  # type: ignore[method-assign,assignment]
     LiveWorker(
         port,
-        engine=ZeroCostEngine(REPLY_TOKENS, 1, gen_s),
+        engine=_together(gen_s) if together else ZeroCostEngine(REPLY_TOKENS, 1, gen_s),
         renderer=ChatTokenizer(model),
         history={"store": store, "state_dir": tempfile.mkdtemp()},
         mqtt={"topic_prefix": prefix, "worker_id": f"legs-{prefix}"},  # a client id each
@@ -120,6 +153,9 @@ def main() -> None:
     parser.add_argument("--switch-ms", type=float, nargs="+", default=[5.0], help="sys.setswitchinterval")
     parser.add_argument("--store", choices=["sqlite", "memory"], default="sqlite")
     parser.add_argument("--gen-s", type=float, default=1.0, help="each request's time in the engine")
+    parser.add_argument(
+        "--together", action="store_true", help="every reply of a round at one moment, --gen-s after the first request"
+    )
     parser.add_argument("--mosquitto", default=None, help="the broker's binary (default: Debian's)")
     args = parser.parse_args()
 
@@ -143,7 +179,7 @@ def main() -> None:
             mine, theirs = context.Pipe()
             process = context.Process(
                 target=_worker,
-                args=(broker.port, f"w{index}", args.model, switch_ms, args.store, args.gen_s, theirs),
+                args=(broker.port, f"w{index}", args.model, switch_ms, args.store, args.gen_s, args.together, theirs),
                 daemon=True,
             )
             process.start()
