@@ -70,8 +70,8 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return round(statistics.median(values), 1) if values else None
 
 
-# Where the worker's TTFT goes (burst.legs): outside the worker (MQTT both ways), its queue,
-# its own TTFT from receipt.
+# Where the worker's TTFT goes (burst.legs): outside the worker's total (MQTT both ways and the
+# session's commit before the reply is published), its queue, its own TTFT from receipt.
 WORKER_LEGS = ("transit_p50_ms", "transit_max_ms", "queue_p50_ms", "worker_ttft_p50_ms", "worker_ttft_p95_ms")
 
 
@@ -224,8 +224,9 @@ def alternating_markdown(result: dict[str, Any]) -> str:
     if any(row.get("worker_transit_p50_ms_median") is not None for _, row in rows):
         lines += [
             "",
-            "The worker's replies, medians over the repeats: the time outside the worker (the request's way to it "
-            "and the reply's back, over MQTT: the client's time less the worker's total), the worker's queue "
+            "The worker's replies, medians over the repeats: the time outside the worker's total (the client's "
+            "time less the worker's totalMs: the request's way to it and the reply's back over MQTT, and the wait "
+            "for the session's commit before the reply is published), the worker's queue "
             "(received to handed to the engine), and its TTFT from receipt:",
             "",
             "| sessions | outside the worker p50 / most | queue p50 | TTFT from receipt p50 / p95 |",

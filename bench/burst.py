@@ -55,10 +55,11 @@ class Outcome:
     completion_tokens: int
     prompt_tokens: int
     admitted_s: float | None = None  # reached the engine
-    # The worker's side only, from its reply's latency fields: the time outside the worker
-    # (the request's way to it and the reply's back: the client's time less the worker's
-    # total), the worker's queue (received -> handed to the engine) and its own TTFT (from
-    # receipt). Where a worker's TTFT goes that raw AsyncLLM's has no part of.
+    # The worker's side only, from its reply's latency fields: the time outside the worker's
+    # total (the client's time less it: the request's way to it and the reply's back, and the
+    # wait for the session's commit before the reply is published), the worker's queue
+    # (received -> handed to the engine) and its own TTFT (from receipt). Where a worker's TTFT
+    # goes that raw AsyncLLM's has no part of.
     transit_s: float | None = None
     queue_s: float | None = None
     worker_ttft_s: float | None = None

@@ -212,7 +212,7 @@ class Usage(WireModel):
 class Latency(WireModel):
     queue_ms: float  # received -> handed to the engine (session order and admission)
     ttft_ms: float  # received -> first generated token
-    total_ms: float  # received -> reply published
+    total_ms: float  # received -> reply built (its turn is then committed to the store, then published)
 
 
 # finishReason of a reply whose thinking used up its budget (the request's reasoningBudget,
