@@ -94,7 +94,7 @@ EngineStarter = Callable[[WorkerConfig, list[int]], Awaitable[ServedEngine]]
 async def start_vllm(config: WorkerConfig, stop_token_ids: list[int]) -> ServedEngine:
     """The worker's engine: vLLM, its frontend in a process of its own (engine/remote.py) or in
     this one (``frontend_apart``)."""
-    if frontend_apart(config, gpu=nvidia_gpu_present()):
+    if frontend_apart(config):
         from .engine.remote import RemoteEngine
 
         starter = f"{__name__}:{start_vllm_here.__name__}"
@@ -124,11 +124,11 @@ def engine_process(sock: Any, starter: str, args: tuple[Any, ...], log_level: st
     asyncio.run(serve(sock, starter, args))
 
 
-def frontend_apart(config: WorkerConfig, *, gpu: bool) -> bool:
+def frontend_apart(config: WorkerConfig, *, gpu: bool | None = None) -> bool:
     """Whether vLLM's frontend runs in a process of its own (engine.frontend_process; auto: on
-    with a GPU)."""
+    with a GPU; ``gpu``: whether this machine has one, default: looked up)."""
     choice = config.engine.frontend_process
-    return choice == "on" or (choice == "auto" and gpu)
+    return choice == "on" or (choice == "auto" and (nvidia_gpu_present() if gpu is None else gpu))
 
 
 async def start_vllm_here(config: WorkerConfig, stop_token_ids: list[int]) -> ServedEngine:
@@ -389,7 +389,7 @@ class Server:
         """Whether the engine start holds the event loop: vLLM started in this process does
         (system/children.py); vLLM started in the engine's own process (engine/remote.py) only
         waits for it, and the loop's signal handlers stop the start as any await."""
-        return self._engine_starter is not start_vllm or not frontend_apart(self.config, gpu=nvidia_gpu_present())
+        return self._engine_starter is not start_vllm or not frontend_apart(self.config)
 
     @contextlib.contextmanager
     def _signals_cancel_the_start(self, *, holding: bool = True) -> Iterator[None]:
