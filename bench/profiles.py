@@ -256,6 +256,10 @@ PROFILES["gpu-320"] = replace(PROFILES["gpu"], burst_sessions=(320,), burst_sess
 PROFILES["gpu-goal"] = replace(
     PROFILES["gpu"], burst_sessions=(320, 1000, 2000), burst_sessions_by_limits={"new": (320, 1000, 2000)}
 )
+# The same sizes with the host-memory KV tier off on both sides (the worker's default sizes it
+# from the host's memory, 64 GiB on the GPU hosts): what the tier costs a burst of new sessions,
+# on one machine beside `gpu-goal` (`... burst_new qwen3-1.7b gpu-goal-notier`).
+PROFILES["gpu-goal-notier"] = replace(PROFILES["gpu-goal"], burst_engine={"kv_offload_gib": 0})
 
 
 # Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the
