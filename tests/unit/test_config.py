@@ -99,6 +99,23 @@ def test_typed_flags(model_dir: str) -> None:
     assert config.stats.interval == 2.5
 
 
+def test_engine_limits_set_together_only_where_vllm_can_run_them(model_dir: str) -> None:
+    """The token budget at or above the batch, or only one of them set: taken (the other is
+    matched at start, engine/limits.py); engine.extra's values count as the flags' do."""
+    for argv in (
+        ["--max-num-seqs", "64", "--max-num-batched-tokens", "64"],
+        ["--max-num-seqs", "4096"],
+        ["--max-num-batched-tokens", "32"],
+        ["--max-num-seqs", "64", "--engine-extra", '{"max_num_batched_tokens": 8192}'],
+    ):
+        load_config(["--model", model_dir, *argv], environ={})
+    with pytest.raises(ConfigError, match=re.escape("max_num_batched_tokens (512) is below max_num_seqs (1024)")):
+        load_config(
+            ["--model", model_dir, "--engine-extra", '{"max_num_seqs": 1024, "max_num_batched_tokens": 512}'],
+            environ={},
+        )
+
+
 @pytest.mark.parametrize(
     ("toml", "argv", "env", "message"),
     [
@@ -108,6 +125,8 @@ def test_typed_flags(model_dir: str) -> None:
         ("", [], {"WORKER_MAX_TOKENS": "lots"}, "invalid 'generation.max_tokens' (from WORKER_MAX_TOKENS)"),
         ("", [], {"WORKER_NO_SUCH": "1"}, "unknown environment variable WORKER_NO_SUCH"),
         ("", ["--max-tokens", "2000"], {}, "exceeds max_tokens_limit"),
+        ("", ["--max-num-seqs", "64", "--max-num-batched-tokens", "32"], {}, "max_num_batched_tokens (32) is below"),
+        ("[engine]\nextra = {max_num_batched_tokens = 100}\n", [], {"WORKER_MAX_NUM_SEQS": "128"}, "(128)"),
         ("", ["--topic-prefix", "chat/#"], {}, "invalid 'mqtt.topic_prefix'"),
         ("", ["--engine-extra", "{nope"], {}, "--engine-extra: not valid JSON"),
         ("[engine\n", [], {}, "is not valid TOML"),

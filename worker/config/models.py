@@ -14,7 +14,7 @@ import socket
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, TypeGuard
 
 from pydantic import (
     AfterValidator,
@@ -319,6 +319,25 @@ class EngineConfig(Section):
         "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
         flag="--engine-extra",
     )
+
+    @model_validator(mode="after")
+    def _check_limits(self) -> EngineConfig:
+        """Both engine limits set, the token budget below the batch: refused here, where vLLM
+        refused it only once imported, with a traceback (one running request takes at least one
+        token of a step). One of them set alone is matched by the other's choice at start
+        (engine/limits.py)."""
+        seqs, tokens = (self.extra.get(key, getattr(self, key)) for key in ("max_num_seqs", "max_num_batched_tokens"))
+        if _plain_int(seqs) and _plain_int(tokens) and tokens < seqs:
+            raise ValueError(
+                f"max_num_batched_tokens ({tokens}) is below max_num_seqs ({seqs}): each running request takes "
+                "at least one token of an engine step; raise max_num_batched_tokens, lower max_num_seqs, or set "
+                "only one of them"
+            )
+        return self
+
+
+def _plain_int(value: object) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool) and value > 0
 
 
 class HistoryConfig(Section):
