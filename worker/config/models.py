@@ -197,7 +197,8 @@ class EngineConfig(Section):
         None,
         "Most tokens one engine step computes (prefill chunks and decodes together). Default (unset): 8192 on a "
         "GPU of 70 GiB or more other than an A100, 2048 on others (vllm serve's; vLLM's library default is 2048), "
-        "at least max_num_seqs; on the CPU backend vLLM's default.",
+        "at least max_num_seqs; on the CPU backend vLLM's default. Set together with max_num_seqs, it must be at "
+        "least that (each running request takes a token of a step): the worker refuses the pair otherwise.",
         flag="--max-num-batched-tokens",
         ge=1,
     )
