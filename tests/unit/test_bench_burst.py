@@ -5,8 +5,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.burst import Outcome, burst_markdown, burst_summary, fitting_sessions, worker_outcome
+from bench.burst import Outcome, burst_markdown, burst_settings, burst_summary, fitting_sessions, worker_outcome
 from bench.common import Record
+from bench.profiles import PROFILES
 
 
 def test_a_burst_summary() -> None:
@@ -48,3 +49,17 @@ def test_the_report_puts_worker_and_raw_side_by_side(tmp_path: Path) -> None:
     assert "| new | 320 | worker | 1,000 | 1.0 ms | 2.0 ms | 3.0 ms | 0.1 s | 320 / 0 | 1.0 |" in text
     assert "| new | 320 | raw | 1,000 |" in text
     assert "not run (the KV cache does not hold them): [2000]" in text
+
+
+def test_the_goal_without_the_host_tier_differs_from_the_goal_by_the_tier_alone() -> None:
+    """Both sides of every burst get the settings: the worker as flags, raw AsyncLLM as
+    EngineConfig fields; the sizes are the goal's."""
+    goal, notier = PROFILES["gpu-goal"], PROFILES["gpu-goal-notier"]
+    assert notier.burst_sessions_by_limits == goal.burst_sessions_by_limits == {"new": (320, 1000, 2000)}
+    for name in goal.burst_limits:
+        with_tier, without = (
+            burst_settings(goal, goal.burst_limits[name]),
+            burst_settings(notier, notier.burst_limits[name]),
+        )
+        assert "kv_offload_gib" not in with_tier  # the worker's default: sized from the host
+        assert without == {**with_tier, "kv_offload_gib": 0}
