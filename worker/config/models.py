@@ -327,7 +327,7 @@ class EngineConfig(Section):
         refused it only once imported, with a traceback (one running request takes at least one
         token of a step). One of them set alone is matched by the other's choice at start
         (engine/limits.py)."""
-        seqs, tokens = (self.extra.get(key, getattr(self, key)) for key in ("max_num_seqs", "max_num_batched_tokens"))
+        seqs, tokens = self.set_limit("max_num_seqs"), self.set_limit("max_num_batched_tokens")
         if _plain_int(seqs) and _plain_int(tokens) and tokens < seqs:
             raise ValueError(
                 f"max_num_batched_tokens ({tokens}) is below max_num_seqs ({seqs}): each running request takes "
@@ -335,6 +335,11 @@ class EngineConfig(Section):
                 "only one of them"
             )
         return self
+
+    def set_limit(self, key: Literal["max_num_seqs", "max_num_batched_tokens"]) -> Any:
+        """An engine limit as the configuration sets it: engine.extra's value, else the field's
+        (None: unset, chosen at start)."""
+        return self.extra.get(key, getattr(self, key))
 
 
 def _plain_int(value: object) -> TypeGuard[int]:

@@ -22,7 +22,7 @@ import os
 import time
 from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import vllm
 from loguru import logger
@@ -181,8 +181,8 @@ def engine_limits(config: EngineConfig, host: Host, *, session_tokens: int = DEF
     """max_num_seqs and max_num_batched_tokens for this engine (engine/limits.py): what the
     configuration sets (its field or engine.extra) wins; else from the GPU and the model."""
 
-    def configured(key: str) -> int | None:
-        value = config.extra.get(key, getattr(config, key))
+    def configured(key: Literal["max_num_seqs", "max_num_batched_tokens"]) -> int | None:
+        value = config.set_limit(key)
         return int(value) if value else None
 
     gpu = None if host.cpu_backend else host.gpu
