@@ -73,12 +73,13 @@ class MqttDriver:
 
     def _payloads(self, workload: Workload, sessions: int, turns: int, count_tokens: Any, max_tokens: int,
                   stream: bool, extra: dict[str, Any] | None, followup: Workload | None = None,
-                  first: int = 0) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
+                  first: int = 0, stream_every: int = 0) -> dict[tuple[int, int], dict[str, Any]]:  # fmt: skip
         """Every request of a run, built before the first is sent: tokenizing while sending
         would hold the GIL and delay paho's network thread, so a request would leave the
         client later than its timestamp says (seen as 0.7-3 s outliers in bursts of 50).
         ``followup``: the messages of the turns after the first, where not ``workload``'s;
-        ``first``: the index of the first session (its messages are those of that index)."""
+        ``first``: the index of the first session (its messages are those of that index);
+        ``stream_every`` N > 0: every Nth session streams besides (run_concurrent)."""
         out: dict[tuple[int, int], dict[str, Any]] = {}
         for index in range(first, first + sessions):
             for turn in range(turns):
@@ -86,7 +87,7 @@ class MqttDriver:
                 payload: dict[str, Any] = {
                     "message": messages.user_message(index, turn, count_tokens),
                     "maxTokens": max_tokens,
-                    "stream": stream,
+                    "stream": stream or (stream_every > 0 and index % stream_every == 0),
                     **(extra or {}),
                 }
                 if turn == 0:
@@ -135,10 +136,13 @@ class MqttDriver:
         extra: dict[str, Any] | None = None,
         progress: Progress | None = None,
         stagger_first: bool = False,
+        stream_every: int = 0,
     ) -> list[Record]:
         """``sessions`` chat sessions at once; each sends its next turn when its reply arrives
         (after a think time drawn around ``think_s``, see common.think_time). With
-        ``stagger_first`` the first turns too arrive after such a pause instead of all at once."""
+        ``stagger_first`` the first turns too arrive after such a pause instead of all at once.
+        ``stream_every`` N > 0: besides ``stream``'s, every Nth session (0, N, 2N, ...) streams,
+        so that a burst whose replies are read at their end has a measured TTFT on a sample."""
         max_tokens = max_tokens or workload.max_tokens
         names = self._session_names(label, sessions)
         index_of = {name: i for i, name in enumerate(names)}
@@ -147,7 +151,9 @@ class MqttDriver:
         first_delta: dict[str, float] = {}
         due: list[tuple[float, str]] = []
         records: list[Record] = []
-        payloads = self._payloads(workload, sessions, turns, count_tokens, max_tokens, stream, extra)
+        payloads = self._payloads(
+            workload, sessions, turns, count_tokens, max_tokens, stream, extra, stream_every=stream_every
+        )
         start = time.perf_counter()
         for name in names:
             if stagger_first:

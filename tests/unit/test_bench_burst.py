@@ -5,8 +5,19 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from bench.burst import Outcome, burst_markdown, burst_settings, burst_summary, fitting_sessions, worker_outcome
-from bench.common import Record
+import pytest
+
+from bench.burst import (
+    Outcome,
+    burst_markdown,
+    burst_settings,
+    burst_summary,
+    fitting_sessions,
+    stream_every,
+    worker_outcome,
+)
+from bench.common import Record, make_workload
+from bench.mqtt_driver import MqttDriver
 from bench.profiles import PROFILES
 
 
@@ -49,6 +60,11 @@ def test_the_report_puts_worker_and_raw_side_by_side(tmp_path: Path) -> None:
     assert "| new | 320 | worker | 1,000 | 1.0 ms | 2.0 ms | 3.0 ms | 0.1 s | 320 / 0 | 1.0 |" in text
     assert "| new | 320 | raw | 1,000 |" in text
     assert "not run (the KV cache does not hold them): [2000]" in text
+    assert "streamed" not in text
+    worker = results["new"]["runs"]["worker"]["320"]
+    worker.update(streamed=80, ttft_end_p50_ms=500.0, ttft_end_p95_ms=700.0)
+    text = burst_markdown(results)
+    assert "  - new, 320 sessions: 80 streamed; the others' TTFT from the reply at its end: p50 500.0 ms" in text
 
 
 def test_the_goal_without_the_host_tier_differs_from_the_goal_by_the_tier_alone() -> None:
@@ -63,3 +79,43 @@ def test_the_goal_without_the_host_tier_differs_from_the_goal_by_the_tier_alone(
         )
         assert "kv_offload_gib" not in with_tier  # the worker's default: sized from the host
         assert without == {**with_tier, "kv_offload_gib": 0}
+
+
+def test_the_ttft_of_a_burst_with_streamed_sessions_is_theirs() -> None:
+    """Streamed replies' TTFT is measured (the first delta); the others' is derived from the
+    reply at its end, reported apart, and not mixed into the percentiles."""
+    streamed = [Outcome(0.3, 2.0, 128, 300, streamed=True) for _ in range(4)]
+    at_end = [Outcome(0.9, 2.0, 128, 300) for _ in range(12)]
+    summary = burst_summary(streamed + at_end, wall_s=2.0)
+    assert summary["ttft_p50_ms"] == summary["ttft_p95_ms"] == 300.0
+    assert summary["streamed"] == 4
+    assert summary["ttft_end_p50_ms"] == summary["ttft_end_p95_ms"] == 900.0
+    plain = burst_summary(at_end, wall_s=2.0)
+    assert plain["ttft_p50_ms"] == 900.0 and "streamed" not in plain and "ttft_end_p50_ms" not in plain
+    record = Record("b", 2, 0, 0, client_ms=2000.0, client_ttft_ms=None, worker_ttft_ms=400.0, worker_total_ms=1900.0)
+    assert not worker_outcome(record).streamed  # read at its end: 2,000 - (1,900 - 400) ms
+    assert worker_outcome(record).ttft_s == 0.5
+
+
+def test_every_nth_session_streams(monkeypatch: pytest.MonkeyPatch) -> None:
+    driver = MqttDriver.__new__(MqttDriver)  # no broker: only the payloads are built
+    workload = make_workload(lambda text: len(text.split()), system_tokens=20, user_tokens=(5, 10))
+    payloads = driver._payloads(workload, 8, 2, lambda text: len(text.split()), 16, False, None, stream_every=4)
+    assert [payloads[(i, 0)]["stream"] for i in range(8)] == [True, False, False, False] * 2
+    assert payloads[(4, 1)]["stream"] and not payloads[(5, 1)]["stream"]  # a session streams every turn
+    assert not any(
+        p["stream"] for p in driver._payloads(workload, 8, 1, lambda text: len(text.split()), 16, False, None).values()
+    )
+    assert all(
+        p["stream"]
+        for p in driver._payloads(
+            workload, 8, 1, lambda text: len(text.split()), 16, True, None, stream_every=4
+        ).values()
+    )
+    monkeypatch.setenv("BENCH_STREAM_EVERY", "4")
+    assert stream_every() == 4
+    monkeypatch.delenv("BENCH_STREAM_EVERY")
+    assert stream_every() == 0
+    monkeypatch.setenv("BENCH_STREAM_EVERY", "a quarter")
+    with pytest.raises(SystemExit, match="BENCH_STREAM_EVERY"):
+        stream_every()
