@@ -263,6 +263,18 @@ def test_the_engine_line_reads_limits_dtypes_and_parallelism_back() -> None:
     assert "tensor parallel 4, data parallel 2" in line
 
 
+def test_the_engine_line_says_the_tiers_blocks_as_vllm_runs_them() -> None:
+    """The connector's block_size where set (the worker's default sets 256), else one GPU block."""
+    config = resolved()
+    config.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={"block_size": 256, "cpu_bytes_to_use": 1})
+    assert "host-memory KV tier 64 GiB in blocks of 256 tokens" in words(config)
+    assert "host-memory KV tier 64 GiB in blocks of 16 tokens" in words(resolved())
+    from worker.engine.vllm import engine_words
+
+    off = engine_words(config, kv_tokens=1, capacity="x", cpu_backend=False, kv_offload_gib=0.0)
+    assert off.endswith("host-memory KV tier off")
+
+
 def test_the_cpu_line_has_no_graphs_or_tier() -> None:
     line = words(resolved(), cpu=True)
     assert "CUDA graphs" not in line and "host-memory" not in line and "max_num_seqs=1024" in line

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import pickle
 from collections.abc import AsyncIterator
 from pathlib import Path
 from types import SimpleNamespace
@@ -263,18 +264,43 @@ def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCa
 
     config = EngineConfig(model="m", quantization="fp8", kv_cache_dtype="fp8", kv_offload_gib=12.5)
     args = precision_and_offload_args(config, GPU_HOST)
+    unit = args.pop("kv_transfer_config")
     assert args == {
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
         "kv_offloading_size": 12.5,
         "kv_offloading_backend": "native",
     }
-    assert set(args) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}  # names this vLLM accepts
-    assert precision_and_offload_args(EngineConfig(model="m"), GPU_HOST) == {
-        "kv_offloading_size": 64.0,
-        "kv_offloading_backend": "native",
-    }
+    assert (unit.kv_connector, unit.kv_connector_extra_config) == ("OffloadingConnector", {"block_size": 256})
+    assert set(args) | {"kv_transfer_config"} <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
+    default = precision_and_offload_args(EngineConfig(model="m"), GPU_HOST)
+    assert default.pop("kv_transfer_config").kv_connector_extra_config == {"block_size": 256}
+    assert default == {"kv_offloading_size": 64.0, "kv_offloading_backend": "native"}
     assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=0), GPU_HOST) == {}
+
+
+def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise() -> None:
+    """256 tokens a transfer by default; 0 leaves vLLM's (one GPU block); LMCache and a
+    kv_transfer_config of engine.extra's are left alone (that one reaches vLLM whole)."""
+    from vllm.config import KVTransferConfig
+
+    from worker.config.models import EngineConfig
+    from worker.engine.vllm import engine_arguments, offload_block_args
+
+    assert offload_block_args(EngineConfig(model="m", kv_offload_block_tokens=512))[
+        "kv_transfer_config"
+    ].kv_connector_extra_config == {"block_size": 512}
+    assert offload_block_args(EngineConfig(model="m", kv_offload_block_tokens=0)) == {}
+    assert offload_block_args(EngineConfig(model="m", kv_offload_backend="lmcache")) == {}
+    own = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"a": 1}}
+    assert offload_block_args(EngineConfig(model="m", extra={"kv_transfer_config": own})) == {}
+    args = precision_and_offload_args(EngineConfig(model="m", extra={"kv_transfer_config": own}), GPU_HOST)
+    assert "kv_transfer_config" not in args and args["kv_offloading_size"] == 64.0
+    # Through the whole adapter on a GPU host: the tier's blocks reach vLLM as its own type.
+    kwargs = engine_arguments(EngineConfig(model="m", max_num_seqs=64, max_num_batched_tokens=4096), host=GPU_HOST)
+    assert isinstance(kwargs["kv_transfer_config"], KVTransferConfig)
+    assert kwargs["kv_transfer_config"].kv_connector_extra_config == {"block_size": 256}
+    assert pickle.loads(pickle.dumps(kwargs["kv_transfer_config"])) == kwargs["kv_transfer_config"]  # spawned children
 
 
 def test_the_cpu_backend_leaves_out_what_it_lacks_and_says_so() -> None:

@@ -313,12 +313,40 @@ def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, An
     if size > 0:
         out["kv_offloading_size"] = size
         out["kv_offloading_backend"] = config.kv_offload_backend
+        out.update(offload_block_args(config))
         logger.log(
             level, "KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how
         )
     else:
         logger.log(level, "KV offloading to host memory: off ({})", how)
     return out
+
+
+def offload_block_args(config: EngineConfig) -> dict[str, Any]:
+    """The native tier's transfer unit (engine.kv_offload_block_tokens) as vLLM's connector
+    setting; vLLM adds the tier's size to it (kv_offloading_size) and, with
+    VLLM_USE_SIMPLE_KV_OFFLOAD, names its other connector. Nothing where it is 0, for LMCache, or
+    where engine.extra gives its own kv_transfer_config (which then wins whole).
+
+    Why not vLLM's default of one GPU block (16 tokens): the tier stores every computed block of
+    every prompt, and each block is a transfer and bookkeeping in the engine core's step. With
+    the 64 GiB default tier on an H200 (vLLM 0.26, qwen3-1.7b geometry, bursts of 300-token
+    prompts, raw AsyncLLM, bench/tiercost.py) 16-token blocks gave 13.2-13.4k tok/s at 320
+    sessions and 12.3-12.5k at 1,000, the tier off 21.7-23.5k and 17.0-18.3k, 256-token blocks
+    18.8-24.1k and 17.3-18.1k."""
+    if config.kv_offload_backend != "native" or not config.kv_offload_block_tokens:
+        return {}
+    if "kv_transfer_config" in config.extra:
+        return {}
+    from vllm.config import KVTransferConfig
+
+    return {
+        "kv_transfer_config": KVTransferConfig(
+            kv_connector="OffloadingConnector",
+            kv_role="kv_both",
+            kv_connector_extra_config={"block_size": config.kv_offload_block_tokens},
+        )
+    }
 
 
 def kv_capacity_words(
@@ -404,7 +432,22 @@ def engine_words(
             parts.append(f"{words} {size}")
     if not cpu_backend:  # nor a host-memory tier
         parts.append(f"host-memory KV tier {f'{kv_offload_gib:g} GiB' if kv_offload_gib else 'off'}")
+        unit = offload_block_tokens(vllm_config) if kv_offload_gib else None
+        if unit:
+            parts[-1] += f" in blocks of {unit} tokens"
     return ", ".join(parts)
+
+
+def offload_block_tokens(vllm_config: Any) -> int | None:
+    """The host tier's transfer unit in tokens as vLLM runs it: its connector's block_size,
+    else one GPU cache block; None where this vLLM's config does not say."""
+    transfer = getattr(vllm_config, "kv_transfer_config", None)
+    extra = getattr(transfer, "kv_connector_extra_config", None) or {}
+    value = extra.get("block_size", getattr(vllm_config.cache_config, "block_size", None))
+    try:
+        return int(value) if value else None
+    except (TypeError, ValueError):
+        return None
 
 
 def _kv_bytes_per_token(vllm_config: Any) -> int | None:
