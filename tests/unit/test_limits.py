@@ -395,3 +395,24 @@ def test_the_default_pending_limit_holds_what_vllm_serves_h100_row_runs_and_a_lo
     words = pending_limit_short(1024, engine_requests)
     assert words is not None and "max_pending_requests 1024 is below the 1152 requests" in words
     assert "--max-pending-requests to at least 1152" in words
+
+
+def test_models_with_recurrent_layers_are_told_from_attention_alone() -> None:
+    """What keeps the host tier in vLLM's own unit (their cache blocks are sized to the
+    recurrent state); a plain or multimodal attention model says nothing."""
+    from worker.engine.limits import recurrent_layers
+
+    plain = geometry(2048, 28, 16, 8, 6144, 151936, True)
+    assert recurrent_layers({**plain, "model_type": "qwen3"}) is None
+    assert recurrent_layers({"model_type": "qwen2_vl", "text_config": plain}) is None
+    sliding = {**plain, "layer_types": ["sliding_attention", "full_attention"]}
+    assert recurrent_layers(sliding) is None
+    assert recurrent_layers({**plain, "mamba_d_state": 128}) == "config.json has mamba_d_state"
+    assert recurrent_layers({**plain, "linear_key_head_dim": 128}) == "config.json has linear_key_head_dim"
+    assert (
+        recurrent_layers({**plain, "layer_types": ["conv", "full_attention"]}) == "config.json's layer_types has conv"
+    )
+    assert recurrent_layers({**plain, "model_type": "jamba"}) == "model_type jamba"
+    assert recurrent_layers({"model_type": "x", "text_config": {**plain, "model_type": "qwen3_next"}}) == (
+        "model_type qwen3_next"
+    )

@@ -279,7 +279,7 @@ def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCa
     assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=0), GPU_HOST) == {}
 
 
-def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise() -> None:
+def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise(tmp_path: Path) -> None:
     """256 tokens a transfer by default; 0 leaves vLLM's (one GPU block); LMCache and a
     kv_transfer_config of engine.extra's are left alone (that one reaches vLLM whole)."""
     from vllm.config import KVTransferConfig
@@ -296,6 +296,14 @@ def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise() -> None:
     assert offload_block_args(EngineConfig(model="m", extra={"kv_transfer_config": own})) == {}
     args = precision_and_offload_args(EngineConfig(model="m", extra={"kv_transfer_config": own}), GPU_HOST)
     assert "kv_transfer_config" not in args and args["kv_offloading_size"] == 64.0
+    # A model with recurrent layers keeps vLLM's unit (its blocks are sized to its state),
+    # unless the operator set one.
+    model = tmp_path / "hybrid"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "qwen3_next", "hidden_size": 2048}')
+    assert offload_block_args(EngineConfig(model=str(model))) == {}
+    chosen = offload_block_args(EngineConfig(model=str(model), kv_offload_block_tokens=1024))
+    assert chosen["kv_transfer_config"].kv_connector_extra_config == {"block_size": 1024}
     # Through the whole adapter on a GPU host: the tier's blocks reach vLLM as its own type.
     kwargs = engine_arguments(EngineConfig(model="m", max_num_seqs=64, max_num_batched_tokens=4096), host=GPU_HOST)
     assert isinstance(kwargs["kv_transfer_config"], KVTransferConfig)

@@ -289,8 +289,9 @@ class EngineConfig(Section):
         "less bookkeeping per engine step: with the 64 GiB default tier on an H200 (qwen3-1.7b geometry, "
         "320 sessions of 300-token prompts at once, raw vLLM), 16-token blocks gave 13.2-13.4k tok/s, "
         "256-token blocks 18.8-24.1k and the tier off 21.7-23.5k (docs/performance.md). A prompt's last "
-        "partial block is not kept in the tier. Set 0 for models whose cache blocks do not divide it (hybrid "
-        "attention/Mamba models); not used when engine.extra gives kv_transfer_config.",
+        "partial block is not kept in the tier. A model with recurrent layers (Mamba, linear attention, "
+        "as its config.json says), whose cache blocks are sized to its state, keeps vLLM's unit unless "
+        "this is set. Not used when engine.extra gives kv_transfer_config.",
         flag="--kv-offload-block-tokens",
         ge=0,
     )

@@ -245,6 +245,34 @@ def model_size_from_config(
     )
 
 
+# What marks a model whose KV cache is not attention's alone (Mamba, linear attention, short
+# convolutions): vLLM gives such a model cache blocks sized to its recurrent state (hundreds of
+# tokens, not a power of two), which the host tier's own unit must divide.
+_RECURRENT_KEY_PREFIXES = ("mamba", "ssm_", "linear_", "conv_l_cache", "attn_layer_", "hybrid_override_pattern")
+_RECURRENT_MODEL_TYPES = (
+    *("mamba", "jamba", "zamba", "bamba", "falcon_h1", "nemotron_h", "granitemoehybrid"),
+    *("qwen3_next", "lfm2", "plamo2", "minimax_m1"),
+)
+_ATTENTION_LAYER_TYPES = {"full_attention", "sliding_attention", "attention", "chunked_attention"}
+
+
+def recurrent_layers(config: dict[str, Any]) -> str | None:
+    """What in a config.json (the text part of a multimodal one) says the model has layers
+    other than attention: the key or model type, in words; None for attention alone."""
+    text = config.get("text_config") if isinstance(config.get("text_config"), dict) else config
+    assert isinstance(text, dict)
+    for key in text:
+        if key.lower().startswith(_RECURRENT_KEY_PREFIXES):
+            return f"config.json has {key}"
+    kinds = text.get("layer_types")
+    if isinstance(kinds, list) and (other := sorted({str(k) for k in kinds} - _ATTENTION_LAYER_TYPES)):
+        return f"config.json's layer_types has {', '.join(other)}"
+    model_type = str(text.get("model_type") or config.get("model_type") or "").lower()
+    if any(word in model_type for word in _RECURRENT_MODEL_TYPES):
+        return f"model_type {model_type}"
+    return None
+
+
 def read_model_json(model: str, name: str) -> dict[str, Any] | None:
     """The JSON object in the file ``name`` of a local model directory; None for a hub id, a
     missing file, or one that cannot be read or holds no object."""

@@ -55,6 +55,7 @@ from .limits import (
     parallelism_plan,
     read_model_json,
     read_model_size,
+    recurrent_layers,
     visible_devices,
 )
 from .port import (
@@ -337,6 +338,15 @@ def offload_block_args(config: EngineConfig) -> dict[str, Any]:
     if config.kv_offload_backend != "native" or not config.kv_offload_block_tokens:
         return {}
     if "kv_transfer_config" in config.extra:
+        return {}
+    model_json = read_model_json(config.model or "", "config.json")
+    recurrent = recurrent_layers(model_json) if model_json else None
+    if recurrent and "kv_offload_block_tokens" not in config.model_fields_set:
+        # Its cache blocks are sized to its recurrent state, which 256 need not divide (vLLM
+        # then refuses to start): its own unit, unless the operator chose one.
+        logger.info(
+            "KV offloading in vLLM's unit, one GPU cache block: the model is not attention alone ({})", recurrent
+        )
         return {}
     from vllm.config import KVTransferConfig
 
