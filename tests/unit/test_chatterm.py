@@ -240,3 +240,21 @@ def test_tool_flags_that_cannot_be_used_exit_2_before_connecting(
     argv = [arg.replace("{tools}", str(tools)) for arg in args]
     assert main([*argv, "--mqtt-port", "1"], environ={}) == 2
     assert problem in capsys.readouterr().err
+
+
+def test_the_chat_command_gives_sigpipe_back(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Run in-process (as these tests do), the command must not leave its SIGPIPE default
+    behind: the process would die of the next write to a closed pipe."""
+    import signal
+
+    before = signal.getsignal(signal.SIGPIPE)
+    seen: list[object] = []
+    monkeypatch.setattr(
+        "worker.chat.cli.tool_settings", lambda args: seen.append(signal.getsignal(signal.SIGPIPE)) or 1 / 0
+    )
+    with pytest.raises(ZeroDivisionError):
+        main(["--mqtt-port", "1", "--message", "hi"], environ={})
+    assert seen == [signal.SIG_DFL]  # while it ran
+    assert signal.getsignal(signal.SIGPIPE) == before

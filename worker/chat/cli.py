@@ -524,6 +524,18 @@ def answer_calls(reply: ChatReply, tools: ToolSettings, timeout: float) -> list[
 
 
 def main(argv: Sequence[str] | None = None, environ: Mapping[str, str] | None = None) -> int:
+    """The chat command (``python -m worker.chat``, ``mqtt-vllm-chat``). SIGPIPE is the
+    default while it runs (``... | head`` ends it quietly) and given back after: called in
+    another process, a test's, it must not leave that process to die of the next write to a
+    closed pipe or socket (a full test run once ended so, exit code 141, minutes later)."""
+    previous = signal.getsignal(signal.SIGPIPE)
+    try:
+        return _main(argv, environ)
+    finally:
+        signal.signal(signal.SIGPIPE, previous)
+
+
+def _main(argv: Sequence[str] | None, environ: Mapping[str, str] | None) -> int:
     args = build_parser().parse_args(argv)
     environ = os.environ if environ is None else environ
     try:
