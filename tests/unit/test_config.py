@@ -117,13 +117,21 @@ def test_engine_limits_set_together_only_where_vllm_can_run_them(model_dir: str)
 
 
 def test_the_host_tiers_blocks_are_whole_gpu_blocks(model_dir: str) -> None:
-    """kv_offload_block_tokens: 256 by default, a multiple of a set block_size (the field's or
-    engine.extra's) or 0 (vLLM's: one GPU block); refused at load otherwise."""
+    """kv_offload_block_tokens: 256 by default; set, a multiple of a set block_size (the
+    field's or engine.extra's) or 0 (vLLM's: one GPU block), refused at load otherwise."""
     assert load_config(["--model", model_dir], environ={})[0].engine.kv_offload_block_tokens == 256
-    for argv in (["--block-size", "32"], ["--kv-offload-block-tokens", "0", "--block-size", "48"]):
+    for argv in (
+        ["--block-size", "32"],
+        ["--kv-offload-block-tokens", "0", "--block-size", "48"],
+        ["--block-size", "48"],  # the default gives way at start (vLLM's unit), as before it existed
+        ["--kv-offload-block-tokens", "96", "--engine-extra", '{"block_size": 48}'],
+    ):
         load_config(["--model", model_dir, *argv], environ={})
     with pytest.raises(ConfigError, match=re.escape("kv_offload_block_tokens (256) is not a multiple of block_size")):
-        load_config(["--model", model_dir, "--engine-extra", '{"block_size": 96}'], environ={})
+        load_config(
+            ["--model", model_dir, "--kv-offload-block-tokens", "256", "--engine-extra", '{"block_size": 96}'],
+            environ={},
+        )
     with pytest.raises(ConfigError, match="from --kv-offload-block-tokens"):
         load_config(["--model", model_dir, "--kv-offload-block-tokens", "-16"], environ={})
 
@@ -131,7 +139,12 @@ def test_the_host_tiers_blocks_are_whole_gpu_blocks(model_dir: str) -> None:
 @pytest.mark.parametrize(
     ("toml", "argv", "env", "message"),
     [
-        ("", ["--block-size", "48"], {}, "kv_offload_block_tokens (256) is not a multiple of block_size (48)"),
+        (
+            "",
+            ["--block-size", "48", "--kv-offload-block-tokens", "256"],
+            {},
+            "kv_offload_block_tokens (256) is not a multiple of block_size (48)",
+        ),
         ("[mqtt]\nhosst = 'x'\n", [], {}, "unknown key 'mqtt.hosst'"),
         ("[mqttt]\nhost = 'x'\n", [], {}, "unknown section 'mqttt'"),
         ("", ["--mqtt-port", "70000"], {}, "invalid 'mqtt.port' (from --mqtt-port)"),

@@ -269,6 +269,8 @@ def test_the_engine_line_says_the_tiers_blocks_as_vllm_runs_them() -> None:
     config.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={"block_size": 256, "cpu_bytes_to_use": 1})
     assert "host-memory KV tier 64 GiB in blocks of 256 tokens" in words(config)
     assert "host-memory KV tier 64 GiB in blocks of 16 tokens" in words(resolved())
+    config.kv_transfer_config = SimpleNamespace(kv_connector_extra_config={"blocks_per_chunk": 8})
+    assert "host-memory KV tier 64 GiB in blocks of 128 tokens" in words(config)
     from worker.engine.vllm import engine_words
 
     off = engine_words(config, kv_tokens=1, capacity="x", cpu_backend=False, kv_offload_gib=0.0)

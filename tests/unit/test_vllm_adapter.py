@@ -304,6 +304,9 @@ def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise(tmp_path: P
     assert offload_block_args(EngineConfig(model=str(model))) == {}
     chosen = offload_block_args(EngineConfig(model=str(model), kv_offload_block_tokens=1024))
     assert chosen["kv_transfer_config"].kv_connector_extra_config == {"block_size": 1024}
+    # A set block_size that the default does not divide: vLLM's unit, as before the option.
+    assert offload_block_args(EngineConfig(model="m", block_size=48)) == {}
+    assert offload_block_args(EngineConfig(model="m", block_size=32))["kv_transfer_config"]
     # Through the whole adapter on a GPU host: the tier's blocks reach vLLM as its own type.
     kwargs = engine_arguments(EngineConfig(model="m", max_num_seqs=64, max_num_batched_tokens=4096), host=GPU_HOST)
     assert isinstance(kwargs["kv_transfer_config"], KVTransferConfig)

@@ -289,9 +289,10 @@ class EngineConfig(Section):
         "less bookkeeping per engine step: with the 64 GiB default tier on an H200 (qwen3-1.7b geometry, "
         "320 sessions of 300-token prompts at once, raw vLLM), 16-token blocks gave 13.2-13.4k tok/s, "
         "256-token blocks 18.8-24.1k and the tier off 21.7-23.5k (docs/performance.md). A prompt's last "
-        "partial block is not kept in the tier. A model with recurrent layers (Mamba, linear attention, "
-        "as its config.json says), whose cache blocks are sized to its state, keeps vLLM's unit unless "
-        "this is set. Not used when engine.extra gives kv_transfer_config.",
+        "partial block is not kept in the tier. Left at its default, it gives way to vLLM's unit where a "
+        "set block_size does not divide it and for a model with recurrent layers (Mamba, linear "
+        "attention, as its config.json says), whose cache blocks are sized to its state. Not used when "
+        "engine.extra gives kv_transfer_config.",
         flag="--kv-offload-block-tokens",
         ge=0,
     )
@@ -349,15 +350,21 @@ class EngineConfig(Section):
                 "only one of them"
             )
         # The tier's blocks are whole GPU blocks: vLLM refuses others only once the engine is
-        # up, with a traceback.
-        block = self.extra.get("block_size", self.block_size)
-        unit = self.kv_offload_block_tokens
-        if _plain_int(block) and unit and unit % block:
+        # up, with a traceback. Only a value the operator set is refused; the default gives way
+        # at start to vLLM's unit (engine/vllm.py offload_block_args).
+        block, unit = self.gpu_block_size(), self.kv_offload_block_tokens
+        if "kv_offload_block_tokens" in self.model_fields_set and block and unit and unit % block:
             raise ValueError(
                 f"kv_offload_block_tokens ({unit}) is not a multiple of block_size ({block}): the host-memory "
                 f"tier keeps whole GPU cache blocks; use a multiple of {block}, or 0 for the GPU cache's block"
             )
         return self
+
+    def gpu_block_size(self) -> int | None:
+        """The KV cache's block size as the configuration sets it (engine.extra's, else the
+        field's); None: vLLM's choice."""
+        block = self.extra.get("block_size", self.block_size)
+        return block if _plain_int(block) else None
 
     def set_limit(self, key: Literal["max_num_seqs", "max_num_batched_tokens"]) -> Any:
         """An engine limit as the configuration sets it: engine.extra's value, else the field's

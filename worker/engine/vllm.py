@@ -339,14 +339,10 @@ def offload_block_args(config: EngineConfig) -> dict[str, Any]:
         return {}
     if "kv_transfer_config" in config.extra:
         return {}
-    model_json = read_model_json(config.model or "", "config.json")
-    recurrent = recurrent_layers(model_json) if model_json else None
-    if recurrent and "kv_offload_block_tokens" not in config.model_fields_set:
-        # Its cache blocks are sized to its recurrent state, which 256 need not divide (vLLM
-        # then refuses to start): its own unit, unless the operator chose one.
-        logger.info(
-            "KV offloading in vLLM's unit, one GPU cache block: the model is not attention alone ({})", recurrent
-        )
+    if "kv_offload_block_tokens" not in config.model_fields_set and (why := default_unit_refused(config)):
+        # The default must not stop a start that ran before it (vLLM refuses a unit its cache
+        # blocks do not divide): vLLM's own unit then; a value the operator set is passed on.
+        logger.info("KV offloading in vLLM's unit, one GPU cache block: {}", why)
         return {}
     from vllm.config import KVTransferConfig
 
@@ -357,6 +353,18 @@ def offload_block_args(config: EngineConfig) -> dict[str, Any]:
             kv_connector_extra_config={"block_size": config.kv_offload_block_tokens},
         )
     }
+
+
+def default_unit_refused(config: EngineConfig) -> str | None:
+    """Why the default tier unit would not divide into the model's cache blocks, in words: a
+    set block_size that does not divide it, or a model with recurrent layers (its blocks are
+    sized to its state: hundreds of tokens, not a power of two); None where it fits."""
+    block = config.gpu_block_size()
+    if block and config.kv_offload_block_tokens % block:
+        return f"block_size {block} does not divide {config.kv_offload_block_tokens}"
+    model_json = read_model_json(config.model or "", "config.json")
+    recurrent = recurrent_layers(model_json) if model_json else None
+    return f"the model is not attention alone ({recurrent})" if recurrent else None
 
 
 def kv_capacity_words(
@@ -453,9 +461,13 @@ def offload_block_tokens(vllm_config: Any) -> int | None:
     else one GPU cache block; None where this vLLM's config does not say."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
-    value = extra.get("block_size", getattr(vllm_config.cache_config, "block_size", None))
+    block = getattr(vllm_config.cache_config, "block_size", None)
     try:
-        return int(value) if value else None
+        if extra.get("block_size"):
+            return int(extra["block_size"])
+        if extra.get("blocks_per_chunk") and block:  # vLLM 0.32's other way to say it
+            return int(extra["blocks_per_chunk"]) * int(block)
+        return int(block) if block else None
     except (TypeError, ValueError):
         return None
 
