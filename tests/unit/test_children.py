@@ -71,3 +71,32 @@ def test_spawned_processes_end_with_their_status_and_atexit_handlers_but_no_tear
     assert "RuntimeError: failed" in done.stderr  # the failed child's traceback, as multiprocessing prints it
     ran = sorted(path.name for path in tmp_path.iterdir() if path.name != "script.py")
     assert ran == ["atexit-exit0", "atexit-exit3", "atexit-main", "atexit-raise"], ran  # and no teardown-*
+
+
+LOCKS = """
+import multiprocessing, os, sys
+
+lock = multiprocessing.get_context("spawn").Lock()  # a named semaphore, known to the tracker
+if sys.argv[1] == "release":
+    from worker.system.children import release_semaphores
+
+    release_semaphores()
+os._exit(1)  # as the second stop signal ends the worker
+"""
+
+
+def test_an_exit_at_once_leaves_no_semaphore_for_the_tracker_to_report(tmp_path: Path) -> None:
+    """Without release_semaphores multiprocessing's resource tracker, which outlives the
+    process, reports the lock as leaked on the process's terminal; with it, nothing."""
+    script = tmp_path / "locks.py"
+    script.write_text(LOCKS)
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    said = {
+        how: subprocess.run(
+            [sys.executable, str(script), how], capture_output=True, text=True, timeout=120, env=env, check=False
+        )
+        for how in ("keep", "release")
+    }
+    assert said["keep"].returncode == said["release"].returncode == 1
+    assert "leaked semaphore" in said["keep"].stderr  # what the test would miss if it could not fail
+    assert "leaked" not in said["release"].stderr, said["release"].stderr

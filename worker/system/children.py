@@ -86,6 +86,24 @@ def remove_files() -> None:
         _files.pop().unlink(missing_ok=True)
 
 
+def release_semaphores() -> None:
+    """Before an ``os._exit`` that skips Python's exit (the second stop signal): unlink the
+    named semaphores multiprocessing made in this process (``SemLock``, under the spawn
+    context: vLLM's, at times) and tell its resource tracker, as their finalizers do at a
+    normal exit. Without it the tracker, which outlives the worker, prints ``There appear to be
+    1 leaked semaphore objects to clean up at shutdown`` on the terminal that pressed Ctrl-C
+    twice (seen once in a full test run). Runs those finalizers only: none of them waits, where
+    multiprocessing's other finalizers (queues, pools) may."""
+    from multiprocessing import synchronize, util
+
+    registry = getattr(util, "_finalizer_registry", {})
+    cleanup = getattr(synchronize.SemLock, "_cleanup", None)
+    for finalizer in list(registry.values()):
+        if cleanup is not None and getattr(finalizer, "_callback", None) is cleanup:
+            with contextlib.suppress(Exception):
+                finalizer()
+
+
 def expect_children() -> Path | None:
     """In the worker, before vLLM starts anything: the engine's processes die with this one
     and never take the terminal's Ctrl-C. Returns the file to delete at exit, if any."""
