@@ -264,18 +264,17 @@ def test_precision_and_tier_become_engine_arguments_on_gpus(caplog: pytest.LogCa
 
     config = EngineConfig(model="m", quantization="fp8", kv_cache_dtype="fp8", kv_offload_gib=12.5)
     args = precision_and_offload_args(config, GPU_HOST)
-    unit = args.pop("kv_transfer_config")
     assert args == {
         "quantization": "fp8",
         "kv_cache_dtype": "fp8",
         "kv_offloading_size": 12.5,
         "kv_offloading_backend": "native",
     }
-    assert (unit.kv_connector, unit.kv_connector_extra_config) == ("OffloadingConnector", {"block_size": 256})
-    assert set(args) | {"kv_transfer_config"} <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}
-    default = precision_and_offload_args(EngineConfig(model="m"), GPU_HOST)
-    assert default.pop("kv_transfer_config").kv_connector_extra_config == {"block_size": 256}
-    assert default == {"kv_offloading_size": 64.0, "kv_offloading_backend": "native"}
+    assert set(args) <= {f.name for f in dataclasses.fields(AsyncEngineArgs)}  # names this vLLM accepts
+    assert precision_and_offload_args(EngineConfig(model="m"), GPU_HOST) == {
+        "kv_offloading_size": 64.0,
+        "kv_offloading_backend": "native",
+    }
     assert precision_and_offload_args(EngineConfig(model="m", kv_offload_gib=0), GPU_HOST) == {}
 
 
@@ -294,8 +293,6 @@ def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise(tmp_path: P
     assert offload_block_args(EngineConfig(model="m", kv_offload_backend="lmcache")) == {}
     own = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both", "kv_connector_extra_config": {"a": 1}}
     assert offload_block_args(EngineConfig(model="m", extra={"kv_transfer_config": own})) == {}
-    args = precision_and_offload_args(EngineConfig(model="m", extra={"kv_transfer_config": own}), GPU_HOST)
-    assert "kv_transfer_config" not in args and args["kv_offloading_size"] == 64.0
     # A model with recurrent layers keeps vLLM's unit (its blocks are sized to its state),
     # unless the operator set one.
     model = tmp_path / "hybrid"
@@ -312,6 +309,14 @@ def test_the_tier_moves_blocks_of_its_own_size_unless_told_otherwise(tmp_path: P
     assert isinstance(kwargs["kv_transfer_config"], KVTransferConfig)
     assert kwargs["kv_transfer_config"].kv_connector_extra_config == {"block_size": 256}
     assert pickle.loads(pickle.dumps(kwargs["kv_transfer_config"])) == kwargs["kv_transfer_config"]  # spawned children
+    assert kwargs["kv_transfer_config"].kv_connector == "OffloadingConnector" and kwargs["kv_offloading_size"] == 64.0
+    # The tier off, or engine.extra's own connector (which reaches vLLM whole): nothing of ours.
+    off = engine_arguments(EngineConfig(model="m", max_num_seqs=64, kv_offload_gib=0), host=GPU_HOST)
+    assert "kv_transfer_config" not in off
+    own_kwargs = engine_arguments(
+        EngineConfig(model="m", max_num_seqs=64, extra={"kv_transfer_config": own}), host=GPU_HOST
+    )
+    assert own_kwargs["kv_transfer_config"] == own
 
 
 def test_the_cpu_backend_leaves_out_what_it_lacks_and_says_so() -> None:

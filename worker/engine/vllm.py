@@ -314,7 +314,6 @@ def precision_and_offload_args(config: EngineConfig, host: Host) -> dict[str, An
     if size > 0:
         out["kv_offloading_size"] = size
         out["kv_offloading_backend"] = config.kv_offload_backend
-        out.update(offload_block_args(config))
         logger.log(
             level, "KV offloading to host memory: {:g} GiB, {} backend ({})", size, config.kv_offload_backend, how
         )
@@ -457,8 +456,9 @@ def engine_words(
 
 
 def offload_block_tokens(vllm_config: Any) -> int | None:
-    """The host tier's transfer unit in tokens as vLLM runs it: its connector's block_size,
-    else one GPU cache block; None where this vLLM's config does not say."""
+    """The host tier's transfer unit in tokens where vLLM runs one of its connector's setting
+    (the worker's default sets 256); None for vLLM's own, one GPU cache block (the line's
+    block_size), or where this vLLM's config does not say."""
     transfer = getattr(vllm_config, "kv_transfer_config", None)
     extra = getattr(transfer, "kv_connector_extra_config", None) or {}
     block = getattr(vllm_config.cache_config, "block_size", None)
@@ -467,9 +467,9 @@ def offload_block_tokens(vllm_config: Any) -> int | None:
             return int(extra["block_size"])
         if extra.get("blocks_per_chunk") and block:  # vLLM 0.32's other way to say it
             return int(extra["blocks_per_chunk"]) * int(block)
-        return int(block) if block else None
     except (TypeError, ValueError):
-        return None
+        pass
+    return None
 
 
 def _kv_bytes_per_token(vllm_config: Any) -> int | None:
@@ -527,6 +527,8 @@ def engine_arguments(
     kwargs.update(limits.engine_arguments())
     logger.info("Engine limits: {}", limits_words(limits))
     kwargs.update(precision_and_offload_args(config, host))
+    if kwargs.get("kv_offloading_size"):
+        kwargs.update(offload_block_args(config))
     kwargs.update(executor_args(config, host))
     vision = vision or VisionSettings()
     kwargs.update(vision_arguments(vision, host, image_threads(vision, config.extra), config.model or ""))
