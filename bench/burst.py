@@ -225,7 +225,7 @@ def stream_every() -> int:
     """BENCH_STREAM_EVERY=N: every Nth session of the worker's bursts streams its reply, so
     that its TTFT is measured (the first delta's arrival) on a sample, while the rest are read
     at their end as before. 0 or unset: none streams (the first runs were limited by the one
-    benchmark client receiving every delta of 1,000 streams; a quarter of them is light)."""
+    benchmark client receiving every delta of 1,000 streams; one in eight, as runs Y1 and Y2, is light)."""
     text = os.environ.get("BENCH_STREAM_EVERY") or "0"
     if not text.isdigit():
         raise SystemExit(f"BENCH_STREAM_EVERY: a whole number of sessions (0: none streams), not {text!r}")
