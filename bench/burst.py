@@ -299,7 +299,9 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
             profiled = count == profiled_size(sizes)
             profiler = profile_worker(worker, out / f"pyspy-burst-{name}-{count}.txt") if profiled else None
             started = time.time()
+            load = cpu_snapshot()
             records, wall = worker_burst(driver, tokenizer, workload, f"burst-{name}", count, count)
+            load = cpu_usage(load)
             windows["worker"][count] = (started, time.time())
             if profiler is not None:
                 profiler.wait(120)
@@ -313,6 +315,7 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
                 "max_running": max((s.get("maxRunning", 0) for s in stats), default=None),
                 "max_waiting": max((s.get("waiting", 0) for s in stats), default=None),
                 "max_pending": max((s.get("pending", 0) for s in stats), default=None),
+                **({"cpu": load} if load else {}),
             }
             print(f"burst {name} worker {count}: {_line(runs['worker'][count])}", flush=True)
     finally:
@@ -378,18 +381,36 @@ async def _raw_side(
                 else None
             )
             started = time.time()
+            load = cpu_snapshot()
             outcomes, wall = await raw_burst(engine.llm, prompts[count], profile.burst_max_tokens, final=final)
+            load = cpu_usage(load)
             result["windows"][count] = (started, time.time())
             if profiler is not None:
                 await asyncio.to_thread(profiler.wait, 120)
             result["runs"][count] = {
                 **burst_summary(outcomes, wall),
                 "outcomes": [dataclasses.astuple(o) for o in outcomes],
+                **({"cpu": load} if load else {}),
             }
             print(f"burst {name} raw {count}: {_line(result['runs'][count])}", flush=True)
     finally:
         engine.shutdown()
     return result
+
+
+def cpu_snapshot() -> Any:
+    """With BENCH_CPU: the counters of this process and every one under it (the worker, its
+    frontend and engine core, the broker; raw's engine core), before a burst (bench/cpuload.py)."""
+    from . import cpuload
+
+    return cpuload.snapshot([os.getpid()]) if cpuload.enabled() else None
+
+
+def cpu_usage(before: Any) -> dict[str, Any] | None:
+    """The burst's share of each process's CPU since cpu_snapshot (None without BENCH_CPU)."""
+    from . import cpuload
+
+    return cpuload.usage(before, cpuload.snapshot([os.getpid()])) if before is not None else None
 
 
 def add_gc_pauses(runs: dict[str, Any], windows: dict[str, dict[int, tuple[float, float]]]) -> None:
@@ -529,6 +550,17 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
     ]
     if pauses:
         lines += ["- Garbage collections during each burst (BENCH_GC; generation: count, total, longest):", *pauses]
+    from .cpuload import words as cpu_words
+
+    loads = [
+        f"  - {name}, {count} sessions, {side}: " + cpu_words(run["cpu"])
+        for name, result in results.items()
+        for side, bursts in result["runs"].items()
+        for count, run in bursts.items()
+        if isinstance(run, dict) and "cpu" in run
+    ]
+    if loads:
+        lines += ["- CPU during each burst (BENCH_CPU; per process: cores busy, involuntary context switches):", *loads]
     for name, result in results.items():
         skipped = result.get("sessions_skipped_kv_cache_too_small")
         lines += [

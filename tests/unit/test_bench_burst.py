@@ -44,8 +44,11 @@ def test_bursts_the_kv_cache_does_not_hold_are_not_run() -> None:
     assert fitting_sessions((320, 1000, 2000), None, 428) == ([320, 1000, 2000], [])
 
 
+REPORT_RUN = {"tok_per_s": 1000.0, "ttft_p50_ms": 1.0, "ttft_p95_ms": 2.0, "latency_p95_ms": 3.0, "admission_s": 0.1}
+
+
 def test_the_report_puts_worker_and_raw_side_by_side(tmp_path: Path) -> None:
-    run = {"tok_per_s": 1000.0, "ttft_p50_ms": 1.0, "ttft_p95_ms": 2.0, "latency_p95_ms": 3.0, "admission_s": 0.1}
+    run = dict(REPORT_RUN)
     results = {
         "new": {
             "runs": {"worker": {"320": {**run, "max_running": 320, "max_waiting": 0}}, "raw": {"320": run}},
@@ -119,3 +122,39 @@ def test_every_nth_session_streams(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("BENCH_STREAM_EVERY", "a quarter")
     with pytest.raises(SystemExit, match="BENCH_STREAM_EVERY"):
         stream_every()
+
+
+def test_the_cpu_of_a_burst_is_each_processs_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BENCH_CPU: a busy child shows about one core and this process's tree is found; without
+    it nothing is taken. Real processes (a child that spins for the window)."""
+    import subprocess
+    import sys
+    import time
+
+    from bench.burst import cpu_snapshot, cpu_usage
+
+    assert cpu_snapshot() is None and cpu_usage(None) is None
+    monkeypatch.setenv("BENCH_CPU", "1")
+    spin = "import time\nend = time.monotonic() + 1.5\nwhile time.monotonic() < end: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.2)  # started, spinning
+        before = cpu_snapshot()
+        time.sleep(0.8)
+        load = cpu_usage(before)
+    finally:
+        child.wait(30)
+    assert load is not None
+    mine = [p for name, p in load["processes"].items() if name.endswith(f"({child.pid})")]
+    assert len(mine) == 1 and mine[0]["cores"] > 0.5, load
+    assert mine[0]["cpus"]  # the CPU its thread last ran on
+    text = burst_markdown(
+        {
+            "new": {
+                "runs": {"worker": {"320": {**REPORT_RUN, "cpu": load}}, "raw": {}},
+                "limits_log": "",
+                "engine_log": "",
+            }
+        }
+    )
+    assert "- CPU during each burst (BENCH_CPU" in text and f"({child.pid}): " in text
