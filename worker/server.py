@@ -62,7 +62,7 @@ from .config.models import (
 from .engine.limits import pending_limit_short
 from .engine.port import ServedEngine, ToolSupport, VisionSettings, WarmupPlan
 from .protocol.topics import Topics
-from .system.children import release_semaphores, remove_files
+from .system.children import remove_files
 from .system.logs import route_library_logging
 from .system.notify import Notifier
 from .system.progress import start_phase
@@ -376,7 +376,6 @@ class Server:
                 "Second stop signal: exiting now ({} unanswered request(s) left for the next start)", pending
             )
             remove_files()
-            release_semaphores()
             os._exit(1)
         self._stop.set()
         if self._starting is not None and not self._starting.done():
