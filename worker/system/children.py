@@ -86,8 +86,8 @@ def remove_files() -> None:
         _files.pop().unlink(missing_ok=True)
 
 
-# multiprocessing's resource tracker, started with the first spawned child (the engine core),
-# takes this process's -W options: its leak warnings off (quiet_resource_tracker).
+# multiprocessing's resource tracker takes this process's -W options when it starts: its leak
+# warnings off (quiet_resource_tracker).
 TRACKER_QUIET = "ignore::UserWarning:multiprocessing.resource_tracker"
 
 
@@ -99,9 +99,15 @@ def quiet_resource_tracker() -> None:
     by design) at times: the engine core is killed with the worker (``die_with_parent``) while
     it holds one, which names nothing an operator can act on; two full test runs of two on
     this repository's machine failed on it (tests/engine/test_ctrl_c.py; the test alone
-    passed). Only the tracker's own module is quietened, in the processes started from here."""
-    if TRACKER_QUIET not in sys.warnoptions:
-        sys.warnoptions.append(TRACKER_QUIET)
+    passed). The tracker is started here with that one -W option, which spawned children (whose
+    command lines name no tracker then) do not get; they reuse it."""
+    from multiprocessing import resource_tracker
+
+    sys.warnoptions.append(TRACKER_QUIET)
+    try:
+        resource_tracker.ensure_running()
+    finally:
+        sys.warnoptions.remove(TRACKER_QUIET)
 
 
 def expect_children() -> Path | None:
