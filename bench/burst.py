@@ -541,26 +541,21 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
             "delta's arrival at the client.",
             *sampled,
         ]
-    pauses = [
-        f"  - {name}, {count} sessions, {side}: " + gc_cell(run["gc"])
-        for name, result in results.items()
-        for side, bursts in result["runs"].items()
-        for count, run in bursts.items()
-        if isinstance(run, dict) and "gc" in run
-    ]
-    if pauses:
-        lines += ["- Garbage collections during each burst (BENCH_GC; generation: count, total, longest):", *pauses]
     from .cpuload import words as cpu_words
 
-    loads = [
-        f"  - {name}, {count} sessions, {side}: " + cpu_words(run["cpu"])
-        for name, result in results.items()
-        for side, bursts in result["runs"].items()
-        for count, run in bursts.items()
-        if isinstance(run, dict) and "cpu" in run
-    ]
-    if loads:
-        lines += ["- CPU during each burst (BENCH_CPU; per process: cores busy, involuntary context switches):", *loads]
+    for key, cell, title in (
+        ("gc", gc_cell, "Garbage collections during each burst (BENCH_GC; generation: count, total, longest)"),
+        ("cpu", cpu_words, "CPU during each burst (BENCH_CPU; per process: cores busy, involuntary context switches)"),
+    ):
+        per_burst = [
+            f"  - {name}, {count} sessions, {side}: " + cell(run[key])
+            for name, result in results.items()
+            for side, bursts in result["runs"].items()
+            for count, run in bursts.items()
+            if isinstance(run, dict) and key in run
+        ]
+        if per_burst:
+            lines += [f"- {title}:", *per_burst]
     for name, result in results.items():
         skipped = result.get("sessions_skipped_kv_cache_too_small")
         lines += [
