@@ -13,11 +13,14 @@ until it is queued as a turn or answered) and a flood through a real broker.
 
 - **to the engine over MQTT** (``--to-engine MODEL --over-mqtt``): the same requests through a
   private mosquitto and the in-process worker (devtools/inproc.py: the real transport and
-  Service, the memory store), published at once by another process (paho, QoS 1): when each
-  reached the engine after the first was sent (quantiles) and the event loop's CPU per request
-  until the last did, round after round (``--repeat``), each round's messages new to the
-  tokenizer's caches. What a burst's requests meet before vLLM, with paho's thread and the
-  broker in, and nothing of vLLM's.
+  Service; the memory store, or SQLite with ``--store sqlite``), published at once by another
+  process (paho, QoS 1): when each reached the engine after the first was sent (quantiles) and
+  the event loop's CPU per request until the last did, round after round (``--repeat``), each
+  round's messages new to the tokenizer's caches. What a burst's requests meet before vLLM,
+  with paho's thread and the broker in, and nothing of vLLM's. ``--timeline`` adds when each
+  request passed each stage on the way (``Timeline``): handed over by paho's thread,
+  dispatched, its turn's segments queued for encoding and encoded, at the engine; and the
+  encoding batches (how many, their segments, how long each took in its thread).
 
 - **dispatch**: one user's ``--requests`` requests over ``--sessions`` sessions, all in the
   inbox at once, through the real Service on a MemoryTransport and an engine that answers at
@@ -305,11 +308,83 @@ client.loop_stop()
 """
 
 
-def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None) -> dict[str, Any]:
+class Timeline:
+    """When each request of a round passed each stage of the intake, on the wall clock (the
+    sender is another process): ``received`` (paho's thread handed it to the loop: its
+    InboundMessage.received_at), ``dispatched`` (the service's dispatch began), ``preparing`` and
+    ``prepared`` (its turn's prompt segments queued for encoding, and encoded:
+    ChatTokenizer.prepare), and the encoding batches, each (start, end, segments). Recorded by
+    wrapping the instances' methods, so nothing of the worker changes for it."""
+
+    STAGES = ("received", "dispatched", "preparing", "prepared")
+
+    def __init__(self) -> None:
+        self.marks: dict[str, list[float]] = {stage: [] for stage in self.STAGES}
+        self.batches: list[list[float]] = []
+
+    def attach(self, service: Any, renderer: Any) -> None:
+        wall_minus_monotonic = time.time() - time.monotonic()
+        marks, batches = self.marks, self.batches
+        dispatch, prepare = service.dispatch, renderer.prepare
+
+        async def timed_dispatch(message: Any) -> None:
+            marks["received"].append(message.received_at + wall_minus_monotonic)
+            marks["dispatched"].append(time.time())
+            await dispatch(message)
+
+        async def timed_prepare(*args: Any, **kwargs: Any) -> None:
+            marks["preparing"].append(time.time())
+            await prepare(*args, **kwargs)
+            marks["prepared"].append(time.time())
+
+        service.dispatch, renderer.prepare = timed_dispatch, timed_prepare
+        if hasattr(renderer, "_start_batch"):  # ChatTokenizer's encoding batches
+            start, done = renderer._start_batch, renderer._batch_done
+
+            def timed_start() -> None:
+                before = len(renderer._queued)
+                at = time.time()
+                start()
+                if len(renderer._queued) < before:
+                    batches.append([at, 0.0, float(before - len(renderer._queued))])
+
+            def timed_done(parts: list[str], encoding: Any) -> None:
+                for batch in batches:
+                    if batch[1] == 0.0 and batch[2] == len(parts):
+                        batch[1] = time.time()
+                        break
+                done(parts, encoding)
+
+            renderer._start_batch, renderer._batch_done = timed_start, timed_done
+
+    def summary(self, started: float) -> dict[str, Any]:
+        """Each stage's quantiles (s after the first request was sent), and the batches'."""
+        stages = {stage: _quantiles([t - started for t in times]) for stage, times in self.marks.items() if times}
+        took = [end - begin for begin, end, _ in self.batches if end]
+        return {
+            "stages_s": stages,
+            "encoding_batches": len(self.batches),
+            "batch_segments": _quantiles([n for _, _, n in self.batches]) if self.batches else {},
+            "batch_encode_ms": _quantiles([t * 1000 for t in took]) if took else {},
+            "batches_started_s": _quantiles([begin - started for begin, _, _ in self.batches]) if self.batches else {},
+        }
+
+
+def _quantiles(values: list[float]) -> dict[str, float]:
+    values = sorted(values)
+    return {f"q{int(q * 100)}": round(values[min(len(values) - 1, int(len(values) * q))], 3) for q in QUANTILES}
+
+
+QUANTILES = (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1)
+
+
+def to_engine_mqtt(
+    model: str, requests: int, repeat: int, mosquitto: str | None, *, store: str = "memory", timeline: bool = False
+) -> dict[str, Any]:
     """``requests`` one-turn requests published at once by another process through a private
-    mosquitto to the in-process worker (the memory store, the model's tokenizer) and an engine
+    mosquitto to the in-process worker (the ``store``, the model's tokenizer) and an engine
     that records when each reached it; ``repeat`` rounds, each a new user's sessions and texts
-    (nothing of them in the tokenizer's caches)."""
+    (nothing of them in the tokenizer's caches). ``timeline``: each stage's times too (Timeline)."""
     import subprocess
     import sys
 
@@ -325,9 +400,17 @@ def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None
         try:
             for round_ in range(repeat):
                 engine = HoldingEngine(requests, clock=time.time)
+                history = {"store": store, "state_dir": str(Path(tmp) / f"state{round_}")}
                 live = LiveWorker(
-                    broker.port, engine=engine, renderer=tokenizer, limits={"max_requests_per_user_per_minute": 0}
+                    broker.port,
+                    engine=engine,
+                    renderer=tokenizer,
+                    limits={"max_requests_per_user_per_minute": 0},
+                    history=history,
                 )
+                stages = Timeline() if timeline else None
+                if stages is not None:
+                    stages.attach(live.service, tokenizer)
                 try:
                     prefix = live.topic("u", "s").removesuffix("/u/s/request")
                     loop_cpu = live.call(time.thread_time)
@@ -342,28 +425,27 @@ def to_engine_mqtt(model: str, requests: int, repeat: int, mosquitto: str | None
                     live.wait_idle(120)
                 finally:
                     live.close()
-                reached = sorted(at - sender["started"] for at in engine.called)
                 rounds.append(
                     {
                         "sent_s": round(sender["sent_s"], 3),
                         # the worker's event loop, from before the first was sent until the last reached the engine
                         "loop_cpu_ms_per_request": round((engine.loop_cpu_at_last - loop_cpu) * 1000 / requests, 3),
-                        "reached_engine_s": {
-                            f"q{int(q * 100)}": round(reached[min(len(reached) - 1, int(len(reached) * q))], 3)
-                            for q in (0, 0.1, 0.25, 0.5, 0.75, 0.9, 1)
-                        },
+                        "reached_engine_s": _quantiles([at - sender["started"] for at in engine.called]),
+                        **(stages.summary(sender["started"]) if stages is not None else {}),
                     }
                 )
         finally:
             broker.stop()
-    return {"requests": requests, "rounds": rounds}
+    return {"requests": requests, "store": store, "rounds": rounds}
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=650)
     parser.add_argument("--sessions", type=int, default=650)
-    parser.add_argument("--store", choices=["memory", "sqlite", "both"], default="both")
+    parser.add_argument(
+        "--store", choices=["memory", "sqlite", "both"], default=None, help="default: both; memory with --over-mqtt"
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--flood", type=int, default=2000, help="requests per flood round; 0: no flood")
     parser.add_argument("--flood-sessions", type=int, default=200)
@@ -373,9 +455,18 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--over-mqtt", action="store_true", help="--to-engine through a broker and the transport")
     parser.add_argument("--mosquitto", default=None, help="the broker's binary (default: Debian's)")
+    parser.add_argument(
+        "--timeline", action="store_true", help="--over-mqtt: when each request passed each stage of the intake"
+    )
     args = parser.parse_args(argv)
     if args.over_mqtt and not args.to_engine:
         parser.error("--over-mqtt measures --to-engine MODEL's requests: give the model too")
+    if args.timeline and not args.over_mqtt:
+        parser.error("--timeline is recorded with --over-mqtt")
+    if args.store is None:
+        args.store = "memory" if args.over_mqtt else "both"
+    if args.over_mqtt and args.store == "both":
+        parser.error("--over-mqtt runs one store: --store memory or --store sqlite")
     import sys
 
     from loguru import logger
@@ -383,7 +474,9 @@ def main(argv: list[str] | None = None) -> int:
     logger.remove()  # the worker's DEBUG lines would cost more than what is measured
     logger.add(sys.stderr, level="WARNING")
     if args.to_engine and args.over_mqtt:
-        result = to_engine_mqtt(args.to_engine, args.requests, args.repeat, args.mosquitto)
+        result = to_engine_mqtt(
+            args.to_engine, args.requests, args.repeat, args.mosquitto, store=args.store, timeline=args.timeline
+        )
         for round_ in result["rounds"]:
             print(f"to the engine over MQTT, {args.requests} requests: {json.dumps(round_)}", flush=True)
         if args.out is not None:
