@@ -439,6 +439,23 @@ def to_engine_mqtt(
     return {"requests": requests, "store": store, "rounds": rounds}
 
 
+def _what_if(args: argparse.Namespace) -> None:
+    """Set the intake's constants the options name, for this process."""
+    import sys
+
+    from worker.core import service
+    from worker.engine import tokenizer
+
+    if args.encode_in_flight is not None:
+        tokenizer.ENCODE_BATCHES_IN_FLIGHT = args.encode_in_flight
+    if args.encode_batch_chars is not None:
+        tokenizer.ENCODE_BATCH_CHARS = args.encode_batch_chars
+    if args.dispatch_slice is not None:
+        service.DISPATCH_SLICE = args.dispatch_slice
+    if args.switch_ms is not None:
+        sys.setswitchinterval(args.switch_ms / 1000)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m bench.intake", description=__doc__.split("\n\n")[0])
     parser.add_argument("--requests", type=int, default=650)
@@ -458,7 +475,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--timeline", action="store_true", help="--over-mqtt: when each request passed each stage of the intake"
     )
+    # What-if settings of the intake's own constants, to measure them on a host (not config:
+    # the worker sets them from measurements, see their comments).
+    parser.add_argument("--encode-in-flight", type=int, default=None, help="tokenizer ENCODE_BATCHES_IN_FLIGHT")
+    parser.add_argument("--encode-batch-chars", type=int, default=None, help="tokenizer ENCODE_BATCH_CHARS")
+    parser.add_argument("--dispatch-slice", type=int, default=None, help="service DISPATCH_SLICE")
+    parser.add_argument("--switch-ms", type=float, default=None, help="Python's thread switch interval (ms)")
     args = parser.parse_args(argv)
+    _what_if(args)
     if args.over_mqtt and not args.to_engine:
         parser.error("--over-mqtt measures --to-engine MODEL's requests: give the model too")
     if args.timeline and not args.over_mqtt:
