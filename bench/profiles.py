@@ -339,6 +339,16 @@ for _name, _gib, _kv in (
     PROFILES[_name] = Profile(
         PROFILES["gpu"].engine_overrides, capacity_engine={**_FULLSCALE, **_kv}, capacity_offload_gib=_gib
     )
+# The same on a GPU whose KV cache would hold every session (an H200's: 100 sessions' second
+# prompts fit in it, so nothing leaves the GPU and the tier is not exercised): the KV cache held
+# to what an H100 gives the QwQ-32B geometry at util 0.93 (44,576 tokens of 256 KiB: 64 layers,
+# 8 KV heads of 128, bf16), so the round-2 prompts are ~7.5x of it on either GPU.
+_H100_KV_BYTES = 44_576 * 64 * 8 * 128 * 2 * 2
+PROFILES["gpu-returning-h100kv"] = Profile(
+    PROFILES["gpu"].engine_overrides,
+    capacity_engine={**_FULLSCALE, "extra": {"kv_cache_memory_bytes": _H100_KV_BYTES}},
+    capacity_offload_gib=None,
+)
 
 # The burst phases on the QwQ-32B geometry (an H200: its KV cache holds 300 sessions of 428
 # tokens beside 65 GB of weights, an H100's does not): 100 and 300 sessions, worker and raw.
