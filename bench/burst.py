@@ -67,6 +67,10 @@ class Outcome:
     # The worker's side: the reply was streamed (BENCH_STREAM_EVERY), so ttft_s is the first
     # delta's arrival, measured, not derived from the reply at its end.
     streamed: bool = False
+    # Both sides, by vLLM's own clock (its request stats): the time in its scheduler's queue
+    # (queued -> first scheduled) and the prefill (-> first token). The worker's from its reply.
+    engine_queue_s: float | None = None
+    prefill_s: float | None = None
 
 
 def burst_summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
@@ -107,10 +111,11 @@ def burst_summary(outcomes: list[Outcome], wall_s: float) -> dict[str, Any]:
 
 
 def legs(outcomes: list[Outcome], ms: Callable[[list[float], float], float | None]) -> dict[str, Any]:
-    """The worker's legs of its replies' time (Outcome), p50 and p95 (and the transit's most):
-    none for raw AsyncLLM's outcomes."""
+    """The legs of the requests' time (Outcome), p50 and p95 (and the transit's most): the
+    worker's (transit, queue, its own TTFT) and, on both sides where vLLM kept request stats,
+    vLLM's scheduler queue and prefill."""
     out: dict[str, Any] = {}
-    for name in ("transit", "queue", "worker_ttft"):
+    for name in ("transit", "queue", "worker_ttft", "engine_queue", "prefill"):
         values = [v * 1000 for o in outcomes if (v := getattr(o, f"{name}_s")) is not None]
         if values:
             out[f"{name}_p50_ms"], out[f"{name}_p95_ms"] = ms(values, 50), ms(values, 95)
@@ -144,6 +149,8 @@ def worker_outcome(record: Record) -> Outcome:
         queue_s=queue / 1000 if queue is not None else None,
         worker_ttft_s=worker_ttft / 1000 if worker_ttft is not None else None,
         streamed=record.client_ttft_ms is not None,
+        engine_queue_s=record.engine_queue_ms / 1000 if record.engine_queue_ms is not None else None,
+        prefill_s=record.prefill_ms / 1000 if record.prefill_ms is not None else None,
     )
 
 
@@ -456,7 +463,7 @@ async def raw_burst(
     request stats: arrival and first-token latency, wall-clock)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
-    from worker.engine.vllm import first_token_time
+    from worker.engine.vllm import engine_times, first_token_time
 
     params = SamplingParams(
         max_tokens=max_tokens,
@@ -481,14 +488,25 @@ async def raw_burst(
         request_id = uuid.uuid4().hex
         first: float | None = None
         tokens = 0
+        inside = None
         async for output in llm.generate({"prompt_token_ids": ids}, params, request_id):
             piece = output.outputs[0]
             if first is None and piece.token_ids:
                 at = first_token_time(output) if final else None  # read at the end: vLLM's time
                 first = (at or time.monotonic()) - started
             tokens += len(piece.token_ids)
+            if output.finished:
+                inside = engine_times(output)
         end = time.monotonic() - started
-        return Outcome(first, end, tokens, len(ids), admitted.get(request_id))
+        return Outcome(
+            first,
+            end,
+            tokens,
+            len(ids),
+            admitted.get(request_id),
+            engine_queue_s=inside.queue_s if inside is not None else None,
+            prefill_s=inside.prefill_s if inside is not None else None,
+        )
 
     try:
         outcomes = await asyncio.gather(*(one(ids) for ids in prompts))
@@ -541,6 +559,17 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
             "delta's arrival at the client.",
             *sampled,
         ]
+    inside = [
+        f"  - {name}, {count} sessions, {side}: queue p50 {run['engine_queue_p50_ms']} ms, "
+        f"p95 {run['engine_queue_p95_ms']} ms; prefill p50 {run.get('prefill_p50_ms')} ms, "
+        f"p95 {run.get('prefill_p95_ms')} ms"
+        for name, result in results.items()
+        for side, bursts in result["runs"].items()
+        for count, run in bursts.items()
+        if isinstance(run, dict) and run.get("engine_queue_p50_ms") is not None
+    ]
+    if inside:
+        lines += ["- Inside vLLM (its request stats: queued to first scheduled, then to the first token):", *inside]
     from .cpuload import words as cpu_words
 
     for key, cell, title in (

@@ -101,6 +101,10 @@ class Record:
     worker_queue_ms: float | None = None
     worker_ttft_ms: float | None = None
     worker_total_ms: float | None = None
+    # Of the worker's TTFT, by vLLM's clock (the reply's engineQueueMs and prefillMs, where the
+    # engine kept request stats): in vLLM's scheduler queue, and prefilling.
+    engine_queue_ms: float | None = None
+    prefill_ms: float | None = None
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0

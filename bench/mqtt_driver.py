@@ -321,6 +321,8 @@ def _record(
         worker_queue_ms=latency["queueMs"],
         worker_ttft_ms=latency["ttftMs"],
         worker_total_ms=latency["totalMs"],
+        engine_queue_ms=latency.get("engineQueueMs"),
+        prefill_ms=latency.get("prefillMs"),
         prompt_tokens=usage["promptTokens"],
         cached_tokens=usage["cachedTokens"],
         completion_tokens=usage["completionTokens"],

@@ -25,6 +25,7 @@ from worker.core.service import Service
 from worker.engine.port import (
     EngineInfo,
     EngineStats,
+    EngineTimes,
     GenerationRequest,
     GenerationUpdate,
     ToolSupport,
@@ -117,6 +118,9 @@ class FakeEngine:
         # As vLLM with output_kind FINAL_ONLY: a request that is not incremental gets one update
         # at its end (the whole text and ids, an abort's too) with the first token's time.
         self.final_only = False
+        # As vLLM with its request stats: the final update of a generation says where its first
+        # token waited in the engine (None: the engine says nothing, as without stats).
+        self.engine_times: EngineTimes | None = None
         self._aborts: dict[str, asyncio.Event] = {}
 
     async def generate(self, request: GenerationRequest) -> AsyncIterator[GenerationUpdate]:
@@ -182,6 +186,7 @@ class FakeEngine:
                     "length" if done else None,
                     token_ids=ids if step > 1 else (),
                     image_tokens=IMAGE_TOKENS * len(request.images),
+                    engine_times=self.engine_times if done else None,
                 )
         finally:
             self.running -= 1

@@ -265,6 +265,12 @@ def test_scrape_moves_with_traffic(shared_worker: WorkerProcess, shared_metrics_
         assert moved(f"{histogram}_count") == n
         assert moved(f"{histogram}_bucket", le="+Inf") == n
         assert moved(f"{histogram}_sum") == pytest.approx(sum(r["latency"][field] for r in replies) / 1000, abs=1e-3)
+    # vLLM's own queue time: the replies whose engine said (every generated one here; a
+    # cancelled generation's stream may end before vLLM's final output).
+    said = [r["latency"]["engineQueueMs"] for r in replies if "engineQueueMs" in r["latency"]]
+    assert len(said) >= 3
+    assert moved("engine_queue_seconds_count") == len(said)
+    assert moved("engine_queue_seconds_sum") == pytest.approx(sum(said) / 1000, abs=1e-3)
     for counter, field in (
         ("completion_tokens_total", "completionTokens"),
         ("prompt_tokens_total", "promptTokens"),

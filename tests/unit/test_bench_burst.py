@@ -158,3 +158,24 @@ def test_the_cpu_of_a_burst_is_each_processs_own(monkeypatch: pytest.MonkeyPatch
         }
     )
     assert "- CPU during each burst (BENCH_CPU" in text and f"({child.pid}): " in text
+
+
+def test_vllms_queue_and_prefill_are_legs_of_both_sides() -> None:
+    """The reply's engineQueueMs and prefillMs (the worker's side) and vLLM's request stats
+    (raw's) become the same legs, reported for each side where they exist."""
+    record = Record(
+        "b", 2, 0, 0, client_ms=2000.0, client_ttft_ms=None, worker_queue_ms=150.0, worker_ttft_ms=600.0,
+        worker_total_ms=1950.0, engine_queue_ms=40.0, prefill_ms=300.0,
+    )  # fmt: skip
+    outcome = worker_outcome(record)
+    assert outcome.engine_queue_s == 0.04 and outcome.prefill_s == 0.3
+    assert worker_outcome(Record("b", 2, 0, 0, client_ms=10.0, client_ttft_ms=None)).engine_queue_s is None
+    raw = [Outcome(0.2, 1.0, 8, 30, engine_queue_s=0.01 * i, prefill_s=0.1) for i in range(1, 11)]
+    summary = burst_summary(raw, wall_s=1.0)
+    assert summary["engine_queue_p50_ms"] == pytest.approx(55.0, abs=5.5) and summary["prefill_p95_ms"] == 100.0
+    assert "engine_queue_p50_ms" not in burst_summary([Outcome(0.2, 1.0, 8, 30)], wall_s=1.0)
+    run = {**REPORT_RUN, "engine_queue_p50_ms": 40.0, "engine_queue_p95_ms": 90.0, "prefill_p50_ms": 300.0}
+    text = burst_markdown({"new": {"runs": {"worker": {"320": run}, "raw": {"320": dict(REPORT_RUN)}}}})
+    assert "- Inside vLLM" in text
+    assert "  - new, 320 sessions, worker: queue p50 40.0 ms, p95 90.0 ms; prefill p50 300.0 ms" in text
+    assert "320 sessions, raw: queue" not in text  # raw's burst said nothing here

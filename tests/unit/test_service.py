@@ -15,7 +15,14 @@ import pytest
 
 from devtools.fakes import Harness, WordRenderer, mentions
 from devtools.waiting import PATIENCE
-from worker.engine.port import EngineDead, EngineError, StructuredOutput, StructuredOutputRejected
+from worker.engine.port import (
+    EngineDead,
+    EngineError,
+    EngineStats,
+    EngineTimes,
+    StructuredOutput,
+    StructuredOutputRejected,
+)
 from worker.protocol.messages import log_ref
 from worker.session import ChatMessage
 
@@ -400,6 +407,29 @@ def test_a_reply_nothing_reads_as_it_comes_is_asked_of_the_engine_at_its_end_onl
         latency = replies["plain"]["latency"]
         assert latency["ttftMs"] - latency["queueMs"] < (latency["totalMs"] - latency["queueMs"]) / 2, latency
         assert replies["plain"]["usage"]["completionTokens"] == 30
+
+    asyncio.run(scenario())
+
+
+def test_a_reply_says_where_its_first_token_waited_in_the_engine() -> None:
+    """Where the engine keeps request stats (vLLM does by default), a reply's latency carries
+    its time in the engine's own queue and its prefill, and the stats message their queue's
+    average; where it keeps none, neither appears (no zeros that would read as measured)."""
+
+    async def scenario() -> None:
+        h = Harness()
+        h.transport.deliver("chat/u/a/request", {"message": "m", "maxTokens": 3, "requestId": "unsaid"})
+        await h.run_until(lambda: len(h.transport.replies("a")) == 1)
+        h.engine.engine_times = EngineTimes(queue_s=0.0042, prefill_s=0.0125)
+        h.transport.deliver("chat/u/b/request", {"message": "m", "maxTokens": 3, "requestId": "said"})
+        await h.run_until(lambda: len(h.transport.replies("b")) == 1)
+        unsaid, said = h.transport.replies("a")[0]["latency"], h.transport.replies("b")[0]["latency"]
+        assert set(unsaid) == {"queueMs", "ttftMs", "totalMs"}
+        assert said["engineQueueMs"] == 4.2 and said["prefillMs"] == 12.5
+        report = json.loads(h.service.stats.report(EngineStats(), sessions=2, pending=0).to_json())
+        assert report["requests"] == 2 and report["avgEngineQueueMs"] == 4.2  # the reply whose engine said
+        quiet = json.loads(h.service.stats.report(EngineStats(), sessions=2, pending=0).to_json())
+        assert "avgEngineQueueMs" not in quiet and "avgQueueMs" not in quiet
 
     asyncio.run(scenario())
 

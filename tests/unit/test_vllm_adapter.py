@@ -25,6 +25,7 @@ from worker.engine.port import (
     EngineError,
     EngineInfo,
     EngineStats,
+    EngineTimes,
     GenerationRequest,
     SamplingOptions,
     StructuredOutput,
@@ -37,6 +38,7 @@ from worker.engine.vllm import (
     _SchedulerStatsRecorder,
     auto_kv_offload,
     engine_arguments,
+    engine_times,
     kv_capacity_words,
     make_engine_args,
     precision_and_offload_args,
@@ -159,6 +161,29 @@ def test_a_request_read_only_at_its_end_asks_vllm_for_its_final_output_only() ->
     assert run(llm, incremental=False, stop=("END",))[1][0].delta == "a b c" and llm.params[-1].detokenize
     assert run(llm, incremental=True)[1][0].delta == "a b c" and llm.params[-1].detokenize
     assert run(TimedLLM(), incremental=False)[1][0].delta == "a b c"
+
+
+def test_the_final_update_says_where_the_first_token_waited_in_the_engine() -> None:
+    """vLLM's request stats (the engine core's monotonic timestamps): the queue is queued to
+    first scheduled, the prefill first scheduled to first token; on the final update only, and
+    nothing where the stats are missing or make no sense."""
+    stats = SimpleNamespace(queued_ts=100.0, scheduled_ts=100.25, first_token_ts=100.75)
+    assert engine_times(SimpleNamespace(metrics=stats)) == EngineTimes(queue_s=0.25, prefill_s=0.5)
+    assert engine_times(SimpleNamespace(metrics=None)) is None  # log_stats off
+    assert engine_times(SimpleNamespace()) is None  # a release without metrics
+    not_scheduled = SimpleNamespace(queued_ts=100.0, scheduled_ts=0.0, first_token_ts=0.0)
+    assert engine_times(SimpleNamespace(metrics=not_scheduled)) is None  # aborted while waiting
+    backwards = SimpleNamespace(queued_ts=100.0, scheduled_ts=100.5, first_token_ts=100.2)
+    assert engine_times(SimpleNamespace(metrics=backwards)) is None
+
+    class StatsLLM(StandInLLM):
+        async def generate(self, prompt: Any, params: SamplingParams, request_id: str) -> AsyncIterator[Any]:
+            for finished in (False, True):
+                completion = SimpleNamespace(token_ids=[5], text="a", finish_reason="length" if finished else None)
+                yield SimpleNamespace(outputs=[completion], num_cached_tokens=0, finished=finished, metrics=stats)
+
+    first, last = generate(StatsLLM(), None)
+    assert first.engine_times is None and last.engine_times == EngineTimes(queue_s=0.25, prefill_s=0.5)
 
 
 def test_weight_loading_bars_follow_vllm_level() -> None:

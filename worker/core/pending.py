@@ -7,6 +7,7 @@ import asyncio
 import json
 from dataclasses import dataclass, field
 
+from ..engine.port import EngineTimes
 from ..protocol.messages import ChatRequest, FunctionCall, RoundOut, ToolCallOut, WorkerCallOut
 from ..protocol.topics import SessionAddress
 from ..session import SessionHistory, ToolCall
@@ -88,6 +89,7 @@ class Generated:
     rounds: list[RoundOut] = field(default_factory=list)  # the generations, when the worker called tools
     raw_text: str = ""  # the engine's text as generated (``text`` becomes the answer)
     token_ids: list[int] = field(default_factory=list)  # the ids generated, where the engine says
+    engine_times: EngineTimes | None = None  # its first token's wait and prefill in the engine, where it says
 
 
 def ms_between(start: float, end: float) -> float:

@@ -135,6 +135,7 @@ class ToolRounds:
             last,
             submitted=every[0].submitted,
             first_token=next((g.first_token for g in every if g.first_token is not None), last.first_token),
+            engine_times=next((g.engine_times for g in every if g.engine_times is not None), last.engine_times),
             prompt_tokens=sum(g.prompt_tokens for g in every) or last.prompt_tokens,
             completion_tokens=sum(g.completion_tokens for g in every) or last.completion_tokens,
             cached_tokens=sum(g.cached_tokens for g in every) or last.cached_tokens,

@@ -44,6 +44,7 @@ class _Interval:
     latencies_ms: list[float] = field(default_factory=list)
     ttfts_ms: list[float] = field(default_factory=list)
     queues_ms: list[float] = field(default_factory=list)
+    engine_queues_ms: list[float] = field(default_factory=list)  # of the replies whose engine said
     completion_tokens: int = 0
     recomputed_tokens: int = 0
 
@@ -79,6 +80,8 @@ class StatsCollector:
         interval.latencies_ms.append(latency.total_ms)
         interval.ttfts_ms.append(latency.ttft_ms)
         interval.queues_ms.append(latency.queue_ms)
+        if latency.engine_queue_ms is not None:
+            interval.engine_queues_ms.append(latency.engine_queue_ms)
         interval.completion_tokens += usage.completion_tokens
         interval.recomputed_tokens += max(0, usage.prompt_tokens - usage.cached_tokens)
         for observer in self.observers:
@@ -135,6 +138,11 @@ class StatsCollector:
             avg_ttft_ms=round(sum(ttft) / len(ttft), 1) if ttft else None,
             p95_ttft_ms=round(percentile(ttft, 95), 1) if ttft else None,
             avg_queue_ms=round(sum(interval.queues_ms) / len(interval.queues_ms), 1) if lat else None,
+            avg_engine_queue_ms=(
+                round(sum(interval.engine_queues_ms) / len(interval.engine_queues_ms), 1)
+                if interval.engine_queues_ms
+                else None
+            ),
             gen_tokens_per_s=round(interval.completion_tokens / elapsed, 1),
             prefix_cache_hit_rate=round(hits / queries, 4) if queries > 0 else None,
             prefix_cache_hit_rate_total=(

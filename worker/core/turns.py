@@ -675,10 +675,13 @@ class TurnRunner:
     def reply(self, turn: PendingTurn, generated: Generated) -> bytes:
         now = time.monotonic()
         received = turn.message.received_at
+        engine = generated.engine_times
         latency = Latency(
             queue_ms=ms_between(received, generated.submitted),
             total_ms=ms_between(received, now),
             ttft_ms=ms_between(received, generated.first_token or now),
+            engine_queue_ms=round(engine.queue_s * 1000, 1) if engine is not None else None,
+            prefill_ms=round(engine.prefill_s * 1000, 1) if engine is not None else None,
         )
         usage = Usage(
             prompt_tokens=generated.prompt_tokens,
@@ -718,6 +721,8 @@ def _count(generated: Generated, update: GenerationUpdate) -> None:
     """The engine's counts so far, and the end."""
     if generated.first_token is None and update.completion_tokens > 0:
         generated.first_token = update.first_token_at or time.monotonic()
+    if update.engine_times is not None:
+        generated.engine_times = update.engine_times
     generated.completion_tokens = update.completion_tokens
     generated.prompt_tokens, generated.cached_tokens = update.prompt_tokens, update.cached_tokens
     generated.image_tokens = update.image_tokens

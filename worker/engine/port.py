@@ -90,6 +90,17 @@ class GenerationRequest:
 
 
 @dataclass(frozen=True)
+class EngineTimes:
+    """Where a generation's first token waited inside the engine, by the engine's own clock
+    (vLLM's request stats, one process's timestamps): ``queue_s`` in its scheduler's waiting
+    queue (queued until first scheduled), ``prefill_s`` computing the prompt (first scheduled
+    until the first token; a preemption in between counts in it)."""
+
+    queue_s: float
+    prefill_s: float
+
+
+@dataclass(frozen=True)
 class GenerationUpdate:
     """One step of a generation: the text produced since the previous update."""
 
@@ -106,6 +117,8 @@ class GenerationUpdate:
     # reader's clock: an update that is not the first token's own (a request's one update at
     # its end, GenerationRequest.incremental). None: when the reader got this update.
     first_token_at: float | None = None
+    # On the final update, where the engine keeps request stats: its queue and prefill times.
+    engine_times: EngineTimes | None = None
 
 
 @dataclass

@@ -64,6 +64,7 @@ from .port import (
     EngineImage,
     EngineInfo,
     EngineStats,
+    EngineTimes,
     GenerationRequest,
     GenerationUpdate,
     ImagesRejected,
@@ -835,6 +836,19 @@ def first_token_time(output: Any) -> float | None:
     return time.monotonic() - max(0.0, time.time() - (arrival + latency))
 
 
+def engine_times(output: Any) -> EngineTimes | None:
+    """The request's time in vLLM's scheduler queue and in its prefill, from its request stats
+    (the engine core's own monotonic timestamps, compared with each other only). None where it
+    kept none (log_stats off, a release without them) or they are out of order."""
+    metrics = getattr(output, "metrics", None)
+    queued = float(getattr(metrics, "queued_ts", 0.0) or 0.0)
+    scheduled = float(getattr(metrics, "scheduled_ts", 0.0) or 0.0)
+    first = float(getattr(metrics, "first_token_ts", 0.0) or 0.0)
+    if queued <= 0 or scheduled < queued or first < scheduled:
+        return None
+    return EngineTimes(queue_s=scheduled - queued, prefill_s=first - scheduled)
+
+
 class _SchedulerStatsRecorder(StatLoggerBase):  # type: ignore[misc]
     """Receives vLLM's per-step scheduler statistics and keeps what the stats report needs."""
 
@@ -1416,6 +1430,7 @@ class VllmEngine:
                     token_ids=tuple(completion.token_ids),
                     image_tokens=image_tokens,
                     first_token_at=first_token_time(output) if final_only else None,
+                    engine_times=engine_times(output) if finished else None,
                 )
             if not finished:  # some releases end an aborted request's stream without a final output
                 yield GenerationUpdate(

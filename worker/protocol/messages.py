@@ -213,6 +213,11 @@ class Latency(WireModel):
     queue_ms: float  # received -> handed to the engine (session order and admission)
     ttft_ms: float  # received -> first generated token
     total_ms: float  # received -> reply built (its turn is then committed to the store, then published)
+    # Of ttft_ms, by the engine's own clock (vLLM's request stats; left out where it keeps none):
+    # waiting in its scheduler's queue (queued -> first scheduled), and computing the prompt
+    # (first scheduled -> first token). The rest is the way to the engine and back.
+    engine_queue_ms: float | None = None
+    prefill_ms: float | None = None
 
 
 # finishReason of a reply whose thinking used up its budget (the request's reasoningBudget,
@@ -657,6 +662,7 @@ class StatsReport(BaseModel):
     avg_ttft_ms: float | None = None
     p95_ttft_ms: float | None = None
     avg_queue_ms: float | None = None
+    avg_engine_queue_ms: float | None = None  # of the replies whose engine said (Latency.engine_queue_ms)
     gen_tokens_per_s: float
     # from the engine's scheduler
     prefix_cache_hit_rate: float | None = None  # over the interval, 0..1; None: no prompt looked up

@@ -183,6 +183,13 @@ class WorkerMetrics:
             buckets=QUEUE_BUCKETS,
             registry=reg,
         )
+        self.engine_queue = Histogram(
+            f"{PREFIX}_engine_queue_seconds",
+            "Generated replies: in vLLM's own scheduler queue, from queued until first scheduled "
+            "(vLLM's request stats; replies whose engine keeps none are not counted).",
+            buckets=QUEUE_BUCKETS,
+            registry=reg,
+        )
         self.prompt_tokens = Counter(f"{PREFIX}_prompt_tokens", "Prompt tokens of generated replies.", registry=reg)
         self.cached_tokens = Counter(
             f"{PREFIX}_prompt_cached_tokens",
@@ -235,6 +242,8 @@ class WorkerMetrics:
         self.duration.observe(latency.total_ms / 1000)
         self.ttft.observe(latency.ttft_ms / 1000)
         self.queue.observe(latency.queue_ms / 1000)
+        if latency.engine_queue_ms is not None:
+            self.engine_queue.observe(latency.engine_queue_ms / 1000)
         self.prompt_tokens.inc(usage.prompt_tokens)
         self.cached_tokens.inc(usage.cached_tokens)
         self.completion_tokens.inc(usage.completion_tokens)
