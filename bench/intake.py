@@ -321,8 +321,17 @@ class Timeline:
     def __init__(self) -> None:
         self.marks: dict[str, list[float]] = {stage: [] for stage in self.STAGES}
         self.batches: list[list[float]] = []
+        self._wrapped: list[tuple[Any, str]] = []
+
+    def detach(self) -> None:
+        """Undo attach: the renderer outlives a round (its caches are the tokenizer's), and a
+        wrapper left on it would wrap the next round's too, each round one layer more."""
+        for owner, name in self._wrapped:
+            vars(owner).pop(name, None)
+        self._wrapped.clear()
 
     def attach(self, service: Any, renderer: Any) -> None:
+        self._wrapped += [(service, "dispatch"), (renderer, "prepare")]
         wall_minus_monotonic = time.time() - time.monotonic()
         marks, batches = self.marks, self.batches
         dispatch, prepare = service.dispatch, renderer.prepare
@@ -356,6 +365,7 @@ class Timeline:
                 done(parts, encoding)
 
             renderer._start_batch, renderer._batch_done = timed_start, timed_done
+            self._wrapped += [(renderer, "_start_batch"), (renderer, "_batch_done")]
 
     def summary(self, started: float) -> dict[str, Any]:
         """Each stage's quantiles (s after the first request was sent), and the batches'."""
@@ -425,6 +435,8 @@ def to_engine_mqtt(
                     live.wait_idle(120)
                 finally:
                     live.close()
+                    if stages is not None:
+                        stages.detach()
                 rounds.append(
                     {
                         "sent_s": round(sender["sent_s"], 3),

@@ -64,6 +64,7 @@ def test_the_timeline_records_every_stage_of_each_request() -> None:
     assert [m.n for m in svc.dispatched] == list(range(5))  # the wrapped methods still run
     assert len(renderer.started) == 5
     summary = timeline.summary(started)
+    marks_before = {stage: [*times] for stage, times in timeline.marks.items()}
     assert set(summary["stages_s"]) == {"received", "dispatched", "preparing", "prepared"}
     stages = summary["stages_s"]
     # received is paho's hand-over (the message's own time), before its dispatch began
@@ -72,6 +73,11 @@ def test_the_timeline_records_every_stage_of_each_request() -> None:
     assert summary["encoding_batches"] == 5
     assert summary["batch_segments"]["q50"] == 2
     assert summary["batch_encode_ms"]["q0"] >= 0
+    timeline.detach()  # the renderer outlives a round: its own methods again, no wrapper left
+    assert not {"prepare", "_start_batch", "_batch_done"} & set(vars(renderer))
+    assert "dispatch" not in vars(svc)
+    asyncio.run(renderer.prepare([]))
+    assert timeline.marks == marks_before  # nothing recorded after it
 
 
 def test_a_start_that_queues_nothing_is_no_batch() -> None:
