@@ -347,6 +347,10 @@ def test_a_lone_surrogate_in_a_description_is_repaired_and_a_schema_with_one_lef
             {"name": "a", "description": "x\ud800y", "inputSchema": {"type": "object"}},
             {"name": "b", "inputSchema": {"type": "object", "properties": {"\udfff": {"type": "string"}}}},
             {"name": "c\ud800", "inputSchema": {"type": "object"}},
+            # two lone surrogates side by side: a JSON text's "\ud800\udc00" would read back as
+            # one character, but the listed schema holds them apart (left out, as the one above)
+            {"name": "d", "inputSchema": {"type": "object", "properties": {"\ud800\udc00": {"type": "string"}}}},
+            {"name": "e", "inputSchema": {"type": "object", "description": "\ud800\udc00"}},
         ],
     )
     assert {name: tool.description for name, (tool, _) in server.tools.items()} == {"home_x_a": "x\ufffdy"}

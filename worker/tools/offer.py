@@ -56,8 +56,12 @@ Offered = dict[str, tuple[WorkerTool, str]]
 
 
 def _schema_text(schema: Any) -> str | None:
+    # Not ensure_ascii: its escapes would join two lone surrogates ("\ud800" then "\udc00",
+    # which a str can hold apart) into one valid character when the verdict reads the text
+    # back, and the schema offered as listed would still hold them (found by the property
+    # test of any text in a tool list: the chat template's text then failed to encode).
     try:
-        return json.dumps(schema, sort_keys=True, ensure_ascii=True)
+        return json.dumps(schema, sort_keys=True, ensure_ascii=False)
     except (TypeError, ValueError, RecursionError):
         return None
 
@@ -83,6 +87,8 @@ def schema_problem(schema: Any) -> SchemaUnusable | None:
     text = _schema_text(schema)
     if text is None:
         return SchemaUnusable("cannot be read as JSON")
+    if not is_valid_text(text):
+        return SchemaUnusable("has text that is not valid Unicode")
     return _verdict(text)
 
 
@@ -110,7 +116,7 @@ class OfferWarnings:
 
     def left_out(self, server: str, tool: str, schema: Any, problem: SchemaUnusable) -> None:
         text = _schema_text(schema) or ""
-        key = (server, tool, hashlib.sha256(text.encode()).hexdigest())
+        key = (server, tool, hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest())
         if key in self._warned:
             return
         if len(self._warned) >= MAX_WARNED:
