@@ -187,12 +187,34 @@ def seeded(workload: Workload, count: int) -> Workload:
     return dataclasses.replace(workload, seed=workload.seed + 1 + count)
 
 
-def render_burst(tokenizer: Any, workload: Workload, seed: int, sessions: int) -> list[list[int]]:
-    """The prompts of a burst (seeded(workload, seed)) as raw AsyncLLM gets them: token ids,
-    rendered with the model's chat template as the worker renders them."""
+def burst_texts(tokenizer: Any, workload: Workload, seed: int, sessions: int) -> list[str]:
+    """The prompts of a burst (seeded(workload, seed)) as the model's chat template's text,
+    rendered as the worker renders them."""
     burst = seeded(workload, seed)
     messages = (burst.user_message(i, 0, tokenizer.count_text) for i in range(sessions))
-    return [tokenizer.render(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+    return [tokenizer.render_text(history_messages(workload, [], m), add_generation_prompt=True) for m in messages]
+
+
+def render_burst(tokenizer: Any, workload: Workload, seed: int, sessions: int) -> list[list[int]]:
+    """The prompts of a burst as raw AsyncLLM gets them: token ids, encoded before the burst."""
+    return [tokenizer.encode(text) for text in burst_texts(tokenizer, workload, seed, sessions)]
+
+
+# BENCH_RAW_TEXT: raw AsyncLLM's bursts again with other messages of the same sizes (this seed
+# plus the size: no prompt of them is in a cache, on the GPU or in host memory).
+TEXT_SEED = 500_009
+
+
+def raw_text_bursts() -> bool:
+    """BENCH_RAW_TEXT=1: after its bursts of token ids, raw AsyncLLM runs each size again given
+    the chat template's text, which vLLM tokenizes in ``add_request`` (as it does for a client
+    that hands it text, ``vllm serve`` among them), the side ``raw_text``. Raw's token ids are
+    encoded before its bursts, so they leave out the tokenizing that the worker does in its
+    intake; this side shows what that part costs raw."""
+    text = (os.environ.get("BENCH_RAW_TEXT") or "0").strip()
+    if text not in ("0", "1"):
+        raise SystemExit(f"BENCH_RAW_TEXT: 1 (raw runs each burst again given text) or 0, not {text!r}")
+    return text == "1"
 
 
 def start_burst_worker(
@@ -339,18 +361,23 @@ def burst_phase(profile: Profile, model: Path, out: Path, mosquitto: str, name: 
         return result
     prompts = {n: render_burst(tokenizer, workload, n, n) for n in sizes}
     prompts[0] = render_burst(tokenizer, workload, 0, first)  # the warm-up burst's
+    texts = {n: burst_texts(tokenizer, workload, TEXT_SEED + n, n) for n in sizes} if raw_text_bursts() else None
     config = EngineConfig(model=str(model), **settings)
-    raw = asyncio.run(_raw_side(config, tokenizer, prompts, sizes, profile, name, out))
+    raw = asyncio.run(_raw_side(config, tokenizer, prompts, sizes, profile, name, out, texts))
     runs["raw"] = raw.pop("runs")
+    if texts is not None:
+        runs["raw_text"] = raw.pop("runs_text", {})
     windows["raw"] = raw.pop("windows")
     add_gc_pauses(runs, windows)
     first_runs["raw"] = raw.pop("first")
     result.update(raw)
-    result["worker_over_raw"] = {
-        count: round(runs["worker"][count]["tok_per_s"] / runs["raw"][count]["tok_per_s"], 3)
-        for count in sizes
-        if runs["raw"].get(count, {}).get("tok_per_s") and runs["worker"].get(count, {}).get("tok_per_s")
-    }
+    for side in ("raw", "raw_text"):
+        if side in runs:
+            result[f"worker_over_{side}"] = {
+                count: round(runs["worker"][count]["tok_per_s"] / runs[side][count]["tok_per_s"], 3)
+                for count in sizes
+                if runs[side].get(count, {}).get("tok_per_s") and runs["worker"].get(count, {}).get("tok_per_s")
+            }
     return result
 
 
@@ -362,9 +389,11 @@ async def _raw_side(
     profile: Profile,
     name: str,
     out: Path,
+    texts: dict[int, list[str]] | None = None,
 ) -> dict[str, Any]:
     """The same bursts on an AsyncLLM of the same engine arguments, in one event loop (the
-    engine's output handler lives on the loop of its first request)."""
+    engine's output handler lives on the loop of its first request); then, with ``texts``
+    (raw_text_bursts), each size again given text, as ``runs_text``."""
     from .harness import profile_process
     from .inprocess import InProcess
 
@@ -400,6 +429,16 @@ async def _raw_side(
                 **({"cpu": load} if load else {}),
             }
             print(f"burst {name} raw {count}: {_line(result['runs'][count])}", flush=True)
+        for count, burst in sorted((texts or {}).items()):
+            load = cpu_snapshot()
+            outcomes, wall = await raw_burst(engine.llm, burst, profile.burst_max_tokens, final=final)
+            load = cpu_usage(load)
+            result.setdefault("runs_text", {})[count] = {
+                **burst_summary(outcomes, wall),
+                "outcomes": [dataclasses.astuple(o) for o in outcomes],
+                **({"cpu": load} if load else {}),
+            }
+            print(f"burst {name} raw_text {count}: {_line(result['runs_text'][count])}", flush=True)
     finally:
         engine.shutdown()
     return result
@@ -455,12 +494,13 @@ def raw_output_kinds() -> tuple[str, ...]:
 
 
 async def raw_burst(
-    llm: Any, prompts: list[list[int]], max_tokens: int, *, final: bool = False
+    llm: Any, prompts: list[list[int]] | list[str], max_tokens: int, *, final: bool = False
 ) -> tuple[list[Outcome], float]:
     """Every prompt at once into an AsyncLLM (ignore_eos: exactly max_tokens each); when each
     reached the engine (its add_request returned), its first token and its end. ``final``:
     read at the end only (raw_output_kinds), the first token's time then vLLM's own (its
-    request stats: arrival and first-token latency, wall-clock)."""
+    request stats: arrival and first-token latency, wall-clock). A prompt is token ids, or
+    text that vLLM tokenizes in ``add_request`` (its prompt tokens then as vLLM counted them)."""
     from vllm.sampling_params import RequestOutputKind, SamplingParams
 
     from worker.engine.vllm import engine_times, first_token_time
@@ -484,12 +524,16 @@ async def raw_burst(
 
         llm.add_request = add_request
 
-    async def one(ids: list[int]) -> Outcome:
+    async def one(prompt: list[int] | str) -> Outcome:
         request_id = uuid.uuid4().hex
         first: float | None = None
         tokens = 0
+        prompt_tokens = None if isinstance(prompt, str) else len(prompt)
         inside = None
-        async for output in llm.generate({"prompt_token_ids": ids}, params, request_id):
+        given = {"prompt": prompt} if isinstance(prompt, str) else {"prompt_token_ids": prompt}
+        async for output in llm.generate(given, params, request_id):
+            if not prompt_tokens:  # a text prompt: as vLLM tokenized it (on its first output)
+                prompt_tokens = len(output.prompt_token_ids or ())
             piece = output.outputs[0]
             if first is None and piece.token_ids:
                 at = first_token_time(output) if final else None  # read at the end: vLLM's time
@@ -502,14 +546,14 @@ async def raw_burst(
             first,
             end,
             tokens,
-            len(ids),
+            prompt_tokens or 0,
             admitted.get(request_id),
             engine_queue_s=inside.queue_s if inside is not None else None,
             prefill_s=inside.prefill_s if inside is not None else None,
         )
 
     try:
-        outcomes = await asyncio.gather(*(one(ids) for ids in prompts))
+        outcomes = await asyncio.gather(*(one(prompt) for prompt in prompts))
     finally:
         if original is not None:
             del llm.add_request
@@ -520,6 +564,9 @@ def _line(run: dict[str, Any]) -> str:
     keys = ("tok_per_s", "ttft_p50_ms", "ttft_p95_ms", "admission_s", "completion_tokens", "wall_s")
     extra = {k: run[k] for k in ("streamed", "ttft_end_p50_ms", "max_running", "max_waiting", "gc") if k in run}
     return ", ".join(f"{k}={run.get(k)}" for k in keys) + (f", {extra}" if extra else "")
+
+
+SIDE_LABELS = {"worker": "worker", "raw": "raw", "raw_text": "raw, text"}  # the report's rows of a size
 
 
 def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
@@ -533,19 +580,27 @@ def burst_markdown(results: dict[str, dict[str, Any]]) -> str:
     ]
     for name, result in results.items():
         for count in sorted({int(c) for side in result["runs"].values() for c in side}):
-            for side in ("worker", "raw"):
-                run = result["runs"][side].get(str(count)) or result["runs"][side].get(count)
+            for side, label in SIDE_LABELS.items():
+                bursts = result["runs"].get(side, {})
+                run = bursts.get(str(count)) or bursts.get(count)
                 if not run:
                     continue
                 queue = f"{run.get('max_running')} / {run.get('max_waiting')}" if side == "worker" else ""
-                ratio = result.get("worker_over_raw", {})
-                ratio_cell = ratio.get(str(count), ratio.get(count, "")) if side == "worker" else ""
+                # The worker's row: against raw given token ids; raw's given text: the worker against it.
+                ratio = result.get({"worker": "worker_over_raw", "raw_text": "worker_over_raw_text"}.get(side, ""), {})
+                ratio_cell = ratio.get(str(count), ratio.get(count, ""))
                 lines.append(
-                    f"| {name} | {count} | {side} | {run['tok_per_s']:,.0f} | {run['ttft_p50_ms']} ms | "
+                    f"| {name} | {count} | {label} | {run['tok_per_s']:,.0f} | {run['ttft_p50_ms']} ms | "
                     f"{run['ttft_p95_ms']} ms | {run['latency_p95_ms']} ms | {run['admission_s']} s | {queue} | "
                     f"{ratio_cell} |"
                 )
     lines.append("")
+    if any("raw_text" in result["runs"] for result in results.values()):
+        lines.append(
+            "- `raw, text` (BENCH_RAW_TEXT): raw AsyncLLM given each prompt as the chat template's text, which vLLM "
+            "tokenizes in add_request, instead of token ids encoded before the burst (other messages of the same "
+            "sizes); its last column: the worker's tok/s over its."
+        )
     sampled = [
         f"  - {name}, {count} sessions: {run['streamed']} streamed; the others' TTFT from the reply at its end: "
         f"p50 {run['ttft_end_p50_ms']} ms, p95 {run['ttft_end_p95_ms']} ms"
@@ -620,14 +675,15 @@ def plot_bursts(results: dict[str, dict[str, Any]], path: Path) -> None:
 
     figure, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     for name, result in results.items():
-        for side, style in (("worker", "-o"), ("raw", "--s")):
-            runs = result["runs"][side]
+        for side, style in (("worker", "-o"), ("raw", "--s"), ("raw_text", ":^")):
+            runs = result["runs"].get(side, {})
             counts = sorted(int(c) for c in runs)
             if not counts:
                 continue
             rows = [runs.get(str(c)) or runs.get(c) for c in counts]
-            left.plot(counts, [r["tok_per_s"] for r in rows], style, label=f"{side}, {name} limits")
-            right.plot(counts, [r["ttft_p50_ms"] for r in rows], style, label=f"{side}, {name} limits")
+            label = f"{SIDE_LABELS[side]}, {name} limits"
+            left.plot(counts, [r["tok_per_s"] for r in rows], style, label=label)
+            right.plot(counts, [r["ttft_p50_ms"] for r in rows], style, label=label)
     left.set(xlabel="sessions at once", ylabel="generated tokens/s", title="throughput", xscale="log")
     right.set(
         xlabel="sessions at once", ylabel="TTFT p50 (ms)", title="time to first token", yscale="log", xscale="log"

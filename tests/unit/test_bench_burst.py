@@ -8,11 +8,14 @@ from pathlib import Path
 import pytest
 
 from bench.burst import (
+    TEXT_SEED,
     Outcome,
     burst_markdown,
     burst_settings,
     burst_summary,
     fitting_sessions,
+    raw_burst,
+    raw_text_bursts,
     stream_every,
     worker_outcome,
 )
@@ -179,3 +182,59 @@ def test_vllms_queue_and_prefill_are_legs_of_both_sides() -> None:
     assert "- Inside vLLM" in text
     assert "  - new, 320 sessions, worker: queue p50 40.0 ms, p95 90.0 ms; prefill p50 300.0 ms" in text
     assert "320 sessions, raw: queue" not in text  # raw's burst said nothing here
+
+
+def test_raw_given_text_is_a_side_of_its_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """BENCH_RAW_TEXT: raw AsyncLLM's bursts again with text prompts, reported as a row of their
+    own with the worker's tok/s over theirs, beside raw's given token ids."""
+    monkeypatch.delenv("BENCH_RAW_TEXT", raising=False)
+    assert not raw_text_bursts()
+    monkeypatch.setenv("BENCH_RAW_TEXT", "1")
+    assert raw_text_bursts()
+    monkeypatch.setenv("BENCH_RAW_TEXT", "yes")
+    with pytest.raises(SystemExit, match="BENCH_RAW_TEXT"):
+        raw_text_bursts()
+    assert TEXT_SEED > 2000  # its seeds (plus a size) are none of the sizes' or the warm-up's
+    runs = {"worker": {"320": {**REPORT_RUN, "max_running": 320, "max_waiting": 0}}, "raw": {"320": dict(REPORT_RUN)}}
+    runs["raw_text"] = {"320": {**REPORT_RUN, "tok_per_s": 800.0}}
+    ratios = {"worker_over_raw": {"320": 1.0}, "worker_over_raw_text": {"320": 1.25}}
+    text = burst_markdown({"new": {"runs": runs, **ratios}})
+    assert "| new | 320 | raw | 1,000 | 1.0 ms | 2.0 ms | 3.0 ms | 0.1 s |  |  |" in text
+    assert "| new | 320 | raw, text | 800 | 1.0 ms | 2.0 ms | 3.0 ms | 0.1 s |  | 1.25 |" in text
+    assert "- `raw, text` (BENCH_RAW_TEXT)" in text
+    assert "raw, text" not in burst_markdown({"new": {"runs": {k: runs[k] for k in ("worker", "raw")}}})
+
+
+class _Piece:
+    def __init__(self, ids: list[int]) -> None:
+        self.token_ids = ids
+
+
+class _Output:
+    def __init__(self, prompt_ids: list[int], ids: list[int], finished: bool) -> None:
+        self.prompt_token_ids, self.outputs, self.finished, self.metrics = prompt_ids, [_Piece(ids)], finished, None
+
+
+class _TextLLM:
+    """Stands in for AsyncLLM: what each request was given, and a prompt of one token per word."""
+
+    def __init__(self) -> None:
+        self.given: list[dict[str, object]] = []
+
+    async def generate(self, prompt: dict[str, object], params: object, request_id: str):  # type: ignore[no-untyped-def]
+        self.given.append(prompt)
+        ids = prompt.get("prompt_token_ids") or [7] * len(str(prompt["prompt"]).split())
+        yield _Output(list(ids), [1, 2], False)  # type: ignore[call-overload]
+        yield _Output(list(ids), [3], True)  # type: ignore[call-overload]
+
+
+def test_raw_takes_text_and_counts_the_prompt_as_vllm_tokenized_it() -> None:
+    pytest.importorskip("vllm")
+    import asyncio
+
+    llm = _TextLLM()
+    outcomes, _ = asyncio.run(raw_burst(llm, ["a b c", "d e"], 3))
+    assert llm.given == [{"prompt": "a b c"}, {"prompt": "d e"}]
+    assert [(o.prompt_tokens, o.completion_tokens) for o in outcomes] == [(3, 3), (2, 3)]
+    outcomes, _ = asyncio.run(raw_burst(llm, [[5, 6, 7, 8]], 3))
+    assert llm.given[-1] == {"prompt_token_ids": [5, 6, 7, 8]} and outcomes[0].prompt_tokens == 4
