@@ -13,14 +13,27 @@ never a request from the worker's host.
   ``~0``/``~1`` nor percent escapes, and a forced call's combined schema moves each tool's
   schema off the root, where ``#`` and ``#/properties/...`` would point elsewhere).
 - ``valid_text``: text with lone surrogates repaired, as it may enter a prompt.
+
+Patterns (``pattern``, ``patternProperties``) are matched by RE2, in time linear in the text,
+wherever jsonschema matches them in this process: Python's ``re`` backtracks, and a client's
+strict tool with ``"pattern": "^(a+)+$"`` made the check of one call's arguments ("aaa...a!")
+take a second at 24 characters and a day at 40, with the event loop held all along. A pattern
+RE2 does not take (lookaround, backreferences: neither has a linear-time match) makes a schema
+unusable, said when it is declared or offered.
 """
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
+import jsonschema._keywords
+import jsonschema._legacy_keywords
+import jsonschema._utils
+import re2  # type: ignore[import-untyped]  # google-re2
 import referencing
 import referencing.exceptions
 import referencing.jsonschema
@@ -53,6 +66,48 @@ class SchemaUnusable(ValueError):
         super().__init__(message or reason)
         self.reason = reason
         self.message = message or reason
+
+
+class UncheckablePattern(ValueError):
+    """A pattern that RE2 does not take: it cannot be matched in linear time."""
+
+
+_RE2_OPTIONS = re2.Options()
+_RE2_OPTIONS.log_errors = False  # RE2 would print each refused pattern (a client's text) to stderr
+
+
+@functools.lru_cache(maxsize=1024)
+def linear_pattern(pattern: str) -> Any:
+    """``pattern`` compiled by RE2 (UncheckablePattern: one it does not take, with RE2's words)."""
+    try:
+        return re2.compile(pattern, options=_RE2_OPTIONS)
+    except re2.error as exc:
+        detail = exc.args[0].decode(errors="replace") if exc.args and isinstance(exc.args[0], bytes) else str(exc)
+        raise UncheckablePattern(detail[:200]) from None
+
+
+class _LinearRe:
+    """Stands in for the ``re`` module in jsonschema's keyword code (``pattern``,
+    ``patternProperties``, and the property lookups of ``additionalProperties`` and
+    ``unevaluatedProperties``, which all call ``re.search``): the search is RE2's."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(re, name)
+
+    @staticmethod
+    def search(pattern: str, string: str, flags: int = 0) -> Any:
+        if flags:  # jsonschema passes none; anything else is not a schema's pattern
+            return re.search(pattern, string, flags)
+        # RE2 takes UTF-8: a lone surrogate (JSON's "\ud800") is matched as U+FFFD.
+        return linear_pattern(pattern).search(valid_text(string) if isinstance(string, str) else string)
+
+
+LINEAR_RE = _LinearRe()
+# The modules of jsonschema that match a schema's patterns (4.18 to 4.26); a test checks each
+# still calls the module-level ``re`` that is replaced here.
+PATTERN_MODULES = (jsonschema._keywords, jsonschema._legacy_keywords, jsonschema._utils)
+for _module in PATTERN_MODULES:
+    _module.re = LINEAR_RE
 
 
 def _refuse(uri: str) -> referencing.Resource[Any]:
@@ -294,7 +349,20 @@ def _check_against_metaschema_and_refs(schema: dict[str, Any]) -> None:
         raise SchemaUnusable(
             "is not a valid JSON Schema", f"schema is not a valid JSON Schema at {where}: {error.message[:300]}"
         )
-    _Graph(schema)  # every reference resolves
+    graph = _Graph(schema)  # every reference resolves
+    for node in graph.positions.values():
+        patterns = [node["pattern"]] if isinstance(node.get("pattern"), str) else []
+        if isinstance(node.get("patternProperties"), dict):
+            patterns += [key for key in node["patternProperties"] if isinstance(key, str)]
+        for pattern in patterns:
+            try:
+                linear_pattern(pattern)
+            except UncheckablePattern as exc:
+                raise SchemaUnusable(
+                    "has a pattern that cannot be checked",
+                    f"schema has a pattern the worker cannot check, {pattern[:100]!r} ({exc}): patterns are "
+                    "matched in linear time (RE2), without lookaround or backreferences",
+                ) from None
 
 
 def check_parameters(schema: Any) -> None:

@@ -261,6 +261,25 @@ def test_a_large_payload_that_only_mentions_images_is_too_large() -> None:
     assert refused(topics_only).code is ErrorCode.TOO_LARGE
 
 
+def test_the_text_of_an_image_request_is_held_to_the_payload_limit() -> None:
+    """Images raise the payload's limit, not the text's: its tokens are counted and encoded
+    like any request's, so more of it is refused before any tokenizing."""
+    image = [b64(picture())]
+    error = refused({"message": "x" * (MAX_PAYLOAD + 1), "images": image})
+    assert error.code is ErrorCode.TOO_LARGE
+    assert (
+        error.message == f"the request's text is {MAX_PAYLOAD + 1} bytes; the limit is {MAX_PAYLOAD}, with images too"
+    )
+    half = "x" * (MAX_PAYLOAD // 2 + 1)
+    assert refused({"message": half, "systemPrompt": half, "images": image}).code is ErrorCode.TOO_LARGE
+    wide = "é" * (MAX_PAYLOAD // 2 + 1)  # fewer characters than the limit, more bytes
+    assert refused({"message": [{"type": "text", "text": wide}, image_part(data_url(picture()))]}).code is (
+        ErrorCode.TOO_LARGE
+    )
+    request = parse({"message": "x" * (MAX_PAYLOAD - 10), "images": image})  # over the payload limit, text within
+    assert len(request.image_inputs) == 1
+
+
 def test_a_model_without_vision_refuses_images_naming_the_model() -> None:
     for data in (
         {"message": [image_part(data_url(picture()))]},

@@ -424,3 +424,74 @@ def test_any_schema_is_refused_or_usable_all_through(schema: dict[str, Any]) -> 
     grammar_document(schema)
     schema_violation({"a": 1}, schema)
     forced_call_schema([ToolSpec("t", None, schema)], HERMES)
+
+
+# -- patterns are matched in linear time -------------------------------------------------
+
+# Nested quantifiers that Python's backtracking ``re`` takes 2^n steps on, for a text of n
+# "a"s that does not match: at 60 of them, longer than the age of the universe.
+CATASTROPHIC = "^(a+)+$"
+NO_MATCH = "a" * 60 + "!"
+
+
+@pytest.mark.timeout(60)
+def test_a_pattern_in_a_strict_tool_is_matched_in_linear_time() -> None:
+    """A call's arguments are checked against the tool's patterns (``pattern``,
+    ``patternProperties``, and ``additionalProperties`` beside them) with RE2, on the event
+    loop: a pattern that backtracks can no longer hold it."""
+    schema = {
+        "type": "object",
+        "properties": {"x": {"type": "string", "pattern": CATASTROPHIC}},
+        "patternProperties": {"^(b+)+$": {"type": "integer"}},
+        "additionalProperties": False,
+        "unevaluatedProperties": False,
+    }
+    check_parameters(schema)
+    assert "does not match" in (schema_violation({"x": NO_MATCH}, schema) or "")
+    assert schema_violation({"x": "aaa", "b" * 60 + "!": 1}, schema) is not None  # not a pattern property
+    assert schema_violation({"x": "aaa", "bbb": 1}, schema) is None
+    assert "$.bbb" in (schema_violation({"x": "aaa", "bbb": "q"}, schema) or "")
+    assert schema_violation({"x": "a\ud800"}, schema) is not None  # a lone surrogate matched as U+FFFD
+    spec = ToolSpec("t", None, schema, strict=True)
+    parsed = ParsedTools("", (("t", json.dumps({"x": NO_MATCH})),), markup=True)
+    checked = check_calls("", parsed, [spec], key="k", round_=0, validate_all=False)
+    assert checked.error is not None and "break its parameters" in checked.error
+
+
+def test_jsonschema_still_matches_patterns_where_the_worker_replaced_re() -> None:
+    """The modules of jsonschema whose ``re`` the worker replaced still call it: a release
+    that moved its matching elsewhere would fail here, not backtrack again in silence."""
+    import inspect
+
+    from worker import schemacheck
+
+    for module in schemacheck.PATTERN_MODULES:
+        assert module.re is schemacheck.LINEAR_RE, module.__name__
+    sources = "".join(inspect.getsource(module) for module in schemacheck.PATTERN_MODULES)
+    assert sources.count("re.search(") >= 4  # pattern, patternProperties, the two property lookups
+    assert "re.compile(" not in sources and "re.match(" not in sources and "re.fullmatch(" not in sources
+
+
+@pytest.mark.parametrize(
+    "schema",
+    [
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "(?=a)b"}}},
+        {"type": "object", "properties": {"a": {"type": "string", "pattern": "(a)\\1"}}},
+        {"type": "object", "patternProperties": {"(?<!x)y": {}}},
+    ],
+)
+def test_a_pattern_without_a_linear_time_match_is_refused_when_declared(schema: dict[str, Any]) -> None:
+    with pytest.raises(RequestError) as caught:
+        parse_chat_request(
+            request(tools=[{"type": "function", "function": {"name": "t", "parameters": schema}}]), "s", 1 << 20
+        )
+    assert caught.value.code == ErrorCode.INVALID_SCHEMA and "cannot check" in caught.value.message
+    with pytest.raises(SchemaUnusable, match="lookaround or backreferences"):
+        check_schema(schema)
+    with pytest.raises(ValueError, match="parameters"):
+        MqttToolConfig(name="t", topic="devices/t", users=["*"], parameters=schema)
+
+
+def test_a_pattern_in_a_value_is_not_a_pattern() -> None:
+    """Only patterns where a schema goes are checked: the same text in a const is a value."""
+    check_schema({"type": "object", "properties": {"c": {"const": {"pattern": "(?=x)"}}}})

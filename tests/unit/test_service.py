@@ -213,6 +213,43 @@ def test_message_and_reply_text_are_logged_at_debug_only() -> None:
 SCHEMA = {"type": "object", "properties": {"n": {"type": "integer"}}, "required": ["n"]}
 
 
+def test_a_requests_schemas_are_checked_in_its_turn_off_the_event_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Checking JSON Schemas costs CPU in proportion to their size (seconds for one payload of
+    them): each request's are checked on a thread, in its turn, and not at all where the
+    request is refused anyway (tool calling not set up)."""
+    import threading
+
+    from worker.core import turns
+
+    checked: list[tuple[str | None, bool]] = []
+
+    def recording(request: Any) -> None:
+        checked.append((request.request_id, threading.current_thread() is threading.main_thread()))
+        real(request)
+
+    real = turns.check_request_schemas
+    monkeypatch.setattr(turns, "check_request_schemas", recording)
+
+    async def scenario() -> None:
+        h = Harness()  # no tool calling
+        tool = {"type": "function", "function": {"name": "t", "parameters": {"type": "object"}}}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "tools", "tools": [tool]})
+        fine = {"type": "json_schema", "schema": SCHEMA}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "json", "responseFormat": fine})
+        bad = {"type": "json_schema", "schema": {"type": "objekt"}}
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "bad", "responseFormat": bad})
+        h.transport.deliver("chat/u/s1/request", {"message": "x", "requestId": "free"})
+        await h.run_until(lambda: len(h.transport.replies("s1")) == 4)
+        replies = {r["requestId"]: r for r in h.transport.replies("s1")}
+        assert replies["tools"]["error"]["code"] == "invalid_request"
+        assert "tool calling is not set up" in replies["tools"]["error"]["message"]
+        assert replies["bad"]["error"]["code"] == "invalid_schema" and "$.type" in replies["bad"]["error"]["message"]
+        assert "reply" in replies["json"] and "reply" in replies["free"]
+
+    asyncio.run(scenario())
+    assert checked == [("json", False), ("bad", False)]
+
+
 def test_response_format_reaches_the_engine_and_schema_errors_are_invalid_schema() -> None:
     async def scenario() -> None:
         h = Harness()

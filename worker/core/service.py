@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
@@ -469,9 +470,11 @@ class Service:
     async def _parse(self, payload: bytes, address: SessionAddress) -> ChatRequest:
         limits, model = self.image_limits, self.engine.info.model
         max_bytes = self.config.limits.max_payload_bytes
+        # The request's JSON Schemas are checked in its turn, on a thread (TurnRunner.run).
+        read = functools.partial(parse_chat_request, model=model, check_schemas=False)
         if self._off_loop(payload):
-            return await asyncio.to_thread(parse_chat_request, payload, address.session, max_bytes, limits, model=model)
-        return parse_chat_request(payload, address.session, max_bytes, limits, model=model)
+            return await asyncio.to_thread(read, payload, address.session, max_bytes, limits)
+        return read(payload, address.session, max_bytes, limits)
 
     def _poison(self, turn: PendingTurn, deliveries: int) -> RequestError | None:
         """The final error of a request delivered again and again without an answer: it

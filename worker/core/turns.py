@@ -50,6 +50,8 @@ from ..protocol.messages import (
     Latency,
     RequestError,
     Usage,
+    check_request_schemas,
+    has_schemas,
     log_ref,
 )
 from ..protocol.topics import SessionAddress, Topics
@@ -255,9 +257,11 @@ class TurnRunner:
             history.system_prompt = request.system_prompt
         elif history.system_prompt is None:
             history.system_prompt = self.default_system_prompt
+        if request.tools and self.tool_support.unsupported is not None:
+            raise RequestError(ErrorCode.INVALID_REQUEST, self.tool_support.unsupported)
+        if has_schemas(request):  # seconds of CPU for a large payload of them: off the loop
+            await asyncio.to_thread(check_request_schemas, request)
         if request.tools is not None:
-            if request.tools and self.tool_support.unsupported is not None:
-                raise RequestError(ErrorCode.INVALID_REQUEST, self.tool_support.unsupported)
             history.tools = specs_from_request(request.tools)
         if request.worker_tools is not None:
             history.worker_tools = self.worker_calls.choose(request.worker_tools, address.user)
