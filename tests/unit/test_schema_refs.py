@@ -495,3 +495,17 @@ def test_a_pattern_without_a_linear_time_match_is_refused_when_declared(schema: 
 def test_a_pattern_in_a_value_is_not_a_pattern() -> None:
     """Only patterns where a schema goes are checked: the same text in a const is a value."""
     check_schema({"type": "object", "properties": {"c": {"const": {"pattern": "(?=x)"}}}})
+
+
+def test_arguments_nested_past_the_decoders_depth_are_not_json() -> None:
+    """A model can write "[[[[..." deeper than Python's JSON decoder goes (RecursionError, not
+    ValueError): the call is refused as not valid JSON, a forced call's body left as written."""
+    from worker.core.calls import escape_raw_controls
+
+    deep = "[" * 100_000 + "]" * 100_000
+    spec = ToolSpec("t", None, {"type": "object"})
+    checked = check_calls(
+        "", ParsedTools("", (("t", deep),), markup=True), [spec], key="k", round_=0, validate_all=True
+    )
+    assert checked.error is not None and "not valid JSON" in checked.error
+    assert escape_raw_controls(deep) == deep

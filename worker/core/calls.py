@@ -198,11 +198,11 @@ def escape_raw_controls(body: str) -> str:
     try:
         json.loads(body)
         return body
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: nested deeper than Python decodes
         pass
     try:
         value = json.loads(body, strict=False)
-    except ValueError:
+    except (ValueError, RecursionError):
         return body  # cut off at maxTokens, say: the parser reports it
     return json.dumps(value, ensure_ascii=False)
 
@@ -234,7 +234,7 @@ def check_calls(
             return CheckedCalls(text, error=f"the model called {name[:80]!r}, which is not a declared tool")
         try:
             arguments = json.loads(arguments_text)
-        except ValueError:
+        except (ValueError, RecursionError):  # a model can write "[[[[..." past the decoder's depth
             return CheckedCalls(text, error=f"the arguments of the call to {name!r} are not valid JSON")
         if not isinstance(arguments, dict):
             return CheckedCalls(text, error=f"the arguments of the call to {name!r} are not a JSON object")

@@ -512,7 +512,7 @@ class TurnRunner:
                 written, rest = json.JSONDecoder().raw_decode(prompt_text, len(previous.prompt_text))
                 if written != json.loads(previous.generated_text, strict=False):
                     return None
-            except ValueError:
+            except (ValueError, RecursionError):
                 return None
         stops = set(self.renderer.stop_token_ids)
         if generated[-1] in stops:
