@@ -167,6 +167,27 @@ def test_errors_name_the_key(
         load_config(["--config", str(path), "--model", model_dir, *argv], environ=env)
 
 
+@pytest.mark.parametrize(
+    ("argv", "key"),
+    [
+        (["--topic-prefix", "chat\n"], "mqtt.topic_prefix"),
+        (["--worker-id", "gpu-1\n"], "mqtt.worker_id"),
+        (["--share-group", "gpus\n"], "mqtt.share_group"),
+        (["--tools-mqtt", '{"name": "lamp\\n", "topic": "devices/lamp", "users": ["*"]}'], "tools.mqtt.0.name"),
+        (
+            ["--tools-mcp", '{"name": "calc\\n", "url": "http://h/mcp", "allow": ["*"], "users": ["*"]}'],
+            "tools.mcp.0.name",
+        ),
+        (["--vision-topics", '{"name": "door\\n", "topic": "cams/#", "users": ["*"]}'], "vision.topics.0.name"),
+    ],
+)
+def test_a_name_with_a_trailing_newline_is_refused(model_dir: str, argv: list[str], key: str) -> None:
+    """Names are checked with fullmatch: "^...$" with match took "gpu-1\n" ("$" matches before
+    a final newline), and the newline reached topics and log lines."""
+    with pytest.raises(ConfigError, match=re.escape(f"invalid '{key}' (from {argv[0]})")):
+        load_config(["--model", model_dir, *argv], environ={})
+
+
 def test_mistyped_keys_sections_variables_and_flags_get_a_did_you_mean(
     tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

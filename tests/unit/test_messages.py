@@ -194,11 +194,24 @@ def test_topics_parse_and_build() -> None:
         "chat/u/request",  # missing level
         "other/u/s/request",  # other prefix
         "chat/u/s/x/request",
+        "chat/alice\n/s1/request",  # a trailing newline ("$" matches before one)
+        "chat/alice/s1\n/request",
     ],
 )
 def test_invalid_topics(topic: str) -> None:
     with pytest.raises(InvalidTopic):
         Topics("chat").parse(topic)
+
+
+def test_a_part_with_a_trailing_newline_is_invalid() -> None:
+    """Checked with fullmatch: "^...$" with match took "alice\n", a namespace apart from
+    "alice" whose newline reached topics and log lines."""
+    for user, session in (("alice\n", "s1"), ("alice", "s1\n")):
+        with pytest.raises(InvalidTopic):
+            SessionAddress(user, session)
+    with pytest.raises(InvalidTopic):
+        Topics("chat").status("gpu-1\n")
+    assert Topics("chat").status("gpu-1") == "chat/_worker/gpu-1/status"
 
 
 def test_topic_filter_matching() -> None:

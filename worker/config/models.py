@@ -30,7 +30,10 @@ from pydantic import (
 
 from ..schemacheck import SchemaUnusable, check_parameters, is_valid_text
 
-TOPIC_PART = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
+# One topic level a worker or user names: the user namespace, the session, the worker id.
+# Patterns are checked with fullmatch, never as "^...$" with match: "$" also matches before a
+# final newline, which would let "alice\n" through (into topics and log lines).
+TOPIC_PART = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 ENV_PREFIX = "WORKER_"
 
 
@@ -125,14 +128,14 @@ class MqttConfig(Section):
     @classmethod
     def _check_prefix(cls, value: str) -> str:
         parts = value.split("/")
-        if not all(TOPIC_PART.match(p) for p in parts):
+        if not all(TOPIC_PART.fullmatch(p) for p in parts):
             raise ValueError(f"each level must match {TOPIC_PART.pattern}, got {value!r}")
         return value
 
     @field_validator("worker_id", "share_group")
     @classmethod
     def _check_topic_level(cls, value: str | None) -> str | None:
-        if value is not None and not TOPIC_PART.match(value):
+        if value is not None and not TOPIC_PART.fullmatch(value):
             raise ValueError(f"must match {TOPIC_PART.pattern}, got {value!r}")
         return value
 
@@ -676,7 +679,7 @@ class LimitsConfig(Section):
     )
 
 
-NAME_OF_TOOL = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+NAME_OF_TOOL = re.compile(r"[A-Za-z0-9_-]{1,64}")  # with fullmatch (TOPIC_PART says why)
 
 
 def _json_object(value: Any, what: str) -> Any:
@@ -723,7 +726,7 @@ class MqttToolConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not NAME_OF_TOOL.match(value):
+        if not NAME_OF_TOOL.fullmatch(value):
             raise ValueError(f"tool name {value[:80]!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
         return value
 
@@ -770,7 +773,7 @@ class McpServerConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not re.match(r"^[A-Za-z0-9-]{1,32}$", value):
+        if not re.fullmatch(r"[A-Za-z0-9-]{1,32}", value):
             raise ValueError(f"MCP server name {value[:80]!r} must match ^[A-Za-z0-9-]{{1,32}}$")
         return value
 
@@ -909,7 +912,7 @@ class VisionTopicConfig(Section):
     @field_validator("name")
     @classmethod
     def _name(cls, value: str) -> str:
-        if not NAME_OF_TOOL.match(value):
+        if not NAME_OF_TOOL.fullmatch(value):
             raise ValueError(f"vision topic name {value[:80]!r} must match ^[A-Za-z0-9_-]{{1,64}}$")
         return value
 

@@ -47,7 +47,7 @@ class SessionAddress:
 
     def __post_init__(self) -> None:
         for name, part in (("user", self.user), ("session", self.session)):
-            if not TOPIC_PART.match(part):
+            if not TOPIC_PART.fullmatch(part):
                 raise InvalidTopic(f"{name} {part[:140]!r} does not match {TOPIC_PART.pattern}")
         if self.user.startswith("_"):
             raise InvalidTopic(f"namespace {self.user!r} is reserved")
@@ -97,7 +97,7 @@ class Topics:
         return self._session_topic(address, "control")
 
     def _worker_topic(self, worker_id: str, kind: str) -> str:
-        if not TOPIC_PART.match(worker_id):
+        if not TOPIC_PART.fullmatch(worker_id):
             raise InvalidTopic(f"worker id {worker_id!r} does not match {TOPIC_PART.pattern}")
         return f"{self.prefix}/{WORKER_NAMESPACE}/{worker_id}/{kind}"
 
