@@ -188,6 +188,84 @@ def test_a_name_with_a_trailing_newline_is_refused(model_dir: str, argv: list[st
         load_config(["--model", model_dir, *argv], environ={})
 
 
+@pytest.mark.parametrize(
+    ("toml", "argv", "env", "message"),
+    [
+        (b'[mqtt]\nhost = "h\xff"\n', [], {}, "is not UTF-8, as TOML must be (line 2: invalid start byte)"),
+        (
+            b"[engine]\nextra = {a = " + b"[" * 5000 + b"]" * 5000 + b"}\n",
+            [],
+            {},
+            "its arrays or inline tables nest too deep",
+        ),
+        (
+            b"[engine]\nextra = {a = " + b"1" * 5000 + b"}\n",
+            [],
+            {},
+            "is not usable TOML: an integer of over 4300 digits",
+        ),
+        (
+            b"",
+            ["--engine-extra", "[" * 5000 + "]" * 5000],
+            {},
+            "--engine-extra: not usable JSON (its arrays or objects nest",
+        ),
+        (
+            b"",
+            [],
+            {"WORKER_MQTT_ALLOWED_RESPONSE_TOPICS": "[" * 5000 + "]" * 5000},
+            "WORKER_MQTT_ALLOWED_RESPONSE_TOPICS: not usable JSON (its arrays or objects nest too deep)",
+        ),
+        (
+            b"",
+            [],
+            {"WORKER_STOP": "[" + "1" * 5000 + "]"},
+            "WORKER_STOP: not usable JSON (an integer of over 4300 digits)",
+        ),
+        (
+            b"",
+            ["--tools-mqtt", '{"name": "a", "topic": "t/x", "users": ["*"], "parameters": "' + "[" * 5000 + '"}'],
+            {},
+            "invalid 'tools.mqtt.0.parameters' (from --tools-mqtt): Value error, parameters is not usable JSON: its "
+            "arrays or objects nest too deep",
+        ),
+    ],
+    ids=[
+        "toml-not-utf8",
+        "toml-deep",
+        "toml-huge-int",
+        "flag-deep",
+        "env-deep",
+        "env-huge-int",
+        "parameters-deep",
+    ],
+)
+def test_input_not_utf8_or_nested_too_deep_is_a_configuration_error(
+    tmp_path: Path, model_dir: str, toml: bytes, argv: list[str], env: dict[str, str], message: str
+) -> None:
+    """The worker says what is wrong and where, not a traceback (main catches ConfigError only:
+    these were a UnicodeDecodeError, a RecursionError or a ValueError of int()), and without
+    echoing the value."""
+    path = tmp_path / "w.toml"
+    path.write_bytes(toml)
+    with pytest.raises(ConfigError, match=re.escape(message)) as exc:
+        load_config(["--config", str(path), "--model", model_dir, *argv], environ=env)
+    assert len(str(exc.value)) < 300, str(exc.value)
+
+
+def test_a_password_file_that_is_not_utf8_is_a_configuration_error(
+    tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Named, without its bytes (they may be the password): a UnicodeDecodeError before."""
+    secret = tmp_path / "pw"
+    secret.write_bytes(b"s3cret-\xff\xfe\n")
+    with pytest.raises(ConfigError, match=re.escape(f"mqtt.password_file: {secret} is not UTF-8")) as exc:
+        load_config(["--model", model_dir, "--mqtt-password-file", str(secret)], environ={})
+    assert "s3cret" not in str(exc.value) and "xff" not in str(exc.value)
+    assert main(["--model", model_dir, "--mqtt-password-file", str(secret), "--check-config"]) == 2
+    assert "is not UTF-8" in capsys.readouterr().err
+
+
 def test_mistyped_keys_sections_variables_and_flags_get_a_did_you_mean(
     tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

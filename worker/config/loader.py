@@ -134,7 +134,32 @@ def _parse_env_value(kind: str, raw: str, source: str) -> Any:
             return json.loads(raw)
         except json.JSONDecodeError as exc:
             raise ConfigError(f"{source}: not valid JSON ({exc.msg})") from None
+        except ValueError:  # int() refuses an integer of over 4300 digits
+            raise ConfigError(f"{source}: not usable JSON (an integer of over 4300 digits)") from None
+        except RecursionError:  # json parses arrays and objects recursively
+            raise ConfigError(f"{source}: not usable JSON (its arrays or objects nest too deep)") from None
     return raw
+
+
+def _read_toml(path: Path) -> dict[str, Any]:
+    """The tables of the TOML file given by --config; ConfigError when it cannot be read, is
+    not UTF-8 (as TOML must be) or is not TOML this parser can take."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        # read_text decodes the whole file at once: exc.object is all of it.
+        line = exc.object.count(b"\n", 0, exc.start) + 1
+        raise ConfigError(f"config file {path} is not UTF-8, as TOML must be (line {line}: {exc.reason})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config file {path} is not valid TOML: {exc}") from None
+    except ValueError:  # int() refuses an integer of over 4300 digits
+        raise ConfigError(f"config file {path} is not usable TOML: an integer of over 4300 digits") from None
+    except RecursionError:  # tomllib parses arrays and inline tables recursively
+        raise ConfigError(f"config file {path} is not usable TOML: its arrays or inline tables nest too deep") from None
 
 
 def load_config(
@@ -147,12 +172,7 @@ def load_config(
     origin: dict[tuple[str, ...], str] = {}
 
     if args.config is not None:
-        try:
-            toml_data = tomllib.loads(Path(args.config).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ConfigError(f"cannot read config file {args.config}: {exc.strerror}") from None
-        except tomllib.TOMLDecodeError as exc:
-            raise ConfigError(f"config file {args.config} is not valid TOML: {exc}") from None
+        toml_data = _read_toml(Path(args.config))
         for section, values in toml_data.items():
             if not isinstance(values, dict):
                 raise ConfigError(f"{args.config}: '{section}' must be a [section], one of {', '.join(sections())}")
@@ -329,6 +349,8 @@ def check_connection_files(mqtt: MqttConfig, section: str = "mqtt.") -> None:
             mqtt.password_value()
         except OSError as exc:
             raise ConfigError(f"{section}password_file: cannot read {mqtt.password_file}: {exc.strerror}") from None
+        except UnicodeDecodeError:  # not its bytes: they may be the password
+            raise ConfigError(f"{section}password_file: {mqtt.password_file} is not UTF-8") from None
     if mqtt.password is not None and mqtt.password_file is not None:
         raise ConfigError(f"{section}password and {section}password_file are both set: keep one")
     for key in ("tls_ca_file", "tls_cert_file", "tls_key_file"):

@@ -158,7 +158,7 @@ class MqttConfig(Section):
 
     def password_value(self) -> str | None:
         """The password from the file (its first line), else the value given directly; OSError
-        when the file cannot be read."""
+        when the file cannot be read, UnicodeDecodeError when it is not UTF-8."""
         if self.password_file is not None:
             lines = self.password_file.read_text(encoding="utf-8").splitlines()
             return lines[0] if lines else ""
@@ -689,6 +689,8 @@ def _json_object(value: Any, what: str) -> Any:
             value = json.loads(value)
         except ValueError as exc:
             raise ValueError(f"{what} is not valid JSON: {exc}") from None
+        except RecursionError:  # which pydantic would let through, not a validation error
+            raise ValueError(f"{what} is not usable JSON: its arrays or objects nest too deep") from None
     if value is not None and not isinstance(value, dict):
         raise ValueError(f"{what} must be a JSON object (a JSON Schema)")
     return value
