@@ -266,6 +266,22 @@ def test_a_password_file_that_is_not_utf8_is_a_configuration_error(
     assert "is not UTF-8" in capsys.readouterr().err
 
 
+def test_engine_extra_nested_too_deep_is_a_configuration_error(
+    model_dir: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Past some 255 levels pydantic cannot serialize the config: --check-config (and the start's
+    configuration log) ended in a ValueError traceback. The cap is far above what vLLM's engine
+    arguments nest."""
+    deep = '{"hf_overrides": ' + '{"a": ' * 300 + "1" + "}" * 301
+    assert main(["--model", model_dir, "--engine-extra", deep, "--check-config"]) == 2
+    err = capsys.readouterr().err
+    assert "invalid 'engine.extra' (from --engine-extra): Value error, nests deeper than 32 levels" in err, err
+    assert len(err) < 300, err
+    nested = '{"hf_overrides": {"text_config": {"rope_scaling": {"factor": 2.0, "mrope_section": [16, 24]}}}}'
+    config, _ = load_config(["--model", model_dir, "--engine-extra", nested], environ={})
+    assert config.engine.extra["hf_overrides"]["text_config"]["rope_scaling"]["mrope_section"] == [16, 24]
+
+
 def test_mistyped_keys_sections_variables_and_flags_get_a_did_you_mean(
     tmp_path: Path, model_dir: str, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -165,6 +165,22 @@ class MqttConfig(Section):
         return self.password.get_secret_value() if self.password else None
 
 
+# How deep engine.extra may nest. vLLM's engine arguments nest a few levels (hf_overrides,
+# kv_transfer_config's kv_connector_extra_config); past some 255 pydantic cannot serialize the
+# config, and --check-config and the start's configuration log failed with a traceback.
+MAX_EXTRA_DEPTH = 32
+
+
+def nesting(value: Any) -> int:
+    """How deep objects and arrays nest in ``value`` (a plain value: 0), counted level by
+    level, not by recursion."""
+    depth, level = 0, [value]
+    while level := [node for node in level if isinstance(node, (dict, list))]:
+        depth += 1
+        level = [child for node in level for child in (node.values() if isinstance(node, dict) else node)]
+    return depth
+
+
 class EngineConfig(Section):
     model: str | None = opt(None, "Model directory (or hub id) to serve. Required.", flag="--model")
     visible_devices: str | None = opt(
@@ -338,6 +354,15 @@ class EngineConfig(Section):
         "Any other vLLM engine argument, as a JSON object of AsyncEngineArgs fields.",
         flag="--engine-extra",
     )
+
+    @field_validator("extra")
+    @classmethod
+    def _check_extra_depth(cls, value: dict[str, Any]) -> dict[str, Any]:
+        if nesting(value) > MAX_EXTRA_DEPTH:
+            raise ValueError(
+                f"nests deeper than {MAX_EXTRA_DEPTH} levels of objects and arrays (vLLM's engine arguments nest a few)"
+            )
+        return value
 
     @model_validator(mode="after")
     def _check_limits(self) -> EngineConfig:
