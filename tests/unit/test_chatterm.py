@@ -216,6 +216,7 @@ def test_tools_files_and_tool_choice_are_checked_before_anything_is_sent(tmp_pat
         '[{"type": "function", "function": {"name": "a"}}, {"type": "function", "function": {"name": "a"}}]': "twice",
         '[{"type": "function", "function": {"name": "a", "parameters": {"type": "string"}}}]': "JSON object",
         '[{"type": "function", "function": {"nam": "a"}}]': "tool 0: function.name: Field required",
+        "[" * 100_000 + "]" * 100_000: "nest too deep",
     }
     for text, problem in cases.items():
         bad = tmp_path / "bad.json"

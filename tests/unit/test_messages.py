@@ -219,6 +219,10 @@ def test_topic_filter_matching() -> None:
     assert topic_matches("apps/#", "apps/a/b/c")
     assert not topic_matches("apps/+/inbox", "apps/a/b/inbox")
     assert not topic_matches("apps/+", "apps")
+    assert topic_matches("apps/#", "apps") and topic_matches("#", "apps/a")
+    # A filter that starts with a wildcard leaves the broker's own $ topics alone (MQTT 4.7.2).
+    assert not topic_matches("#", "$SYS/broker/load") and not topic_matches("+/x", "$SYS/x")
+    assert topic_matches("$SYS/#", "$SYS/broker/load")
 
 
 def test_stats_report() -> None:

@@ -52,8 +52,10 @@ def load_tools(path: Path) -> list[dict[str, Any]]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except OSError as exc:
         raise ToolSetupError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except ValueError as exc:
+    except ValueError as exc:  # not UTF-8 (UnicodeDecodeError) among them
         raise ToolSetupError(f"{path} is not JSON: {exc}") from None
+    except RecursionError:
+        raise ToolSetupError(f"{path} is not usable JSON: its arrays or objects nest too deep") from None
     if isinstance(data, dict) and isinstance(data.get("tools"), list):
         data = data["tools"]  # an OpenAI request's excerpt: {"tools": [...]}
     if not isinstance(data, list):

@@ -109,9 +109,13 @@ class Topics:
 
 
 def topic_matches(topic_filter: str, topic: str) -> bool:
-    """MQTT filter matching (+ one level, # the rest) for the ResponseTopic allow list."""
+    """MQTT filter matching (+ one level, # the rest) for the ResponseTopic allow list. As
+    MQTT has it, a filter that starts with a wildcard does not match a topic that starts with
+    ``$`` (the broker's own, ``$SYS/...``)."""
     filter_parts = topic_filter.split("/")
     topic_parts = topic.split("/")
+    if topic.startswith("$") and filter_parts[0] in ("+", "#"):
+        return False
     for index, part in enumerate(filter_parts):
         if part == "#":
             return True
