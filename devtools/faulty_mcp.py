@@ -11,6 +11,10 @@ sends). Tools:
   ``slow {"started": PATH, "until": PATH}``: creates the first file, answers once the second exists;
 - ``pid``: its process id (a restart changes it).
 
+With ``FAULTY_PAGES=endless`` in its environment, its tools/list never ends: every page
+answers a new ``nextCursor``, the first page with the tools above, each further page with
+one more tool (``more1``, ``more2``, ...).
+
     python devtools/faulty_mcp.py
 
 Standalone (no import of the worker), like devtools/calc_mcp.py.
@@ -103,6 +107,11 @@ def main() -> None:
             version = (message.get("params") or {}).get("protocolVersion", "2025-06-18")
             info = {"name": "faulty", "version": "0.1"}
             answer(request_id, {"protocolVersion": version, "capabilities": {"tools": {}}, "serverInfo": info})
+        elif method == "tools/list" and os.environ.get("FAULTY_PAGES") == "endless":
+            cursor = (message.get("params") or {}).get("cursor")
+            page = int(cursor) if cursor else 0
+            tools = [{"name": f"more{page}", "inputSchema": OBJECT}] if page else TOOLS
+            answer(request_id, {"tools": tools, "nextCursor": str(page + 1)})
         elif method == "tools/list":
             answer(request_id, {"tools": TOOLS})
         elif method == "ping":

@@ -29,6 +29,9 @@ ANY_CHAR = st.one_of(
 )
 PIECE = st.one_of(st.text(alphabet=ANY_CHAR, max_size=40), st.sampled_from(["<|im_end|>", "</tool_response>", "word "]))
 ANY_TEXT = st.lists(PIECE, max_size=12).map("".join)
+# The content kinds and the keys of an MCP tools/call result, for values of any shape under them.
+MCP_KINDS = ["text", "image", "audio", "resource", "resource_link"]
+MCP_KEYS = ["content", "type", "text", "data", "mimeType", "resource", "blob", "uri", "structuredContent", "isError"]
 
 
 def call(name: str, arguments: dict[str, Any] | None = None) -> str:
@@ -153,6 +156,40 @@ def test_an_mcp_result_with_a_lone_surrogate_is_repaired_at_the_turn(tokenizer: 
     h.engine.rounds["s1"] = [call("sensor_read"), "ok"]
     (reply,) = ask(h, "s", {"message": "Read", "requestId": "s1", "workerTools": ["*"]})
     assert reply["workerCalls"][0]["result"] == "21 \ufffdC", reply
+
+
+def nested(depth: int) -> list[Any]:
+    """A list nested ``depth`` deep, built without recursion."""
+    value: list[Any] = []
+    for _ in range(depth):
+        value = [value]
+    return value
+
+
+@given(
+    result=st.recursive(
+        st.none() | st.booleans() | st.integers() | st.text(max_size=8) | st.sampled_from(MCP_KINDS),
+        lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.sampled_from(MCP_KEYS), inner, max_size=4),
+        max_leaves=12,
+    )
+)
+@settings(max_examples=500, derandomize=True)
+def test_any_mcp_result_is_an_outcome_never_an_exception(result: Any) -> None:
+    """result_outcome takes the JSON an MCP-over-MQTT server published, of any shape: every
+    value is an outcome; one of the wrong shape is ``error`` and says so."""
+    outcome = result_outcome(result)
+    if not isinstance(result, dict):
+        assert outcome == ToolOutcome(
+            "Error: the MCP server's answer is not a valid MCP result: it is not a JSON object.", "error"
+        )
+
+
+def test_an_mcp_result_nested_too_deep_to_write_is_an_error_result() -> None:
+    """A value Python's json parsed, but too deep for str() or json.dumps where the result is
+    read (deeper in the stack than the parse): an ``error`` saying so, not a RecursionError."""
+    said = ToolOutcome("Error: the MCP server's answer is not a valid MCP result: it nests too deep.", "error")
+    assert result_outcome({"content": [], "structuredContent": nested(100_000)}) == said
+    assert result_outcome({"content": [{"type": "text", "text": nested(100_000)}]}) == said
 
 
 def test_the_tool_loop_counts_a_long_result_off_the_event_loop(tokenizer: ChatTokenizer) -> None:

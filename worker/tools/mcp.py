@@ -156,7 +156,7 @@ class McpServerTools:
             logger.warning("MCP server {}: {} failed ({}, code {})", server, tool, type(exc).__name__, code)
             logger.debug("MCP server {}: {} failed: {}", server, tool, message)
             return ToolOutcome(f"Error: {message}", "error")
-        return result_outcome(_dump(result))
+        return result_outcome(_dump(result), f"MCP server {server}: {tool}")
 
     async def _answers(self, session: Any) -> bool:
         """Whether the server still answers on this session: a call's error said "connection
@@ -278,7 +278,7 @@ class McpServerTools:
             params = types.PaginatedRequestParams(cursor=cursor)
             return _dump(await asyncio.wait_for(session.list_tools(params=params), 30.0))
 
-        self._offer(*await self._offering.list_all(page))
+        self._offer(*await self._offering.list_all(self.config.name, page))
 
     def _offer(self, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None) -> None:
         """Offer the listed tools that ``allow`` names and whose name and schema can be used
@@ -395,14 +395,44 @@ def _dump(model: Any) -> dict[str, Any]:
     return data if isinstance(data, dict) else {}
 
 
-def result_outcome(result: dict[str, Any]) -> ToolOutcome:
+class InvalidResult(ValueError):
+    """A tools/call result that is not of MCP's shape (its words: what is wrong, never the
+    server's text)."""
+
+
+def result_outcome(result: Any, call: str = "An MCP server's call") -> ToolOutcome:
     """A tools/call result (its wire JSON) as the model gets it: text items joined, other
     content described briefly, structuredContent as JSON when there is no text; isError: an
-    error outcome. Also MCP over MQTT's (mcp_mqtt.py), which needs no SDK."""
+    error outcome. Also MCP over MQTT's (mcp_mqtt.py), which needs no SDK: there it is the JSON
+    a server published, of any shape, so a result that is not MCP's shape is an ``error``
+    outcome that says what is wrong (logged at WARNING, ``call`` naming the server and the
+    tool), never an exception (the toolbox would log it as the worker's bug)."""
+    try:
+        return _result_outcome(result)
+    except InvalidResult as exc:
+        reason = str(exc)
+    except RecursionError:
+        # A value nested about as deep as json.loads goes: str() or json.dumps of it, called
+        # deeper in the stack than the parse, goes over the recursion limit.
+        reason = "it nests too deep"
+    logger.warning("{} answered with a result that is not a valid MCP result ({})", call, reason)
+    return ToolOutcome(f"Error: the MCP server's answer is not a valid MCP result: {reason}.", "error")
+
+
+def _result_outcome(result: Any) -> ToolOutcome:
+    if not isinstance(result, dict):
+        raise InvalidResult("it is not a JSON object")
+    content = result.get("content")
+    if content is None:
+        content = []
+    if not isinstance(content, list):
+        raise InvalidResult("its content is not a list")
     parts: list[str] = []
     images: list[tuple[bytes, str]] = []
     texts = 0
-    for item in result.get("content") or []:
+    for item in content:
+        if not isinstance(item, dict):
+            raise InvalidResult("a content item is not a JSON object")
         kind = item.get("type")
         if kind == "text":
             parts.append(str(item.get("text", "")))
@@ -411,14 +441,19 @@ def result_outcome(result: dict[str, Any]) -> ToolOutcome:
             images.append(image)
             parts.append(f"[{image[1]}, {len(image[0])} bytes]")
         elif kind in ("image", "audio"):
-            parts.append(f"[{item.get('mimeType', kind)}, {_decoded_size(item.get('data', ''))} bytes]")
+            size = _decoded_size(item.get("data", ""), f"an {kind} item's data")
+            parts.append(f"[{item.get('mimeType', kind)}, {size} bytes]")
         elif kind == "resource":
-            resource = item.get("resource") or {}
+            resource = item.get("resource")
+            if resource is None:
+                resource = {}
+            if not isinstance(resource, dict):
+                raise InvalidResult("a resource item's resource is not a JSON object")
             if "text" in resource:
                 parts.append(str(resource["text"]))
                 texts += 1
             else:
-                size = _decoded_size(resource.get("blob", ""))
+                size = _decoded_size(resource.get("blob", ""), "a resource's blob")
                 parts.append(
                     f"[resource {resource.get('uri', '')}, {resource.get('mimeType', 'binary')}, {size} bytes]"
                 )
@@ -448,10 +483,14 @@ def _image(item: dict[str, Any]) -> tuple[bytes, str] | None:
     return (raw, media_type) if media_type is not None else None
 
 
-def _decoded_size(data: str) -> int:
+def _decoded_size(data: Any, what: str) -> int:
+    """The size of base64 ``data`` decoded (its length where it is not base64); ``what``
+    names it in the InvalidResult of data that is not text."""
+    if not isinstance(data, str):
+        raise InvalidResult(f"{what} is not text")
     try:
         return len(base64.b64decode(data, validate=False))
-    except ValueError:
+    except ValueError:  # not base64, or not ASCII
         return len(data)
 
 

@@ -212,7 +212,7 @@ class McpOverMqtt:
             logger.info("MCP over MQTT: {} of {} answered a JSON-RPC error ({})", tool, server.name, exc.code)
             logger.debug("MCP over MQTT: {} of {} failed: {}", tool, server.name, exc.message)
             return ToolOutcome(f"Error: {exc.message}", "error")
-        return result_outcome(result if isinstance(result, dict) else {})
+        return result_outcome(result, f"MCP over MQTT: {tool} of {server.name}")
 
     # -- messages -------------------------------------------------------------------------
 
@@ -229,12 +229,11 @@ class McpOverMqtt:
                 if server.active == instance:
                     self._drop_active(server)
             return
-        try:
-            message = json.loads(delivery.payload)
-        except ValueError:
+        message = _parsed(delivery.payload)
+        if message is None:
             logger.warning("MCP over MQTT: unreadable presence of {} ({}) ignored", name, instance)
             return
-        if not isinstance(message, dict) or message.get("method") != "notifications/server/online":
+        if message.get("method") != "notifications/server/online":
             return
         if server is None:
             server = self._servers[name] = _Server(name)
@@ -251,9 +250,11 @@ class McpOverMqtt:
         server = self._servers.get(parts[3])
         if server is None or server.active != parts[2] or not server.ready:
             return
-        with contextlib.suppress(ValueError):
-            if json.loads(delivery.payload).get("method") == "notifications/tools/list_changed":
-                self._spawn(server, self._relist(server))
+        message = _parsed(delivery.payload)
+        if message is None:
+            logger.debug("MCP over MQTT: unreadable capability message from {} ({}) ignored", parts[3], parts[2])
+        elif message.get("method") == "notifications/tools/list_changed":
+            self._spawn(server, self._relist(server))
 
     def _on_rpc(self, delivery: Delivery) -> None:
         parts = delivery.topic.split("/", 3)
@@ -263,12 +264,9 @@ class McpOverMqtt:
         if len(delivery.payload) > self.max_message_bytes:
             self._too_large(delivery.payload, name, instance)
             return
-        try:
-            message = json.loads(delivery.payload)
-        except ValueError:
-            logger.warning("MCP over MQTT: unreadable message from {} ({}) ignored", name, instance)
-            return
-        if not isinstance(message, dict):
+        message = _parsed(delivery.payload)
+        if message is None:
+            self._unreadable(delivery.payload, name, instance)
             return
         method = message.get("method")
         server = self._servers.get(name)
@@ -290,7 +288,7 @@ class McpOverMqtt:
         elif method == "notifications/tools/list_changed":
             if server is not None and server.active == instance and server.ready:
                 self._spawn(server, self._relist(server))
-        elif "id" in message:  # a request of the server's
+        elif isinstance(message.get("id"), str | int):  # a request of the server's (MCP: a string or integer id)
             answer: dict[str, Any] = {"jsonrpc": "2.0", "id": message["id"]}
             if method == "ping":
                 answer["result"] = {}
@@ -299,18 +297,31 @@ class McpOverMqtt:
             self._send(delivery.topic, answer)
 
     def _too_large(self, payload: bytes, name: str, instance: str) -> None:
-        """A message over max_message_bytes is not parsed: the request it answers (its id,
-        found near its start or end, where a JSON-RPC response has it) ends now as an error
-        that says so, instead of waiting out its timeout."""
+        """A message over max_message_bytes is not parsed: the request it answers ends now as
+        an error that says so, instead of waiting out its timeout (_end_named)."""
         size, limit = len(payload), self.max_message_bytes
         logger.warning(
             "MCP over MQTT: a message of {} bytes from {} ({}) not read (over {})", size, name, instance, limit
         )
+        self._end_named(
+            payload, name, instance, f"the MCP server's answer was {size} bytes, over the {limit} this worker reads"
+        )
+
+    def _unreadable(self, payload: bytes, name: str, instance: str) -> None:
+        """A message that is not a JSON-RPC message (not JSON, nested too deep to parse, not
+        a JSON object) is ignored; a request it may answer ends now as an error that says
+        so, instead of waiting out its timeout (_end_named)."""
+        logger.warning("MCP over MQTT: unreadable message from {} ({}) ignored", name, instance)
+        self._end_named(payload, name, instance, "the MCP server's answer is not a readable JSON-RPC message")
+
+    def _end_named(self, payload: bytes, name: str, instance: str, why: str) -> None:
+        """End, as an error saying ``why``, the pending request of this instance whose id is
+        found near the start or the end of an unparsed ``payload`` (where a JSON-RPC response
+        has it)."""
         for found in _ID.finditer(payload[:512] + b" " + payload[-512:]):
             pending = self._pending.get(int(found.group(1)))
             if pending is not None and pending[:2] == (name, instance) and not pending[2].done():
-                message = f"the MCP server's answer was {size} bytes, over the {limit} this worker reads"
-                pending[2].set_exception(RpcError(-32603, message))
+                pending[2].set_exception(RpcError(-32603, why))
                 return
 
     # -- sessions ---------------------------------------------------------------------
@@ -381,7 +392,7 @@ class McpOverMqtt:
         async def page(cursor: str | None) -> Any:
             return await self._request(server, "tools/list", {"cursor": cursor} if cursor else {}, LIST_TIMEOUT)
 
-        self._offer(server, *await self._offering.list_all(page))
+        self._offer(server, *await self._offering.list_all(server.name, page))
 
     def _offer(
         self, server: _Server, listed: list[dict[str, Any]], problems: list[offer.SchemaUnusable | None] | None = None
@@ -440,6 +451,17 @@ class McpOverMqtt:
         for server_name, instance, answer in list(self._pending.values()):
             if which(server_name, instance) and not answer.done():
                 answer.set_exception(ServerGone(server_name))
+
+
+def _parsed(payload: bytes) -> dict[str, Any] | None:
+    """A message as a JSON object; None: not JSON (or not UTF-8), nested deeper than Python's
+    json parses (RecursionError, not a ValueError), or not an object: every message of MCP over
+    MQTT is one (no JSON-RPC batches since MCP 2025-06-18)."""
+    try:
+        message = json.loads(payload)
+    except (ValueError, RecursionError):
+        return None
+    return message if isinstance(message, dict) else None
 
 
 def _from_client(delivery: Delivery) -> bool:

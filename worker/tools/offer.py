@@ -14,6 +14,10 @@ the checks below, and the name the model calls (``<prefix><tool>``).
 Checking a schema grows with its size, and a server may list thousands of tools: ``screen``
 runs in a worker thread (``asyncio.to_thread``), and the verdicts are cached by the schema's
 text, so listing again costs a hash.
+
+A tools/list is paged while the server answers a ``nextCursor``, up to MAX_LIST_PAGES pages
+and MAX_LISTED_TOOLS tools, and never to a cursor it gave before: a server that pages without
+end is offered what it listed until then, with one WARNING that names it.
 """
 
 from __future__ import annotations
@@ -48,6 +52,14 @@ __all__ = [
 MAX_WARNED = 10_000
 # The longest tool name offered to the model (OpenAI's function names: 64 of [A-Za-z0-9_-]).
 MAX_NAME = 64
+# How much of a server's tools/list is read: a server that always answers a nextCursor (the
+# same one, or a new one each page) would otherwise be paged forever, its tools piling up in
+# memory and the server never offered. A request names at most 128 tools (protocol/messages.py
+# MAX_TOOLS, OpenAI's limit) and each tool offered is text in every prompt that opts in, so
+# 1000 tools of one server is far more than a model can use; 100 pages reads them in pages of
+# 10, and each page has its own timeout, so the whole listing is bounded in memory and time.
+MAX_LIST_PAGES = 100
+MAX_LISTED_TOOLS = 1000
 
 _NOT_NAME = re.compile(r"[^A-Za-z0-9_-]")
 
@@ -163,22 +175,60 @@ class ToolOffer:
         return bool(real) and ("*" in self.config.allow or real in self.config.allow)
 
     async def list_all(
-        self, fetch: Callable[[str | None], Awaitable[Any]]
+        self, server: str, fetch: Callable[[str | None], Awaitable[Any]]
     ) -> tuple[list[dict[str, Any]], list[SchemaUnusable | None]]:
-        """Every page of a server's tools/list (``fetch(cursor)``: a page's result as its wire
-        JSON; None for the first), then the tools ``allow`` names and screen's verdicts on
-        them (in a worker thread: it grows with the schemas). ValueError: a page that is not
-        a JSON object."""
+        """Every page of ``server``'s tools/list (``fetch(cursor)``: a page's result as its wire
+        JSON; None for the first), within MAX_LIST_PAGES and MAX_LISTED_TOOLS, then the tools
+        ``allow`` names and screen's verdicts on them (in a worker thread: it grows with the
+        schemas). ValueError: a page that is not a JSON object, or whose tools are not a list."""
         listed: list[dict[str, Any]] = []
+        seen: set[bytes] = set()  # the cursors given, hashed: a cursor may be long
         cursor: str | None = None
+        pages = 0
         while True:
             page = await fetch(cursor)
+            pages += 1
             if not isinstance(page, dict):
                 raise ValueError("a tools/list result that is not an object")
-            listed.extend(item for item in page.get("tools") or [] if isinstance(item, dict))
-            cursor = page.get("nextCursor")
-            if not cursor:
+            tools = page.get("tools") or []
+            if not isinstance(tools, list):
+                raise ValueError("a tools/list result whose tools are not a list")
+            room = MAX_LISTED_TOOLS - len(listed)
+            listed.extend(item for item in tools[:room] if isinstance(item, dict))
+            following = page.get("nextCursor")
+            key = (
+                hashlib.sha256(following.encode("utf-8", "surrogatepass")).digest()
+                if isinstance(following, str)
+                else b""
+            )
+            if len(tools) > room:
+                stop = f"lists more than {MAX_LISTED_TOOLS} tools"
+            elif following is None or following == "":
                 break
+            elif not isinstance(following, str):
+                stop = "answered a nextCursor that is not a string"
+            elif key in seen:
+                stop = "answered a nextCursor it gave before"
+            elif pages >= MAX_LIST_PAGES:
+                stop = f"still had more after {MAX_LIST_PAGES} pages"
+            else:
+                seen.add(key)
+                cursor = following
+                continue
+            # Every page read was a valid answer: what it listed is offered, as after a last
+            # page. A failed listing (a page that is not an object, one past its timeout) raises
+            # instead, and the provider handles it as a server that cannot be listed (mcp.py
+            # connects again; mcp_mqtt.py drops the instance, or keeps the last listing's
+            # tools); this server would answer the same pages again: restarted or dropped
+            # forever, never offered.
+            logger.warning(
+                "{} {}: its tools/list {}; only the {} tools listed until then are considered",
+                self.what,
+                server,
+                stop,
+                len(listed),
+            )
+            break
         allowed = [item for item in listed if self.allowed(item)]
         return allowed, await asyncio.to_thread(screen, allowed)
 
