@@ -384,7 +384,7 @@ def _raw_message(exc: Exception) -> Any:
         if isinstance(value, str | bytes) and not item.get("loc"):
             try:
                 return json.loads(value)
-            except ValueError:
+            except (ValueError, RecursionError):  # RecursionError: a line nested past the decoder's depth
                 return None
     return None
 
