@@ -260,6 +260,12 @@ PROFILES["gpu-goal"] = replace(
 # from the host's memory, 64 GiB on the GPU hosts): what the tier costs a burst of new sessions,
 # on one machine beside `gpu-goal` (`... burst_new qwen3-1.7b gpu-goal-notier`).
 PROFILES["gpu-goal-notier"] = replace(PROFILES["gpu-goal"], burst_engine={"kv_offload_gib": 0})
+# The largest size alone (a warm-up burst of it too): what the worker's settings do beyond
+# max_num_seqs + admission_waiting_requests, where requests wait in the worker, in a third of
+# `gpu-goal`'s time (`WORKER_ENGINE_ADMISSION_WAITING_REQUESTS=...` before it sets the knob).
+PROFILES["gpu-goal-2000"] = replace(
+    PROFILES["gpu-goal"], burst_sessions=(2000,), burst_sessions_by_limits={"new": (2000,)}, burst_first=2000
+)
 
 
 # Experiments on the 7B's C = 50/100 gap (minutes each, results under experiments/): the
