@@ -16,6 +16,7 @@ call it answers ends at once."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import logging
 import sys
@@ -37,6 +38,20 @@ from worker.tools.mcp_mqtt import McpOverMqtt
 from worker.tools.offer import ToolOffer
 from worker.tools.port import CallContext, ToolOutcome
 from worker.transport.port import Delivery
+
+
+@contextlib.contextmanager
+def logged(level: str = "DEBUG", *, levels: bool = True) -> Iterator[list[Any]]:
+    """Every log line at ``level`` and above while it is open: (level, text), or the text alone."""
+    lines: list[Any] = []
+    sink = logger.add(
+        lambda m: lines.append((m.record["level"].name, str(m)) if levels else str(m)), level=level, format="{message}"
+    )
+    try:
+        yield lines
+    finally:
+        logger.remove(sink)
+
 
 FAULTY = [sys.executable, str(REPO / "devtools" / "faulty_mcp.py")]
 CTX = CallContext("req-1", "req-1:0:0", "alice/s1")
@@ -183,12 +198,8 @@ def test_a_tools_list_that_pages_without_end_is_cut(
     class Offer:
         allow, users, timeout, confirm = ["*"], ["*"], 5.0, False
 
-    lines: list[str] = []
-    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING", format="{message}")
-    try:
+    with logged("WARNING", levels=False) as lines:
         allowed, problems = asyncio.run(ToolOffer(Offer(), "MCP server").list_all("calc", paging(cursors, per_page)))
-    finally:
-        logger.remove(sink)
     assert len(allowed) == len(problems) == listed
     assert problems == [None] * listed
     if said is None:
@@ -279,8 +290,6 @@ ADD = {"name": "add", "inputSchema": {"type": "object"}}
 
 
 def test_an_mcp_mqtt_server_that_pages_its_tools_without_end_is_offered_the_first_pages() -> None:
-    lines: list[str] = []
-    sink = logger.add(lambda m: lines.append(str(m)), level="WARNING", format="{message}")
     pages: list[dict[str, Any]] = []
 
     def tools(params: dict[str, Any]) -> dict[str, Any]:
@@ -292,10 +301,8 @@ def test_an_mcp_mqtt_server_that_pages_its_tools_without_end_is_offered_the_firs
         assert [tool.name for tool in provider.tools()] == ["home_x_add"]
         await provider.close()
 
-    try:
+    with logged("WARNING", levels=False) as lines:
         run(scenario)
-    finally:
-        logger.remove(sink)
     assert pages == [{}, {"cursor": "same"}]
     # the second page's add clashes with the first's (logged too): the tools/list line is one
     assert [line for line in lines if "tools/list" in line] == [
@@ -321,8 +328,6 @@ def test_an_mcp_mqtt_result_of_the_wrong_shape_is_an_error_result(value: Any, sa
     """What a server published as a tools/call result, whatever its shape, ends the call as
     ``error`` saying what is wrong (never the toolbox's "the tool failed" with a traceback);
     the server stays offered."""
-    lines: list[tuple[str, str]] = []
-    sink = logger.add(lambda m: lines.append((m.record["level"].name, str(m))), level="DEBUG", format="{message}")
 
     async def scenario() -> None:
         provider = await discovered(played(lambda _: {"tools": [ADD]}, lambda request_id: result(request_id, value)))
@@ -333,10 +338,8 @@ def test_an_mcp_mqtt_result_of_the_wrong_shape_is_an_error_result(value: Any, sa
         finally:
             await provider.close()
 
-    try:
+    with logged() as lines:
         run(scenario)
-    finally:
-        logger.remove(sink)
     assert (
         "WARNING",
         f"MCP over MQTT: home_x_add of home/x answered with a result that is not a valid MCP result ({said})\n",
@@ -357,8 +360,6 @@ def test_an_unreadable_answer_ends_its_call_now(answer: Callable[[int], bytes]) 
     """An answer the provider cannot read as a JSON-RPC message ends the call it names at once,
     as ``error`` (not ``timeout``: the call's timeout is PATIENCE), with a WARNING and no
     traceback; the server stays offered."""
-    lines: list[tuple[str, str]] = []
-    sink = logger.add(lambda m: lines.append((m.record["level"].name, str(m))), level="DEBUG", format="{message}")
 
     async def scenario() -> None:
         provider = await discovered(played(lambda _: {"tools": [ADD]}, answer))
@@ -370,10 +371,8 @@ def test_an_unreadable_answer_ends_its_call_now(answer: Callable[[int], bytes]) 
         finally:
             await provider.close()
 
-    try:
+    with logged() as lines:
         run(scenario)
-    finally:
-        logger.remove(sink)
     assert ("WARNING", "MCP over MQTT: unreadable message from home/x (S1) ignored\n") in lines
     assert not any(level == "ERROR" for level, _ in lines), lines
 
@@ -382,8 +381,6 @@ def test_an_unreadable_answer_ends_its_call_now(answer: Callable[[int], bytes]) 
 def test_presence_and_capability_messages_of_any_shape_are_ignored(payload: bytes) -> None:
     """A presence or capability message that is not a JSON object (or nests too deep to parse)
     is ignored, logged without a traceback; the server's tools stay offered."""
-    lines: list[tuple[str, str]] = []
-    sink = logger.add(lambda m: lines.append((m.record["level"].name, str(m))), level="DEBUG", format="{message}")
 
     async def scenario() -> None:
         messaging = played(lambda _: {"tools": [ADD]}, lambda request_id: result(request_id, {"content": []}))
@@ -395,10 +392,8 @@ def test_presence_and_capability_messages_of_any_shape_are_ignored(payload: byte
         finally:
             await provider.close()
 
-    try:
+    with logged() as lines:
         run(scenario)
-    finally:
-        logger.remove(sink)
     assert ("DEBUG", "MCP over MQTT: unreadable capability message from home/x (S1) ignored\n") in lines
     assert ("WARNING", "MCP over MQTT: unreadable presence of home/x (S2) ignored\n") in lines
     assert not any(level == "ERROR" for level, _ in lines), lines
